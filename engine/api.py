@@ -1,0 +1,141 @@
+"""The engine's public contract: plain dataclasses and the `EngineClient` protocol.
+
+The server talks to the engine only through this module. It never imports `mlx` (importing this
+module does not import `mlx` either), so the server can be tested against a fake engine.
+
+Flow:  server builds `Request(req_id, prompt_ids, SamplingParams)` → `await client.submit(req)`
+returns an async iterator of `TokenEvent`s (one per engine step that produced tokens for the
+row; the last one carries `finish_reason`). Closing the iterator early (client disconnect) or
+calling `client.abort(req_id)` frees the row within one engine step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+# finish reasons, as OpenAI names them where a name exists
+FINISH_STOP = "stop"  # eos / stop token id (the server also uses it for stop strings)
+FINISH_LENGTH = "length"  # max_tokens or the context limit
+FINISH_ABORT = "abort"  # aborted by the client (disconnect) or by the server
+FINISH_ERROR = "error"  # the engine failed this request; see TokenEvent.error
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request sampling settings. Neutral defaults mean "off".
+
+    Processing order (engine.sampling): penalties → logit_bias → temperature → top-k → top-p →
+    min-p → draw. temperature == 0 means greedy (argmax after penalties and bias).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF-style, applied to prompt+generated tokens
+    presence_penalty: float = 0.0  # OpenAI-style, on generated tokens
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None  # a seeded row's draws do not depend on its batch mates
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False  # return the chosen token's logprob
+    top_logprobs: int = 0  # and this many alternatives (0..20)
+    # Extensions used by later features (structured output, speculation); None = off.
+    constraint: Any = None
+    allowed_token_ids: tuple[int, ...] | None = None
+
+
+@dataclass(slots=True)
+class Request:
+    req_id: str
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0  # lower runs first among waiting requests
+    arrival_time: float = 0.0
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """Tokens one engine step produced for one request (several when drafts were accepted)."""
+
+    req_id: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None  # one per token, when requested
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (id, logprob) best first
+    finish_reason: str | None = None  # set on the last event of the stream
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # with finish_reason == FINISH_ERROR
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_prefilling: int = 0
+    kv_bytes: int = 0
+    kv_bytes_by_layout: dict[str, int] = field(default_factory=dict)
+    prefix_cache_bytes: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_queries: int = 0
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+    num_prompt_tokens: int = 0
+    spec: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+
+
+class EngineError(Exception):
+    """A request the engine refuses (bad prompt, over budget). `status` is the HTTP status."""
+
+    def __init__(self, message: str, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.code = code
+
+
+class EngineOverloaded(EngineError):
+    """The waiting queue is full: retry later (HTTP 429 / 503 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message, status=429, code="overloaded")
+        self.retry_after = retry_after
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """What the server needs to know about the loaded model (no MLX objects)."""
+
+    model_id: str
+    path: str
+    tokenizer: Any  # a Hugging Face tokenizer (transformers.PreTrainedTokenizerBase)
+    eos_token_ids: tuple[int, ...]
+    context_length: int
+    chat_template: str | None
+    created: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    model: ModelInfo
+
+    async def submit(self, request: Request) -> AsyncIterator[TokenEvent]:
+        """Queue `request`; iterate the returned stream for its tokens.
+
+        Raises EngineError (e.g. prompt longer than the context) or EngineOverloaded before
+        anything is queued. Closing the stream (aclose / garbage collection) aborts the request.
+        """
+        ...
+
+    def abort(self, req_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...

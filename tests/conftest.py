@@ -1,0 +1,35 @@
+"""Shared fixtures. Importing `engine` first loads the optimised BLAS before MLX."""
+
+from __future__ import annotations
+
+import engine  # noqa: F401  (loads OpenBLAS before mlx on Linux)
+
+from pathlib import Path
+
+import pytest
+
+from mlxd import DEFAULT_MODEL_DIR
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def tinycoder_path() -> Path:
+    return DEFAULT_MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def draft_model_path() -> Path:
+    path = SHARED / "models" / "tinycoder-draft-4m"
+    if not path.exists():
+        pytest.skip("../shared/models/tinycoder-draft-4m is not present")
+    return path
+
+
+@pytest.fixture(scope="session")
+def dev_data_path() -> Path:
+    path = SHARED / "data" / "tinycoder-dev.jsonl"
+    if not path.exists():
+        pytest.skip("../shared/data/tinycoder-dev.jsonl is not present")
+    return path
