@@ -1,0 +1,86 @@
+"""Per-row state of the running (decoding) batch, kept in one place with one take/concat.
+
+Python-side bookkeeping (`RowMeta`: ids, counters, limits) and device-side arrays (next input
+token, sampler state, KV caches) always move together through `RunningBatch.take` and
+`RunningBatch.concat`, so rows never drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from engine import kvcache
+from engine.api import Request, TokenEvent
+from engine.sampling import SamplerState
+
+EventSink = Callable[[list[TokenEvent]], None]
+
+
+@dataclass(slots=True)
+class RowMeta:
+    request: Request
+    num_prompt_tokens: int
+    max_new_tokens: int  # already capped by the context length
+    stop_ids: frozenset[int]
+    num_generated: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def req_id(self) -> str:
+        return self.request.req_id
+
+
+@dataclass(slots=True)
+class RunningBatch:
+    rows: list[RowMeta] = field(default_factory=list)
+    next_tokens: mx.array | None = None  # [B] int32: each row's next input token
+    sampler: SamplerState | None = None
+    caches: kvcache.Caches | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def index_of(self, req_id: str) -> int | None:
+        for i, row in enumerate(self.rows):
+            if row.req_id == req_id:
+                return i
+        return None
+
+    def take(self, keep: list[int]) -> None:
+        """Keep these rows (in this order); the rest are dropped and their KV freed."""
+        if len(keep) == len(self.rows):
+            return
+        if not keep:
+            self.rows, self.next_tokens, self.sampler, self.caches = [], None, None, None
+            return
+        idx = mx.array(keep, dtype=mx.int32)
+        self.rows = [self.rows[i] for i in keep]
+        assert self.next_tokens is not None and self.sampler is not None and self.caches
+        self.next_tokens = self.next_tokens[idx]
+        self.sampler = self.sampler.take(idx)
+        kvcache.filter_rows(self.caches, keep)
+
+    def concat(self, other: RunningBatch) -> None:
+        """Append `other`'s rows (their caches are extended in with aligned padding)."""
+        if not other.rows:
+            return
+        if not self.rows:
+            self.rows, self.next_tokens = other.rows, other.next_tokens
+            self.sampler, self.caches = other.sampler, other.caches
+            return
+        assert self.next_tokens is not None and other.next_tokens is not None
+        assert self.sampler is not None and other.sampler is not None and other.caches
+        self.rows = self.rows + other.rows
+        self.next_tokens = mx.concatenate([self.next_tokens, other.next_tokens])
+        self.sampler = SamplerState.concat([self.sampler, other.sampler])
+        self.caches = kvcache.extend(self.caches, other.caches)
+
+    def arrays(self) -> list[Any]:
+        out: list[Any] = [self.next_tokens]
+        if self.caches:
+            out.extend(kvcache.state_arrays(self.caches))
+        return out

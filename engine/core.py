@@ -1,0 +1,279 @@
+"""The engine thread (owns MLX) and its asyncio bridge (`AsyncEngine`, an `EngineClient`).
+
+The thread sleeps on a condition variable while there is no work, and wakes the moment a request
+or an abort arrives: a new request joins at the next step, with no polling sleeps. Each step:
+
+    self._drain_inbox()                          # admissions and aborts
+    plan = scheduler.schedule()
+    runner.prefill(plan); result = runner.decode(batch)
+    events = scheduler.finish_decode_step(...)   # finished rows leave the batch at once
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from engine import kvcache
+from engine.api import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    EngineError,
+    EngineOverloaded,
+    EngineStats,
+    ModelInfo,
+    Request,
+    TokenEvent,
+)
+from engine.batch import EventSink, RowMeta
+from engine.loader import LoadedModel
+from engine.runner import Runner
+from engine.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger("mlxd.engine")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    scheduler: SchedulerConfig
+    clear_cache_every: int = 256  # steps between mx.clear_cache() calls
+
+
+class Engine:
+    """Owns MLX on one thread. Thread-safe entry points: `add`, `abort`, `stats`, `stop`."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+        self.loaded = loaded
+        self.config = config or EngineConfig(SchedulerConfig())
+        self.runner = Runner(loaded.model)
+        self.scheduler = Scheduler(self.config.scheduler, self.runner.new_caches)
+        self.scheduler.vocab_size = loaded.vocab_size
+        self._sinks: dict[str, EventSink] = {}
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._stats = EngineStats()
+        self._last_error: str | None = None
+
+    # -- thread-safe API -------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="mlxd-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def add(self, request: Request, sink: EventSink) -> None:
+        row = self._validate(request)
+        with self._wake:
+            if len(self.scheduler.waiting) + len(self._inbox) >= self.config.scheduler.max_queue:
+                raise EngineOverloaded(
+                    f"the server is busy: {self.config.scheduler.max_queue} requests are already "
+                    "waiting; retry shortly",
+                    retry_after=1.0,
+                )
+            self._inbox.append(("add", (row, sink)))
+            self._wake.notify()
+
+    def abort(self, req_id: str) -> None:
+        with self._wake:
+            self._inbox.append(("abort", req_id))
+            self._wake.notify()
+
+    def stats(self) -> EngineStats:
+        s = self._stats
+        sched = self.scheduler
+        s.num_waiting = len(sched.waiting) + sum(1 for k, _ in list(self._inbox) if k == "add")
+        s.num_prefilling = len(sched.prefill.rows) if sched.prefill is not None else 0
+        s.num_running = len(sched.running)
+        by_layout = kvcache.bytes_by_layout(sched.running.caches)
+        if sched.prefill is not None:
+            for k, v in kvcache.bytes_by_layout(sched.prefill.caches).items():
+                by_layout[k] = by_layout.get(k, 0) + v
+        s.kv_bytes_by_layout = by_layout
+        s.kv_bytes = sum(by_layout.values())
+        s.extra["active_requests"] = len(self._sinks)
+        if self._last_error:
+            s.extra["last_error"] = self._last_error
+        return s
+
+    def _validate(self, request: Request) -> RowMeta:
+        n = len(request.prompt_ids)
+        ctx = self.loaded.context_length
+        if n == 0:
+            raise EngineError("the prompt is empty", status=400, code="empty_prompt")
+        if n >= ctx:
+            raise EngineError(
+                f"this model's maximum context length is {ctx} tokens; the prompt has {n} "
+                "tokens and no room is left to generate",
+                status=400,
+                code="context_length_exceeded",
+            )
+        vocab = self.loaded.vocab_size
+        bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise EngineError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        params = request.params
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(self.loaded.eos_token_ids)
+        return RowMeta(
+            request=request,
+            num_prompt_tokens=n,
+            max_new_tokens=max(1, min(params.max_tokens, ctx - n)),
+            stop_ids=frozenset(stop_ids),
+        )
+
+    # -- engine thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._inbox and not self.scheduler.has_work() and not self._stopping:
+                    self._wake.wait()
+                if self._stopping:
+                    break
+            try:
+                self._drain_inbox()
+                if self.scheduler.has_work():
+                    self._step()
+            except Exception as exc:  # a bug must not kill the server: fail the rows, go on
+                log.exception("engine step failed")
+                self._last_error = f"{type(exc).__name__}: {exc}"
+                self._fail_all(self._last_error)
+        self._fail_all("the engine is shutting down", reason=FINISH_ABORT)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            with self._wake:
+                if not self._inbox:
+                    return
+                kind, payload = self._inbox.popleft()
+            if kind == "add":
+                row, sink = payload
+                self._sinks[row.req_id] = sink
+                self.scheduler.add(row)
+            else:
+                row = self.scheduler.abort(payload)
+                if row is not None:
+                    self._emit([self.scheduler.abort_event(row)])
+
+    def _step(self) -> None:
+        sched = self.scheduler
+        plan = sched.schedule()
+        if plan.prefill is not None:
+            self.runner.prefill(plan)
+            sched.finish_prefill_step(plan, None)
+        events: list[TokenEvent] = []
+        if len(sched.running) > 0:
+            result = self.runner.decode(sched.running)
+            events = sched.finish_decode_step(result, self.loaded.context_length)
+            self._stats.num_generated_tokens += sum(len(e.token_ids) for e in events)
+        self._stats.num_steps += 1
+        if self._stats.num_steps % self.config.clear_cache_every == 0:
+            mx.clear_cache()
+        if events:
+            self._emit(events)
+
+    def _emit(self, events: list[TokenEvent]) -> None:
+        by_sink: dict[int, tuple[EventSink, list[TokenEvent]]] = {}
+        for ev in events:
+            sink = self._sinks.get(ev.req_id)
+            if sink is None:
+                continue
+            by_sink.setdefault(id(sink), (sink, []))[1].append(ev)
+            if ev.finish_reason is not None:
+                del self._sinks[ev.req_id]
+        for sink, evs in by_sink.values():
+            sink(evs)
+
+    def _fail_all(self, message: str, reason: str = FINISH_ERROR) -> None:
+        sched = self.scheduler
+        rows = list(sched.waiting) + (sched.prefill.rows if sched.prefill else []) + sched.running.rows
+        sched.waiting.clear()
+        sched.prefill = None
+        sched.running.take([])
+        events = []
+        for row in rows:
+            ev = sched.abort_event(row, reason)
+            ev.error = message if reason == FINISH_ERROR else None
+            events.append(ev)
+        self._emit(events)
+
+
+class AsyncEngine:
+    """The `EngineClient` the server uses: an asyncio face on the engine thread."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        loaded = engine.loaded
+        self.model = ModelInfo(
+            model_id=loaded.model_id,
+            path=str(loaded.path),
+            tokenizer=loaded.tokenizer,
+            eos_token_ids=loaded.eos_token_ids,
+            context_length=loaded.context_length,
+            chat_template=loaded.chat_template,
+            created=int(time.time()),
+            extra=dict(loaded.extra, vocab_size=loaded.vocab_size, dtype=loaded.dtype),
+        )
+        self.model.extra.pop("config", None)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        self.engine.start()
+
+    def stop(self) -> None:
+        self.engine.stop()
+
+    async def submit(self, request: Request) -> AsyncIterator[TokenEvent]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+        def sink(events: list[TokenEvent]) -> None:  # runs on the engine thread
+            loop.call_soon_threadsafe(_put_all, queue, events)
+
+        if not request.arrival_time:
+            request.arrival_time = time.time()
+        self.engine.add(request, sink)  # raises EngineError / EngineOverloaded
+        self.engine._stats.num_prompt_tokens += len(request.prompt_ids)
+        return self._stream(request.req_id, queue)
+
+    async def _stream(self, req_id: str, queue: asyncio.Queue[TokenEvent]) -> AsyncIterator[TokenEvent]:
+        finished = False
+        try:
+            while True:
+                event = await queue.get()
+                if event.finish_reason is not None:
+                    finished = True
+                yield event
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.engine.abort(req_id)
+
+    def abort(self, req_id: str) -> None:
+        self.engine.abort(req_id)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+
+def _put_all(queue: asyncio.Queue[TokenEvent], events: list[TokenEvent]) -> None:
+    for ev in events:
+        queue.put_nowait(ev)

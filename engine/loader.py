@@ -1,0 +1,148 @@
+"""Find, download and load a model: local directory, Hugging Face repo id, or the bundled default.
+
+`resolve_model_path` never touches the network for a local path or the bundled model; for a repo
+id it calls `huggingface_hub.snapshot_download`, which shows a progress bar, uses the standard
+cache (HF_HOME / HF_HUB_CACHE) and honours HF_HUB_OFFLINE=1 (cache only).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxd import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
+
+_ALLOW_PATTERNS = [
+    "*.json",
+    "*.safetensors",
+    "*.py",
+    "tokenizer.model",
+    "*.tiktoken",
+    "*.txt",
+    "*.jinja",
+]
+
+
+def resolve_model_path(model: str | None, revision: str | None = None) -> tuple[Path, str]:
+    """Return (local directory, model id). `model` is None (bundled), a directory or a repo id."""
+    if model is None or model in ("", "default", DEFAULT_MODEL_NAME):
+        return DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve(), path.name
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise FileNotFoundError(
+            f"model {model!r} is neither a local model directory nor a Hugging Face repo id"
+        )
+    from huggingface_hub import snapshot_download
+
+    local = snapshot_download(repo_id=model, revision=revision, allow_patterns=_ALLOW_PATTERNS)
+    return Path(local), model
+
+
+def pick_dtype(requested: str, device: mx.Device | None = None) -> mx.Dtype | None:
+    """The compute dtype: `auto` is float32 on a CPU (bf16/fp16 matmuls skip BLAS there and are
+    slow), else the checkpoint's own dtype (None = leave as loaded)."""
+    table = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+    if requested in table:
+        return table[requested]
+    if requested != "auto":
+        raise ValueError(f"unknown dtype {requested!r}; choose auto, float32, bfloat16 or float16")
+    device = device or mx.default_device()
+    return mx.float32 if device.type == mx.cpu else None
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Any  # transformers tokenizer
+    config: dict[str, Any]
+    path: Path
+    model_id: str
+    eos_token_ids: tuple[int, ...]
+    context_length: int
+    chat_template: str | None
+    dtype: str
+    vocab_size: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _context_length(config: dict[str, Any], tokenizer: Any) -> int:
+    for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_ctx"):
+        value = config.get(key) or (config.get("text_config") or {}).get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    value = getattr(tokenizer, "model_max_length", None)
+    if isinstance(value, int) and 0 < value < 10**8:
+        return value
+    return 4096
+
+
+def _apply_plugins(model: nn.Module, config: dict[str, Any], path: Path) -> nn.Module:
+    """Weight formats that mlx-lm does not know (e.g. trellis) hook in here after loading."""
+    quant = config.get("quantization") or {}
+    if isinstance(quant, dict) and quant.get("method") == "trellis":
+        from kernels.trellis import load_hook  # type: ignore[attr-defined]
+
+        model = load_hook(model, config, path)
+    return model
+
+
+def load_model(
+    model: str | None = None,
+    *,
+    dtype: str = "auto",
+    chat_template: str | None = None,
+    revision: str | None = None,
+) -> LoadedModel:
+    from mlx_lm.utils import load_config, load_tokenizer
+    from mlx_lm.utils import load_model as mlx_load_model
+
+    path, model_id = resolve_model_path(model, revision)
+    config = load_config(path)
+    quant = config.get("quantization") or {}
+    if isinstance(quant, dict) and quant.get("method") == "trellis":
+        from kernels.trellis import load_model as trellis_load  # type: ignore[attr-defined]
+
+        net = trellis_load(path, config)
+    else:
+        net, config = mlx_load_model(path, lazy=False)
+        net = _apply_plugins(net, config, path)
+    want = pick_dtype(dtype)
+    if want is not None:
+        net.set_dtype(want)
+    wrapper = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    hf_tok = wrapper._tokenizer
+    template = chat_template
+    if template is not None and Path(template).is_file():
+        template = Path(template).read_text()
+    eos = tuple(sorted(int(t) for t in wrapper.eos_token_ids))
+    vocab = int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") or len(hf_tok))
+    mx.eval(net.parameters())
+    params = [p for _, p in _tree_flat(net.parameters())]
+    dtypes = sorted({str(p.dtype) for p in params if mx.issubdtype(p.dtype, mx.floating)})
+    return LoadedModel(
+        model=net,
+        tokenizer=hf_tok,
+        config=config,
+        path=path,
+        model_id=model_id,
+        eos_token_ids=eos,
+        context_length=_context_length(config, hf_tok),
+        chat_template=template,
+        dtype=",".join(d.replace("mlx.core.", "") for d in dtypes),
+        vocab_size=vocab,
+        extra={"loaded_at": int(time.time()), "config": json.loads(json.dumps(config, default=str))},
+    )
+
+
+def _tree_flat(tree: Any) -> list[tuple[str, mx.array]]:
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(tree)

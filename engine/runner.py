@@ -1,0 +1,59 @@
+"""Forward passes: one prefill chunk for the group being prefilled, one batched decode step.
+
+The runner holds no per-request state; it reads the plan and the running batch and returns host
+values (token ids, logprobs) for the scheduler to turn into events.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from engine import kvcache
+from engine.batch import RunningBatch
+from engine.sampling import sample
+from engine.scheduler import Plan, StepResult
+
+
+class Runner:
+    def __init__(self, model: Any):
+        self.model = model
+
+    def new_caches(self, num_rows: int) -> kvcache.Caches:
+        return kvcache.new_batch(self.model, num_rows)
+
+    def prefill(self, plan: Plan) -> None:
+        group = plan.prefill
+        if group is None or plan.prefill_end <= group.done:
+            return
+        start, end = group.done, plan.prefill_end
+        padded = False
+        if start == 0:
+            padded = kvcache.prepare_right_padded(group.caches, [len(t) for t in group.token_lists])
+        width = end - start
+        rows = [t[start:end] + [0] * (width - len(t[start:end])) for t in group.token_lists]
+        self.model(mx.array(rows, dtype=mx.int32), cache=group.caches)
+        if padded or end >= group.width:
+            kvcache.finalize(group.caches)
+        kvcache.eval_state(group.caches)
+
+    def decode(self, batch: RunningBatch) -> StepResult:
+        assert batch.next_tokens is not None and batch.sampler is not None
+        logits = self.model(batch.next_tokens[:, None], cache=batch.caches)[:, -1, :]
+        out = sample(logits.astype(mx.float32), batch.sampler)
+        batch.sampler = batch.sampler.record(out.tokens)
+        batch.next_tokens = out.tokens
+        extra = [a for a in (out.logprobs, out.top_ids, out.top_logprobs) if a is not None]
+        mx.eval(out.tokens, *extra, *batch.arrays(), *_arrays_of(batch.sampler))
+        result = StepResult(tokens=out.tokens.tolist())
+        if out.logprobs is not None:
+            result.logprobs = out.logprobs.tolist()
+        if out.top_ids is not None and out.top_logprobs is not None:
+            ids, lps = out.top_ids.tolist(), out.top_logprobs.tolist()
+            result.top_logprobs = [list(zip(a, b, strict=True)) for a, b in zip(ids, lps, strict=True)]
+        return result
+
+
+def _arrays_of(state: Any) -> list[mx.array]:
+    return [v for v in (getattr(state, f) for f in state.__slots__) if isinstance(v, mx.array)]

@@ -1,0 +1,222 @@
+"""Who runs this step, and with how many tokens.
+
+Queues: `waiting` (admitted, not started) → `prefill` (one group being prefilled, possibly over
+several steps) → `running` (decoding, one token per row per step). Each step:
+
+    plan   = scheduler.schedule()            # next prefill chunk (if any) + whether to decode
+    result = runner.execute(plan, ...)        # forwards
+    events = scheduler.update(plan, result)   # tokens out, finished rows dropped at once
+
+A prefill group is either several short prompts that fit one chunk together (one right-padded
+forward) or one long prompt prefilled alone in chunks of `prefill_chunk` tokens, so long
+prompts interleave with the running decodes instead of stalling them. Prefill covers the prompt
+minus its last token; the last token is the row's first decode input, so every sampled token
+comes from the batched decode step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from engine import kvcache
+from engine.api import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, TokenEvent
+from engine.batch import RowMeta, RunningBatch
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128  # rows decoding at once
+    prefill_chunk: int = 512  # columns per prefill forward
+    prefill_budget: int = 2048  # rows x columns of prefill work per step
+    max_queue: int = 1024  # waiting requests before new ones are refused
+
+
+@dataclass(slots=True)
+class PrefillGroup:
+    rows: list[RowMeta]
+    token_lists: list[list[int]]  # what goes through prefill: prompt[:-1] per row
+    caches: kvcache.Caches
+    done: int = 0  # columns already processed
+
+    @property
+    def width(self) -> int:
+        return max((len(t) for t in self.token_lists), default=0)
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.width
+
+
+@dataclass(slots=True)
+class Plan:
+    prefill: PrefillGroup | None = None
+    prefill_end: int = 0  # process columns [prefill.done, prefill_end)
+    decode: bool = False
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Host-side outputs of a decode step, one entry per running row."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, make_caches):
+        self.config = config
+        self._make_caches = make_caches  # (num_rows) -> empty batch caches
+        self.waiting: deque[RowMeta] = deque()
+        self.prefill: PrefillGroup | None = None
+        self.running = RunningBatch()
+
+    # -- admission -------------------------------------------------------------------------
+    def add(self, row: RowMeta) -> None:
+        self.waiting.append(row)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or self.prefill is not None or len(self.running) > 0
+
+    def abort(self, req_id: str) -> RowMeta | None:
+        """Remove a request wherever it is; returns its row if it was found."""
+        for row in self.waiting:
+            if row.req_id == req_id:
+                self.waiting.remove(row)
+                return row
+        group = self.prefill
+        if group is not None:
+            for i, row in enumerate(group.rows):
+                if row.req_id == req_id:
+                    self._drop_from_prefill(i)
+                    return row
+        i = self.running.index_of(req_id)
+        if i is not None:
+            row = self.running.rows[i]
+            self.running.take([j for j in range(len(self.running)) if j != i])
+            return row
+        return None
+
+    def _drop_from_prefill(self, i: int) -> None:
+        group = self.prefill
+        assert group is not None
+        keep = [j for j in range(len(group.rows)) if j != i]
+        if not keep:
+            self.prefill = None
+            return
+        # A right-padded group mid-prefill cannot drop a row cheaply; groups of several rows
+        # finish in one forward, so this only happens between steps on a finished-or-new group.
+        kvcache.filter_rows(group.caches, keep)
+        group.rows = [group.rows[j] for j in keep]
+        group.token_lists = [group.token_lists[j] for j in keep]
+
+    # -- planning --------------------------------------------------------------------------
+    def schedule(self) -> Plan:
+        if self.prefill is None:
+            self.prefill = self._form_group()
+        plan = Plan(decode=len(self.running) > 0)
+        group = self.prefill
+        if group is not None:
+            plan.prefill = group
+            plan.prefill_end = min(group.width, group.done + self.config.prefill_chunk)
+        return plan
+
+    def _form_group(self) -> PrefillGroup | None:
+        cfg = self.config
+        room = cfg.max_num_seqs - len(self.running)
+        rows: list[RowMeta] = []
+        width = 0
+        while self.waiting and len(rows) < room:
+            row = self.waiting[0]
+            need = row.num_prompt_tokens - 1 - row.num_cached_tokens
+            if need > cfg.prefill_chunk:
+                if rows:
+                    break  # a long prompt goes alone, next time
+                rows.append(self.waiting.popleft())
+                break
+            new_width = max(width, need)
+            if rows and new_width * (len(rows) + 1) > cfg.prefill_budget:
+                break
+            rows.append(self.waiting.popleft())
+            width = new_width
+        if not rows:
+            return None
+        token_lists = [r.request.prompt_ids[:-1] for r in rows]
+        group = PrefillGroup(rows, token_lists, self._make_caches(len(rows)))
+        return group
+
+    # -- results ---------------------------------------------------------------------------
+    def finish_prefill_step(self, plan: Plan, first_tokens: mx.array | None) -> None:
+        """After the runner processed `plan`'s chunk: move a completed group into `running`."""
+        group = plan.prefill
+        if group is None:
+            return
+        group.done = plan.prefill_end
+        if not group.finished:
+            return
+        self.prefill = None
+        last = mx.array([r.request.prompt_ids[-1] for r in group.rows], dtype=mx.int32)
+        from engine.sampling import SamplerState  # local: keeps import order obvious
+
+        sampler = SamplerState.from_params(
+            [r.request.params for r in group.rows],
+            [r.request.prompt_ids for r in group.rows],
+            self.vocab_size,
+            [self._seed_of(r) for r in group.rows],
+        )
+        self.running.concat(RunningBatch(group.rows, last, sampler, group.caches))
+
+    vocab_size: int = 0
+
+    @staticmethod
+    def _seed_of(row: RowMeta) -> int:
+        seed = row.request.params.seed
+        if seed is None:
+            import random
+
+            seed = random.getrandbits(32)
+        return seed & 0xFFFFFFFF
+
+    def finish_decode_step(self, result: StepResult, context_length: int) -> list[TokenEvent]:
+        """Turn one decode step into events; drop finished rows from the batch at once."""
+        events: list[TokenEvent] = []
+        keep: list[int] = []
+        for i, (row, token) in enumerate(zip(self.running.rows, result.tokens, strict=True)):
+            params = row.request.params
+            finish = None
+            if token in row.stop_ids:
+                finish = FINISH_STOP
+                ids: list[int] = []
+            else:
+                ids = [token]
+                row.num_generated += 1
+                if row.num_generated >= row.max_new_tokens:
+                    finish = FINISH_LENGTH
+            event = TokenEvent(
+                req_id=row.req_id,
+                token_ids=ids,
+                finish_reason=finish,
+                num_prompt_tokens=row.num_prompt_tokens,
+                num_cached_tokens=row.num_cached_tokens,
+            )
+            if params.logprobs and ids and result.logprobs is not None:
+                event.logprobs = [result.logprobs[i]]
+                if params.top_logprobs and result.top_logprobs is not None:
+                    event.top_logprobs = [result.top_logprobs[i][: params.top_logprobs]]
+            events.append(event)
+            if finish is None:
+                keep.append(i)
+        self.running.take(keep)
+        return events
+
+    def abort_event(self, row: RowMeta, reason: str = FINISH_ABORT) -> TokenEvent:
+        return TokenEvent(
+            req_id=row.req_id,
+            token_ids=[],
+            finish_reason=reason,
+            num_prompt_tokens=row.num_prompt_tokens,
+            num_cached_tokens=row.num_cached_tokens,
+        )

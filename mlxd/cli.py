@@ -1,0 +1,124 @@
+"""`mlxd` command line: `mlxd serve`, `mlxd quantize`, `mlxd bench`.
+
+Argument parsing happens before anything imports `mlx`, so that `--blas` can choose the BLAS
+library that MLX will bind to (see `mlxd.blas`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("serve", help="start the HTTP server (default command)")
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help="local model directory or Hugging Face repo id "
+                   "(default: the bundled tinycoder-16m)")
+    g.add_argument("--revision", default=None, help="Hugging Face revision (branch, tag, commit)")
+    g.add_argument("--served-model-name", default=None, help="model name reported by the API")
+    g.add_argument("--chat-template", default=None, help="a Jinja chat template (string or file) "
+                   "that replaces the tokenizer's")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype; auto = float32 on a CPU, the checkpoint's dtype elsewhere")
+    g.add_argument("--blas", default=None, help="CPU BLAS: auto (default: an installed OpenBLAS), "
+                   "a library path, or none (MLX's bundled reference BLAS)")
+    g = p.add_argument_group("HTTP")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8080)
+    g.add_argument("--allowed-origins", nargs="*", default=[], help="CORS origins, e.g. '*'")
+    g.add_argument("--api-key", default=os.environ.get("MLXD_API_KEY"),
+                   help="require this key (Bearer or x-api-key); env MLXD_API_KEY")
+    g.add_argument("--log-level", default="INFO",
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    g = p.add_argument_group("request defaults")
+    g.add_argument("--max-tokens", type=int, default=512,
+                   help="max_tokens for requests that do not set it")
+    g.add_argument("--temp", type=float, default=None,
+                   help="temperature for requests that do not set it (default 1.0, as OpenAI)")
+    g.add_argument("--top-p", type=float, default=None,
+                   help="top_p for requests that do not set it (default 1.0)")
+    g = p.add_argument_group("scheduler")
+    g.add_argument("--max-num-seqs", type=int, default=128, help="rows decoding at once")
+    g.add_argument("--prefill-chunk", type=int, default=512,
+                   help="tokens per prefill forward for long prompts")
+    g.add_argument("--prefill-budget", type=int, default=2048,
+                   help="rows x tokens of prefill work per engine step")
+    g.add_argument("--max-queue", type=int, default=1024,
+                   help="waiting requests before new ones get 429")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="mlxd", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command")
+    _serve_parser(sub)
+    q = sub.add_parser("quantize", help="trellis-quantize a model directory", add_help=False)
+    q.add_argument("rest", nargs=argparse.REMAINDER)
+    b = sub.add_parser("bench", help="benchmark mlxd against peer servers", add_help=False)
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["serve", *argv]
+    args = parser.parse_args(argv)
+    if args.command == "quantize":
+        from mlxd.quantize import main as quantize_main
+
+        return quantize_main(args.rest)
+    if args.command == "bench":
+        from bench.__main__ import main as bench_main
+
+        return bench_main(args.rest)
+    return serve(args)
+
+
+def serve(args: argparse.Namespace) -> int:
+    if args.blas:
+        os.environ["MLXD_BLAS"] = args.blas
+    logging.basicConfig(
+        level=args.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    log = logging.getLogger("mlxd")
+    from mlxd.runtime import build_client
+
+    client = build_client(args)
+    extra = client.model.extra
+    log.info(
+        "model %s (%s) on %s, dtype %s, BLAS: %s",
+        client.model.model_id,
+        client.model.path,
+        extra.get("device"),
+        extra.get("dtype"),
+        extra.get("blas"),
+    )
+    import uvicorn
+
+    from server.app import create_app
+    from server.config import ServerConfig
+
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        model_alias=args.served_model_name,
+        allowed_origins=list(args.allowed_origins or []),
+        api_key=args.api_key,
+        default_max_tokens=args.max_tokens,
+        default_temperature=args.temp,
+        default_top_p=args.top_p,
+        log_level=args.log_level,
+    )
+    app = create_app(client, config)
+    client.start()
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                    timeout_graceful_shutdown=5)
+    finally:
+        client.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,42 @@
+"""Build the engine client from CLI arguments (or keyword arguments, in tests and benchmarks)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from mlxd import blas
+
+
+def build_client(args: argparse.Namespace | None = None, **overrides: Any):
+    """Load the model and return an (unstarted) `engine.core.AsyncEngine`."""
+    opts = dict(vars(args)) if args is not None else {}
+    opts.update(overrides)
+    info = blas.load()  # before mlx is imported
+    import mlx.core as mx
+
+    from engine.core import AsyncEngine, Engine, EngineConfig
+    from engine.loader import load_model
+    from engine.scheduler import SchedulerConfig
+
+    loaded = load_model(
+        opts.get("model"),
+        dtype=opts.get("dtype", "auto"),
+        chat_template=opts.get("chat_template"),
+        revision=opts.get("revision"),
+    )
+    sched = SchedulerConfig(
+        max_num_seqs=opts.get("max_num_seqs", 128),
+        prefill_chunk=opts.get("prefill_chunk", 512),
+        prefill_budget=opts.get("prefill_budget", 2048),
+        max_queue=opts.get("max_queue", 1024),
+    )
+    client = AsyncEngine(Engine(loaded, EngineConfig(scheduler=sched)))
+    if opts.get("served_model_name"):
+        client.model.model_id = opts["served_model_name"]
+    client.model.extra.update(
+        blas={"path": info.path, "status": info.reason},
+        device=str(mx.default_device()),
+        mlx_version=mx.__version__,
+    )
+    return client
