@@ -28,6 +28,7 @@ class RowMeta:
     stop_ids: frozenset[int]
     num_generated: int = 0
     num_cached_tokens: int = 0
+    finished: bool = False  # set once its last event is out (in-flight results are then ignored)
 
     @property
     def req_id(self) -> str:

@@ -35,7 +35,7 @@ from engine.api import (
 )
 from engine.batch import EventSink, RowMeta
 from engine.loader import LoadedModel
-from engine.runner import Runner
+from engine.runner import InFlight, Runner
 from engine.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("mlxd.engine")
@@ -63,6 +63,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stats = EngineStats()
         self._last_error: str | None = None
+        self._inflight: InFlight | None = None
 
     # -- thread-safe API -------------------------------------------------------------------
     def start(self) -> None:
@@ -143,19 +144,22 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._inbox and not self.scheduler.has_work() and not self._stopping:
+                while not (self._inbox or self._has_work() or self._stopping):
                     self._wake.wait()
                 if self._stopping:
                     break
             try:
                 self._drain_inbox()
-                if self.scheduler.has_work():
+                if self._has_work():
                     self._step()
             except Exception as exc:  # a bug must not kill the server: fail the rows, go on
                 log.exception("engine step failed")
                 self._last_error = f"{type(exc).__name__}: {exc}"
                 self._fail_all(self._last_error)
         self._fail_all("the engine is shutting down", reason=FINISH_ABORT)
+
+    def _has_work(self) -> bool:
+        return self._inflight is not None or self.scheduler.has_work()
 
     def _drain_inbox(self) -> None:
         while True:
@@ -173,16 +177,18 @@ class Engine:
                     self._emit([self.scheduler.abort_event(row)])
 
     def _step(self) -> None:
-        sched = self.scheduler
+        sched, runner = self.scheduler, self.runner
         plan = sched.schedule()
         if plan.prefill is not None:
-            self.runner.prefill(plan)
+            runner.prefill(plan)
             sched.finish_prefill_step(plan, None)
+        launched = runner.launch_decode(sched.running) if len(sched.running) else None
         events: list[TokenEvent] = []
-        if len(sched.running) > 0:
-            result = self.runner.decode(sched.running)
-            events = sched.finish_decode_step(result, self.loaded.context_length)
+        if self._inflight is not None:  # read step t-1 while step t computes
+            result = runner.collect(self._inflight)
+            events = sched.finish_decode_step(self._inflight.rows, result)
             self._stats.num_generated_tokens += sum(len(e.token_ids) for e in events)
+        self._inflight = launched
         self._stats.num_steps += 1
         if self._stats.num_steps % self.config.clear_cache_every == 0:
             mx.clear_cache()
@@ -207,6 +213,7 @@ class Engine:
         sched.waiting.clear()
         sched.prefill = None
         sched.running.take([])
+        self._inflight = None
         events = []
         for row in rows:
             ev = sched.abort_event(row, reason)

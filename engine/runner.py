@@ -6,13 +6,14 @@ values (token ids, logprobs) for the scheduler to turn into events.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
 from engine import kvcache
-from engine.batch import RunningBatch
-from engine.sampling import sample
+from engine.batch import RowMeta, RunningBatch
+from engine.sampling import SampleOutput, sample
 from engine.scheduler import Plan, StepResult
 
 
@@ -38,14 +39,25 @@ class Runner:
             kvcache.finalize(group.caches)
         kvcache.eval_state(group.caches)
 
-    def decode(self, batch: RunningBatch) -> StepResult:
+    def launch_decode(self, batch: RunningBatch) -> InFlight:
+        """Queue one decode step for every running row without waiting for it (async_eval).
+
+        The step's inputs may themselves still be in flight: the host reads step t's tokens
+        while step t+1 computes, so Python bookkeeping overlaps the forward pass.
+        """
         assert batch.next_tokens is not None and batch.sampler is not None
         logits = self.model(batch.next_tokens[:, None], cache=batch.caches)[:, -1, :]
         out = sample(logits.astype(mx.float32), batch.sampler)
         batch.sampler = batch.sampler.record(out.tokens)
         batch.next_tokens = out.tokens
         extra = [a for a in (out.logprobs, out.top_ids, out.top_logprobs) if a is not None]
-        mx.eval(out.tokens, *extra, *batch.arrays(), *_arrays_of(batch.sampler))
+        mx.async_eval(out.tokens, *extra, *batch.arrays(), *_arrays_of(batch.sampler))
+        return InFlight(rows=list(batch.rows), out=out)
+
+    @staticmethod
+    def collect(inflight: InFlight) -> StepResult:
+        """Wait for a launched step and bring its outputs to the host."""
+        out = inflight.out
         result = StepResult(tokens=out.tokens.tolist())
         if out.logprobs is not None:
             result.logprobs = out.logprobs.tolist()
@@ -53,6 +65,14 @@ class Runner:
             ids, lps = out.top_ids.tolist(), out.top_logprobs.tolist()
             result.top_logprobs = [list(zip(a, b, strict=True)) for a, b in zip(ids, lps, strict=True)]
         return result
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A launched decode step: the rows it covers (at launch) and its lazy outputs."""
+
+    rows: list[RowMeta]
+    out: SampleOutput
 
 
 def _arrays_of(state: Any) -> list[mx.array]:

@@ -86,17 +86,20 @@ class Scheduler:
         for row in self.waiting:
             if row.req_id == req_id:
                 self.waiting.remove(row)
+                row.finished = True
                 return row
         group = self.prefill
         if group is not None:
             for i, row in enumerate(group.rows):
                 if row.req_id == req_id:
                     self._drop_from_prefill(i)
+                    row.finished = True
                     return row
         i = self.running.index_of(req_id)
         if i is not None:
             row = self.running.rows[i]
-            self.running.take([j for j in range(len(self.running)) if j != i])
+            row.finished = True
+            self.drop_finished()
             return row
         return None
 
@@ -180,11 +183,14 @@ class Scheduler:
             seed = random.getrandbits(32)
         return seed & 0xFFFFFFFF
 
-    def finish_decode_step(self, result: StepResult, context_length: int) -> list[TokenEvent]:
-        """Turn one decode step into events; drop finished rows from the batch at once."""
+    def finish_decode_step(self, rows: list[RowMeta], result: StepResult) -> list[TokenEvent]:
+        """Turn one decode step (covering `rows`, as launched) into events; rows that finish
+        leave the running batch at once. Rows already finished (aborted, or finished by the
+        previous step while this one was in flight) are skipped."""
         events: list[TokenEvent] = []
-        keep: list[int] = []
-        for i, (row, token) in enumerate(zip(self.running.rows, result.tokens, strict=True)):
+        for i, (row, token) in enumerate(zip(rows, result.tokens, strict=True)):
+            if row.finished:
+                continue
             params = row.request.params
             finish = None
             if token in row.stop_ids:
@@ -207,10 +213,14 @@ class Scheduler:
                 if params.top_logprobs and result.top_logprobs is not None:
                     event.top_logprobs = [result.top_logprobs[i][: params.top_logprobs]]
             events.append(event)
-            if finish is None:
-                keep.append(i)
-        self.running.take(keep)
+            row.finished = finish is not None
+        self.drop_finished()
         return events
+
+    def drop_finished(self) -> None:
+        running = self.running
+        if any(r.finished for r in running.rows):
+            running.take([i for i, r in enumerate(running.rows) if not r.finished])
 
     def abort_event(self, row: RowMeta, reason: str = FINISH_ABORT) -> TokenEvent:
         return TokenEvent(
