@@ -1,0 +1,536 @@
+"""Batched KV layouts for attention layers: full or ring (sliding window), plain or quantized.
+
+Every row keeps its own length, so rows never need to be aligned with each other.
+
+Storage. Each buffer is `[B, H, C, d]` (C = allocated columns). Row `b` holds `n[b]` tokens;
+token position `p` lives at column `col(p)`:
+
+* full layouts (`PlainLayout`, `QuantizedLayout`): `col(p) = p`. Columns `>= n[b]` are free
+  (this is the row's padding: it sits on the right and the mask never lets a query see it).
+* ring layouts (`RotatingLayout`, `QuantizedRotatingLayout`): `R = window + slack` columns;
+  the first `keep` are sink tokens, the rest a ring of `M = R - keep`:
+  `col(p) = p if p < keep else keep + (p - keep) % M`.
+  Column `c` holds the latest position `p < n[b]` with `col(p) == c`.
+
+Attention semantics (the same for every layout, prefill or decode): the query at position `q`
+sees positions `p <= q` with `p < keep` or `p > q - (window - keep)`; full layouts have no
+window. With `keep == 0` that is mlx-lm's sliding window of `window` tokens (RotatingKVCache
+decode and prefill), with `keep > 0` mlx-lm's decode-time "sinks + recent" rule.
+
+Worked example (ring, window=4, keep=0, slack=2, so R = M = 6). A row that has seen 8 tokens
+holds positions [6 7 2 3 4 5] in columns 0..5. Decoding position 8 writes column 2
+(8 % 6) and the query sees positions 5..8 (columns 5, 0, 1, 2): position 4 (column 4) is
+outside the window and masked. A speculative round writes positions 8, 9, 10 (columns 2, 3, 4);
+if only one column is accepted, `n` goes back to 9: columns 3 and 4 now hold the rejected
+positions 9 and 10, the layout reads them as positions 3 and 4, and those lie outside the
+window of every later query (>= 9 - 4 + 1 = 6), so they are never seen and later writes
+replace them. This is why `slack >= max_draft` makes rollback exact across the wrap.
+
+Padding. `prepare(left_padding=..., lengths=...)` announces padded multi-token input: row `b`'s
+next columns are `left_padding[b]` pads, then `lengths[b]` real tokens (spread over one or
+more chunks), then pads. Left pads are rotated out before writing, real tokens are written at
+positions `n[b]...`, and only real tokens advance `n[b]`, so pads never become visible to a
+real query (pad queries see only real columns, to keep their outputs finite). `offset` is the
+RoPE position of the chunk's first column, `n[b] - left_padding[b]`.
+
+Speculation. `checkpoint()` records `n`; `rollback(accepted)` sets `n = n_ckpt + accepted`.
+Nothing is copied: rejected columns become free (full) or out-of-window (ring).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from engine.kv.codec import Codec, PlainCodec, QuantizedCodec
+
+UNBOUNDED = np.iinfo(np.int64).max // 4  # "no right padding announced"
+
+
+def _round_up(x: int, step: int) -> int:
+    return (x + step - 1) // step * step
+
+
+def ring_positions(xp: Any, cols: Any, ends: Any, keep: int, ring: int) -> Any:
+    """Position held by each column of a ring for rows that have written positions `< ends`.
+
+    `cols` is `[K]`, `ends` `[B, 1]`; returns `[B, K]` with -1 where the column holds nothing.
+    Works with numpy or mlx (`xp`).
+    """
+    sink = (cols < keep) & (cols < ends)
+    j = cols - keep
+    t = ends - 1 - keep - j
+    valid = (cols >= keep) & (t >= 0)
+    t = xp.maximum(t, 0)
+    recent = keep + j + ring * (t // ring)
+    return xp.where(sink, cols, xp.where(valid, recent, -1))
+
+
+class KVLayout:
+    """Common machinery for the four attention layouts. See the module docstring."""
+
+    step = 256
+    kind = "kv"
+
+    def __init__(
+        self,
+        num_rows: int = 0,
+        *,
+        codec: Codec,
+        window: int | None = None,
+        keep: int = 0,
+        slack: int = 0,
+    ) -> None:
+        if window is not None and not 0 <= keep < window:
+            raise ValueError(f"need 0 <= keep < window (keep={keep}, window={window})")
+        self.codec = codec
+        self.window = window
+        self.keep = keep if window is not None else 0
+        self.slack = slack if window is not None else 0
+        self._bufs: list[mx.array] | None = None
+        self._n = np.zeros(num_rows, dtype=np.int64)
+        self._skip = np.zeros(num_rows, dtype=np.int64)
+        self._remaining = np.full(num_rows, UNBOUNDED, dtype=np.int64)
+        self._ckpt: np.ndarray | None = None  # n at checkpoint()
+        self._high: np.ndarray | None = None  # highest position written since checkpoint()
+
+    # ---------------------------------------------------------------- geometry
+
+    @property
+    def is_ring(self) -> bool:
+        return self.window is not None
+
+    @property
+    def ring_size(self) -> int | None:
+        """Columns of a ring (`window + slack`), None for full layouts."""
+        return None if self.window is None else self.window + self.slack
+
+    @property
+    def num_rows(self) -> int:
+        return int(self._n.shape[0])
+
+    @property
+    def num_tokens(self) -> list[int]:
+        """Tokens each row has seen (its next position)."""
+        return self._n.tolist()
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._bufs is None else int(self._bufs[0].shape[2])
+
+    def col_of(self, positions: np.ndarray) -> np.ndarray:
+        if self.window is None:
+            return positions
+        ring = self.window + self.slack - self.keep
+        return np.where(
+            positions < self.keep, positions, self.keep + (positions - self.keep) % ring
+        )
+
+    def _positions(self, xp: Any, cols: Any, ends: Any) -> Any:
+        if self.window is None:
+            return xp.where(cols < ends, cols, -1)
+        ring = self.window + self.slack - self.keep
+        return ring_positions(xp, cols, ends, self.keep, ring)
+
+    def _plan(self, num_new: int) -> dict[str, Any]:
+        """Deterministic plan for the next `update_and_fetch` of `num_new` columns."""
+        skip = np.minimum(self._skip, num_new)
+        real = np.clip(np.minimum(num_new - skip, self._remaining), 0, None)
+        top = int(self._n.max()) if self.num_rows else 0
+        R = self.ring_size
+        if R is None or num_new <= self.slack + 1:
+            # write all columns in place (pads included: they land on free/out-of-window slots)
+            cap = top + num_new if R is None else min(R, top + num_new)
+            return dict(direct=True, skip=skip, real=real, cap=cap, num_old=0, width=cap)
+        # chunk wider than the slack: attend over [ring, new chunk], then fold the chunk in
+        num_old = min(R, top, self.capacity)
+        cap = min(R, int((self._n + real).max()) if self.num_rows else 0)
+        return dict(
+            direct=False, skip=skip, real=real, cap=cap, num_old=num_old, width=num_old + num_new
+        )
+
+    def _uniform(self, plan: dict[str, Any], num_new: int) -> bool:
+        return (
+            self.window is None
+            and self.num_rows > 0
+            and bool((plan["real"] == num_new).all())
+            and bool((self._n == self._n[0]).all())
+        )
+
+    # ---------------------------------------------------------------- model side
+
+    @property
+    def offset(self) -> mx.array:
+        """Per-row RoPE position of the next chunk's first column, `[B]` int32."""
+        return mx.array(self._n - self._skip, dtype=mx.int32)
+
+    def make_mask(
+        self, N: int, window_size: int | None = None, return_array: bool = False, **_: Any
+    ) -> mx.array | str | None:
+        """Boolean mask `[B, 1, N, K]` for the next `update_and_fetch` of N columns.
+
+        K is the number of columns that call will return. Full layouts with equal rows and no
+        padding return mlx-lm's own forms ("causal" / None / `[N, K]`), so a lone row matches
+        mlx-lm bit for bit.
+        """
+        plan = self._plan(N)
+        span = window_size if window_size is not None else self.window
+        if self._uniform(plan, N):
+            n0 = int(self._n[0])
+            if span is None and not return_array:
+                return "causal" if N > 1 else None
+            rinds = mx.arange(n0 + N)[None]
+            linds = mx.arange(n0, n0 + N)[:, None]
+            mask = linds >= rinds
+            if span is not None:
+                mask = mask & (linds < rinds + span)
+            return mask
+        n = mx.array(self._n, dtype=mx.int32)[:, None]
+        if plan["direct"]:
+            pos = self._positions(mx, mx.arange(plan["width"])[None], n + N)
+        else:
+            old = self._positions(mx, mx.arange(plan["num_old"])[None], n)
+            pos = mx.concatenate([old, n + mx.arange(N)[None]], axis=1)
+        skip = mx.array(plan["skip"], dtype=mx.int32)[:, None]
+        q = mx.maximum(n - skip + mx.arange(N)[None], n)  # pad queries look at real columns only
+        pos, q = pos[:, None, :], q[:, :, None]
+        mask = (pos >= 0) & (pos <= q)
+        if span is not None:
+            mask = mask & ((pos > q - (span - self.keep)) | (pos < self.keep))
+        return mask[:, None]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
+        num_new = keys.shape[2]
+        plan = self._plan(num_new)
+        new = self.codec.encode(keys, values)
+        if plan["skip"].any():
+            idx = (np.arange(num_new)[None] + plan["skip"][:, None]) % num_new
+            idx_mx = mx.array(idx, dtype=mx.int32)[:, None, :, None]
+            new = [mx.take_along_axis(b, idx_mx, axis=2) for b in new]
+        if self._bufs is None:
+            self._bufs = [mx.zeros((*b.shape[:2], 0, b.shape[3]), b.dtype) for b in new]
+        if plan["direct"]:
+            self._ensure_capacity(plan["cap"])
+            cols = self.col_of(self._n[:, None] + np.arange(num_new)[None])
+            self._write(new, cols)
+            width = plan["width"]
+            out = [b if b.shape[2] == width else b[..., :width, :] for b in self._bufs]
+            written = self._n + num_new
+        else:
+            out = [
+                mx.concatenate([b[..., : plan["num_old"], :], nb], axis=2)
+                for b, nb in zip(self._bufs, new, strict=True)
+            ]
+            self._ensure_capacity(plan["cap"])
+            self._fold_in(new, plan["real"])
+            written = self._n + plan["real"]
+        self._advance(plan, written)
+        return self.codec.fetch(out)
+
+    def _advance(self, plan: dict[str, Any], written: np.ndarray) -> None:
+        if self._high is not None:
+            self._high = np.maximum(self._high, written)
+        self._n = self._n + plan["real"]
+        self._skip = self._skip - plan["skip"]
+        self._remaining = np.where(
+            self._remaining >= UNBOUNDED, UNBOUNDED, self._remaining - plan["real"]
+        )
+
+    def _ensure_capacity(self, cap: int) -> None:
+        assert self._bufs is not None
+        have = self._bufs[0].shape[2]
+        if cap <= have:
+            return
+        new_cap = _round_up(cap, self.step)
+        if self.ring_size is not None:
+            new_cap = min(new_cap, self.ring_size)
+        self._bufs = [
+            mx.concatenate(
+                [b, mx.zeros((*b.shape[:2], new_cap - have, b.shape[3]), b.dtype)], axis=2
+            )
+            for b in self._bufs
+        ]
+
+    def _write(self, new: list[mx.array], cols: np.ndarray) -> None:
+        """Write column j of row b at `cols[b, j]` (distinct within a row)."""
+        assert self._bufs is not None
+        num_new = cols.shape[1]
+        c0 = int(cols[0, 0]) if cols.size else 0
+        if cols.size == 0:
+            return
+        if bool((cols == c0 + np.arange(num_new)[None]).all()):
+            for b, nb in zip(self._bufs, new, strict=True):
+                b[..., c0 : c0 + num_new, :] = nb
+            return
+        idx = mx.array(cols, dtype=mx.int32)[:, None, :, None]
+        self._bufs = [
+            mx.put_along_axis(b, idx, nb, axis=2) for b, nb in zip(self._bufs, new, strict=True)
+        ]
+
+    def _fold_in(self, new: list[mx.array], real: np.ndarray) -> None:
+        """Ring only: after a wide chunk, each ring column takes the chunk's latest token for it."""
+        assert self._bufs is not None
+        cap = self._bufs[0].shape[2]
+        num_new = new[0].shape[2]
+        ends = (self._n + real)[:, None]
+        pos = self._positions(np, np.arange(cap)[None], ends)
+        src = pos - self._n[:, None]
+        take = (pos >= 0) & (src >= 0)
+        if not take.any():
+            return
+        idx = mx.array(np.clip(src, 0, num_new - 1), dtype=mx.int32)[:, None, :, None]
+        sel = mx.array(take)[:, None, :, None]
+        self._bufs = [
+            mx.where(sel, mx.take_along_axis(nb, idx, axis=2), b)
+            for b, nb in zip(self._bufs, new, strict=True)
+        ]
+
+    @property
+    def state(self) -> list[mx.array]:
+        return list(self._bufs or [])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(b.nbytes) for b in self._bufs or [])
+
+    def bytes_per_token(self) -> int | None:
+        """Bytes one token costs in this layer (None before the first write)."""
+        if self._bufs is None:
+            return None
+        return sum(int(b.shape[1] * b.shape[3] * b.dtype.size) for b in self._bufs)
+
+    def empty(self) -> bool:
+        return self._bufs is None
+
+    def size(self) -> int:
+        return int(self._n.max()) if self.num_rows else 0
+
+    # ---------------------------------------------------------------- padding
+
+    def prepare(
+        self,
+        *,
+        left_padding: Sequence[int] | None = None,
+        lengths: Sequence[int] | None = None,
+        right_padding: Sequence[int] | None = None,
+    ) -> None:
+        """Announce padded input: `left_padding[b]` pads, then `lengths[b]` real tokens.
+
+        `right_padding` is implied by `lengths` and accepted for mlx-lm compatibility.
+        """
+        del right_padding
+        if left_padding is not None:
+            self._skip = np.asarray(left_padding, dtype=np.int64).copy()
+        if lengths is not None:
+            self._remaining = np.asarray(lengths, dtype=np.int64).copy()
+
+    def finalize(self) -> None:
+        self._skip = np.zeros_like(self._n)
+        self._remaining = np.full_like(self._n, UNBOUNDED)
+
+    # ---------------------------------------------------------------- speculation
+
+    def checkpoint(self) -> None:
+        self._ckpt = self._n.copy()
+        self._high = self._n.copy()
+
+    def rollback(self, accepted: Sequence[int] | np.ndarray | mx.array) -> None:
+        """Keep `accepted[b]` of the columns row b received since `checkpoint()`."""
+        if self._ckpt is None:
+            raise RuntimeError("rollback() without checkpoint()")
+        acc = np.asarray(accepted, dtype=np.int64).reshape(-1)
+        if acc.shape != self._n.shape or (acc < 0).any() or (self._ckpt + acc > self._n).any():
+            raise ValueError(f"accepted {acc.tolist()} does not fit rows {self._n - self._ckpt}")
+        target = self._ckpt + acc
+        if self.is_ring and self._high is not None:
+            overshoot = self._high - target
+            if (overshoot > self.slack + 1).any():
+                raise ValueError(
+                    f"ring rollback of {int(overshoot.max())} columns exceeds slack+1 = {self.slack + 1}"
+                )
+        self._n = target
+        self._ckpt = self._high = None
+
+    def commit(self) -> None:
+        """End a round with everything accepted."""
+        self._ckpt = self._high = None
+
+    # ---------------------------------------------------------------- batch side
+
+    def _params(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def empty_like(self, num_rows: int = 0) -> KVLayout:
+        return type(self)(num_rows, **self._params())
+
+    def same_kind(self, other: Any) -> bool:
+        return type(other) is type(self) and other._params() == self._params()
+
+    def filter(self, keep: Sequence[int] | np.ndarray | mx.array) -> None:
+        """Keep these rows, in this order; the others are dropped."""
+        idx = np.asarray(keep, dtype=np.int64).reshape(-1)
+        if self._bufs is not None:
+            idx_mx = mx.array(idx, dtype=mx.int32)
+            self._bufs = [b[idx_mx] for b in self._bufs]
+        self._n, self._skip, self._remaining = self._n[idx], self._skip[idx], self._remaining[idx]
+        if self._ckpt is not None and self._high is not None:
+            self._ckpt, self._high = self._ckpt[idx], self._high[idx]
+        self._shrink()
+
+    def _shrink(self) -> None:
+        if self._bufs is None:
+            return
+        need = int(self._n.max()) if self.num_rows else 0
+        if self.ring_size is not None:
+            need = min(need, self.ring_size)
+        need = _round_up(max(need, 1), self.step)
+        if self.capacity - need >= self.step:
+            self._bufs = [b[..., :need, :] for b in self._bufs]
+
+    def extend(self, other: KVLayout) -> None:
+        """Append the rows of `other` (same kind) after this layout's rows."""
+        self._concat_rows([other])
+
+    def merge(self, rows: Sequence[Any]) -> KVLayout:
+        """Admit rows (our layouts of any kind, or mlx-lm single-row caches) after ours.
+
+        Returns self. Rows from other layouts are converted (positions kept, codec re-encoded).
+        """
+        from engine.kv.convert import adopt
+
+        self._concat_rows([adopt(self, r) for r in rows])
+        return self
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[KVLayout]) -> KVLayout:
+        out = rows[0].empty_like(0)
+        out._concat_rows(list(rows))
+        return out
+
+    def _concat_rows(self, others: Sequence[KVLayout]) -> None:
+        parts = [self, *others]
+        for o in others:
+            if not self.same_kind(o):
+                raise ValueError(f"cannot join {o.describe()} rows into {self.describe()}")
+        shaped = [p._bufs for p in parts if p._bufs is not None and p.num_rows > 0]
+        if shaped:
+            ref = shaped[0]
+            cap = max(p.capacity for p in parts if p._bufs is not None)
+            bufs = []
+            for j in range(len(ref)):
+                pieces = []
+                for p in parts:
+                    if p.num_rows == 0:
+                        continue
+                    if p._bufs is None:
+                        shape = (p.num_rows, ref[j].shape[1], cap, ref[j].shape[3])
+                        pieces.append(mx.zeros(shape, ref[j].dtype))
+                        continue
+                    b = p._bufs[j]
+                    if b.shape[2] < cap:
+                        pad = mx.zeros((*b.shape[:2], cap - b.shape[2], b.shape[3]), b.dtype)
+                        b = mx.concatenate([b, pad], axis=2)
+                    pieces.append(b)
+                bufs.append(mx.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0])
+            self._bufs = bufs
+        self._n = np.concatenate([p._n for p in parts])
+        self._skip = np.concatenate([p._skip for p in parts])
+        self._remaining = np.concatenate([p._remaining for p in parts])
+        if any(p._ckpt is not None for p in parts):
+            self._ckpt = np.concatenate([p._ckpt if p._ckpt is not None else p._n for p in parts])
+            self._high = np.concatenate([p._high if p._high is not None else p._n for p in parts])
+
+    def extract(self, i: int) -> KVLayout:
+        """Row `i` as a new one-row layout of the same kind (contiguous, trimmed)."""
+        out = self.empty_like(1)
+        out._n = self._n[i : i + 1].copy()
+        if self._bufs is not None:
+            n = int(self._n[i])
+            width = n if self.ring_size is None else min(n, self.ring_size)
+            out._bufs = [mx.contiguous(b[i : i + 1, :, :width, :]) for b in self._bufs]
+        return out
+
+    def row_positions(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(positions, columns) row `i` currently holds, sorted by position."""
+        cap = self.capacity
+        pos = self._positions(np, np.arange(cap)[None], self._n[i : i + 1, None])[0]
+        cols = np.nonzero(pos >= 0)[0]
+        order = np.argsort(pos[cols])
+        return pos[cols][order], cols[order]
+
+    def describe(self) -> str:
+        extra = ", ".join(f"{k}={v}" for k, v in self._params().items())
+        return f"{type(self).__name__}({extra})"
+
+    def __repr__(self) -> str:
+        return f"<{self.describe()} rows={self.num_tokens}>"
+
+
+class PlainLayout(KVLayout):
+    """Full attention, full precision."""
+
+    kind = "plain"
+
+    def __init__(self, num_rows: int = 0) -> None:
+        super().__init__(num_rows, codec=PlainCodec())
+
+    def _params(self) -> dict[str, Any]:
+        return {}
+
+
+class QuantizedLayout(KVLayout):
+    """Full attention, MLX affine-quantized K/V (`bits`, `group_size` route mlx-lm's SDPA)."""
+
+    kind = "quantized"
+
+    def __init__(self, num_rows: int = 0, bits: int = 8, group_size: int = 64) -> None:
+        super().__init__(num_rows, codec=QuantizedCodec(bits=bits, group_size=group_size))
+        self.bits = bits
+        self.group_size = group_size
+
+    def _params(self) -> dict[str, Any]:
+        return {"bits": self.bits, "group_size": self.group_size}
+
+
+class RotatingLayout(KVLayout):
+    """Sliding window of `window` tokens (`keep` of them sinks) in a ring of window + slack."""
+
+    kind = "rotating"
+
+    def __init__(self, num_rows: int = 0, window: int = 256, keep: int = 0, slack: int = 0) -> None:
+        super().__init__(num_rows, codec=PlainCodec(), window=window, keep=keep, slack=slack)
+
+    def _params(self) -> dict[str, Any]:
+        return {"window": self.window, "keep": self.keep, "slack": self.slack}
+
+
+class QuantizedRotatingLayout(KVLayout):
+    """Ring layout with quantized K/V."""
+
+    kind = "rotating_quantized"
+
+    def __init__(
+        self,
+        num_rows: int = 0,
+        window: int = 256,
+        keep: int = 0,
+        slack: int = 0,
+        bits: int = 8,
+        group_size: int = 64,
+    ) -> None:
+        codec = QuantizedCodec(bits=bits, group_size=group_size)
+        super().__init__(num_rows, codec=codec, window=window, keep=keep, slack=slack)
+        self.bits = bits
+        self.group_size = group_size
+
+    def _params(self) -> dict[str, Any]:
+        return {
+            "window": self.window,
+            "keep": self.keep,
+            "slack": self.slack,
+            "bits": self.bits,
+            "group_size": self.group_size,
+        }

@@ -1,0 +1,180 @@
+"""The one place where architectures differ: which KV layout each layer gets.
+
+The per-layer shape comes from the model itself (`model.make_cache()`, i.e. mlx-lm's own
+choice of KVCache / RotatingKVCache / ArraysCache per layer), mapped onto our batched layouts:
+
+    KVCache                      -> PlainLayout | QuantizedLayout
+                                    (RotatingLayout with `keep` sinks when max_kv_size is set)
+    RotatingKVCache(size, keep)  -> RotatingLayout(window=size, keep, slack=max_draft)
+                                    | QuantizedRotatingLayout
+    ArraysCache(n)               -> RecurrentLayout(n)
+
+`ARCHITECTURES` lists what is tested (batched == alone, tests/test_kv_models.py) and what an
+architecture cannot do (e.g. quantized KV where the model's attention bypasses mlx-lm's
+quantized SDPA). Unlisted architectures get the generic mapping and `tested=False`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_lm.models import cache as mlc
+
+from engine.kv.attention import (
+    PlainLayout,
+    QuantizedLayout,
+    QuantizedRotatingLayout,
+    RotatingLayout,
+)
+from engine.kv.recurrent import RecurrentLayout, install_stepping
+
+
+@dataclass(frozen=True, slots=True)
+class ArchSpec:
+    name: str  # mlx-lm module name (mlx_lm.models.<name>)
+    layers: str  # what the layers hold, for the docs
+    can_quantize: bool = True
+    why_not_quantized: str = ""
+    mixer_attr: str | None = None  # recurrent mixer attribute on a decoder layer
+    tested: bool = True
+
+
+_NO_Q_SINKS = "attention sinks: mlx-lm's quantized SDPA has no sinks"
+_NO_Q_MLA = "MLA attends over the raw latent (embed_q/unembed_out), not through quantized SDPA"
+_NO_Q_SHARED = "KV-shared layers call attention with cache=None, bypassing the quantized path"
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    s.name: s
+    for s in [
+        ArchSpec("llama", "full; sliding-window layers where config.layer_types says so"),
+        ArchSpec(
+            "gemma3_text",
+            "sliding window on 5 of every 6 layers (sliding_window_pattern), full on the rest",
+        ),
+        ArchSpec(
+            "gemma4_text",
+            "sliding / full per layer_types; the last num_kv_shared_layers read an earlier layer's KV (no cache of their own)",
+            can_quantize=False,
+            why_not_quantized=_NO_Q_SHARED,
+        ),
+        ArchSpec(
+            "gpt_oss",
+            "alternating sliding window (128) and full attention, both with learned attention sinks",
+            can_quantize=False,
+            why_not_quantized=_NO_Q_SINKS,
+        ),
+        ArchSpec(
+            "qwen3_next",
+            "gated-DeltaNet recurrent state (conv + state) on 3 of every 4 layers, full attention on the 4th",
+            mixer_attr="linear_attn",
+        ),
+        ArchSpec(
+            "qwen3_5",
+            "gated-DeltaNet recurrent state on 3 of every 4 layers, full attention on the 4th",
+            mixer_attr="linear_attn",
+        ),
+        ArchSpec("qwen3_moe", "full attention (MoE MLP)"),
+        ArchSpec(
+            "deepseek_v3",
+            "MLA: one latent 'head' (kv_lora_rank) + a shared RoPE key per token, full attention",
+            can_quantize=False,
+            why_not_quantized=_NO_Q_MLA,
+        ),
+    ]
+}
+
+
+def arch_name(model: Any) -> str:
+    return type(model).__module__.rsplit(".", 1)[-1]
+
+
+def spec_for(model: Any) -> ArchSpec:
+    name = arch_name(model)
+    return ARCHITECTURES.get(name) or ArchSpec(
+        name, "generic mapping of make_cache()", tested=False
+    )
+
+
+def _model_layers(model: Any) -> list[Any]:
+    layers = getattr(model, "layers", None)
+    return list(layers) if layers is not None else []
+
+
+def prepare_model(model: Any) -> ArchSpec:
+    """One-time model setup for our layouts: make recurrent mixers stepping (for rollback)."""
+    spec = spec_for(model)
+    if spec.mixer_attr is not None:
+        for layer in _model_layers(model):
+            mixer = getattr(layer, spec.mixer_attr, None)
+            if mixer is not None:
+                install_stepping(mixer)
+    return spec
+
+
+def layer_templates(model: Any) -> list[Any]:
+    """mlx-lm's own single-sequence cache per layer (what the model file asks for)."""
+    if hasattr(model, "make_cache"):
+        return model.make_cache()
+    return [mlc.KVCache() for _ in _model_layers(model)]
+
+
+def make_batch_layouts(
+    model: Any,
+    num_rows: int = 0,
+    *,
+    kv_bits: int = 16,
+    kv_group_size: int = 64,
+    max_kv_size: int | None = None,
+    max_draft: int = 0,
+    sink_tokens: int = 4,
+) -> list[Any]:
+    """Per-layer batched layouts for `model`, `num_rows` empty rows each.
+
+    kv_bits: 16 = full precision, 8 / 4 = MLX affine quantized (group `kv_group_size`).
+    max_kv_size: cap full-attention layers to a ring of that many tokens (`sink_tokens` sinks).
+    max_draft: the most draft tokens a speculative round appends (ring slack for rollback).
+    """
+    spec = spec_for(model)
+    quant = kv_bits < 16
+    if quant and not spec.can_quantize:
+        raise ValueError(f"{spec.name}: quantized KV is not supported ({spec.why_not_quantized})")
+    out: list[Any] = []
+    for tmpl in layer_templates(model):
+        out.append(
+            _layout_for(
+                tmpl, num_rows, quant, kv_bits, kv_group_size, max_kv_size, max_draft, sink_tokens
+            )
+        )
+    return out
+
+
+def _layout_for(
+    tmpl: Any,
+    num_rows: int,
+    quant: bool,
+    bits: int,
+    group: int,
+    max_kv_size: int | None,
+    max_draft: int,
+    sink_tokens: int,
+) -> Any:
+    if isinstance(tmpl, mlc.RotatingKVCache):
+        ring = dict(window=tmpl.max_size, keep=tmpl.keep, slack=max_draft)
+        if quant:
+            return QuantizedRotatingLayout(num_rows, bits=bits, group_size=group, **ring)
+        return RotatingLayout(num_rows, **ring)
+    if isinstance(tmpl, mlc.KVCache | mlc.QuantizedKVCache):
+        if max_kv_size is not None:
+            ring = dict(window=max_kv_size, keep=min(sink_tokens, max_kv_size - 1), slack=max_draft)
+            if quant:
+                return QuantizedRotatingLayout(num_rows, bits=bits, group_size=group, **ring)
+            return RotatingLayout(num_rows, **ring)
+        return (
+            QuantizedLayout(num_rows, bits=bits, group_size=group)
+            if quant
+            else PlainLayout(num_rows)
+        )
+    if isinstance(tmpl, mlc.ArraysCache):
+        return RecurrentLayout(num_rows, size=len(tmpl.cache))
+    raise NotImplementedError(f"no batched layout for {type(tmpl).__name__} yet")
