@@ -29,6 +29,7 @@ class RowMeta:
     num_generated: int = 0
     num_cached_tokens: int = 0
     finished: bool = False  # set once its last event is out (in-flight results are then ignored)
+    constraint: Any = None  # engine.constrain.Constraint: the row's grammar state, if any
 
     @property
     def req_id(self) -> str:
@@ -79,6 +80,10 @@ class RunningBatch:
         self.next_tokens = mx.concatenate([self.next_tokens, other.next_tokens])
         self.sampler = SamplerState.concat([self.sampler, other.sampler])
         self.caches = kvcache.extend(self.caches, other.caches)
+
+    def constrained_rows(self) -> list[tuple[Any, int]]:
+        """(constraint, row index) for every row decoding under a grammar."""
+        return [(r.constraint, i) for i, r in enumerate(self.rows) if r.constraint is not None]
 
     def arrays(self) -> list[Any]:
         out: list[Any] = [self.next_tokens]

@@ -138,7 +138,24 @@ class Engine:
             num_prompt_tokens=n,
             max_new_tokens=max(1, min(params.max_tokens, ctx - n)),
             stop_ids=frozenset(stop_ids),
+            constraint=self._compile_constraint(params.constraint),
         )
+
+    def _compile_constraint(self, spec: Any) -> Any:
+        """The row's grammar matcher (None when unconstrained); a bad spec is a 400 here,
+        before anything is queued."""
+        if spec is None:
+            return None
+        from engine.constrain import ConstraintError, compile_constraint
+
+        lm = self.loaded
+        try:
+            return compile_constraint(spec, lm.tokenizer, lm.vocab_size, lm.eos_token_ids)
+        except ConstraintError as exc:
+            raise EngineError(str(exc), status=400, code="invalid_constraint") from None
+        except ImportError:
+            raise EngineError("structured output needs the 'llguidance' package", status=400,
+                              code="constraints_unavailable") from None
 
     # -- engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
@@ -182,18 +199,26 @@ class Engine:
         if plan.prefill is not None:
             runner.prefill(plan)
             sched.finish_prefill_step(plan, None)
-        launched = runner.launch_decode(sched.running) if len(sched.running) else None
         events: list[TokenEvent] = []
+        if self._inflight is not None and sched.running.constrained_rows():
+            # a grammar mask needs the previous token consumed: no pipelining while constrained
+            events = self._collect(self._inflight)
+            self._inflight = None
+        launched = runner.launch_decode(sched.running) if len(sched.running) else None
         if self._inflight is not None:  # read step t-1 while step t computes
-            result = runner.collect(self._inflight)
-            events = sched.finish_decode_step(self._inflight.rows, result)
-            self._stats.num_generated_tokens += sum(len(e.token_ids) for e in events)
+            events = self._collect(self._inflight)
         self._inflight = launched
         self._stats.num_steps += 1
         if self._stats.num_steps % self.config.clear_cache_every == 0:
             mx.clear_cache()
         if events:
             self._emit(events)
+
+    def _collect(self, inflight: InFlight) -> list[TokenEvent]:
+        result = self.runner.collect(inflight)
+        events = self.scheduler.finish_decode_step(inflight.rows, result)
+        self._stats.num_generated_tokens += sum(len(e.token_ids) for e in events)
+        return events
 
     def _emit(self, events: list[TokenEvent]) -> None:
         by_sink: dict[int, tuple[EventSink, list[TokenEvent]]] = {}

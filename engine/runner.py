@@ -11,7 +11,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine import kvcache
+from engine import constrain, kvcache
 from engine.batch import RowMeta, RunningBatch
 from engine.sampling import SampleOutput, sample
 from engine.scheduler import Plan, StepResult
@@ -47,6 +47,9 @@ class Runner:
         """
         assert batch.next_tokens is not None and batch.sampler is not None
         logits = self.model(batch.next_tokens[:, None], cache=batch.caches)[:, -1, :]
+        constrained = batch.constrained_rows()
+        if constrained:  # the caller made sure every row's previous token is consumed
+            logits = _mask_logits(logits, constrained)
         out = sample(logits.astype(mx.float32), batch.sampler)
         batch.sampler = batch.sampler.record(out.tokens)
         batch.next_tokens = out.tokens
@@ -73,6 +76,19 @@ class InFlight:
 
     rows: list[RowMeta]
     out: SampleOutput
+
+
+def _mask_logits(logits: mx.array, constrained: list[tuple[Any, int]]) -> mx.array:
+    """-inf on every token a row's grammar forbids; free rows pass through bit for bit.
+
+    The forward pass runs (async_eval) while the grammar engine fills the bitmasks on the CPU.
+    """
+    mx.async_eval(logits)
+    batch, vocab = logits.shape
+    bitmask = constrain.new_bitmask(batch, vocab)
+    constrain.fill_masks(constrained, bitmask)
+    allowed = constrain.allowed_from_bitmask(bitmask, vocab)
+    return mx.where(allowed, logits, mx.array(float("-inf"), dtype=logits.dtype))
 
 
 def _arrays_of(state: Any) -> list[mx.array]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from engine import kvcache
-from engine.api import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, TokenEvent
+from engine.api import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, TokenEvent
 from engine.batch import RowMeta, RunningBatch
 
 
@@ -201,6 +201,8 @@ class Scheduler:
                 row.num_generated += 1
                 if row.num_generated >= row.max_new_tokens:
                     finish = FINISH_LENGTH
+                if row.constraint is not None:
+                    finish = _advance_constraint(row, token) or finish
             event = TokenEvent(
                 req_id=row.req_id,
                 token_ids=ids,
@@ -212,6 +214,8 @@ class Scheduler:
                 event.logprobs = [result.logprobs[i]]
                 if params.top_logprobs and result.top_logprobs is not None:
                     event.top_logprobs = [result.top_logprobs[i][: params.top_logprobs]]
+            if finish == FINISH_ERROR:
+                event.error = f"constrained decoding failed: {row.constraint.error or 'token rejected'}"
             events.append(event)
             row.finished = finish is not None
         self.drop_finished()
@@ -230,3 +234,10 @@ class Scheduler:
             num_prompt_tokens=row.num_prompt_tokens,
             num_cached_tokens=row.num_cached_tokens,
         )
+
+
+def _advance_constraint(row: RowMeta, token: int) -> str | None:
+    """Feed the sampled token to the row's grammar: "stop" once the grammar is complete."""
+    if not row.constraint.consume(token):
+        return FINISH_ERROR  # the mask should make this impossible
+    return FINISH_STOP if row.constraint.is_done() else None

@@ -1,0 +1,124 @@
+"""Plain-data constraint specs → llguidance grammars (JSON schema, regex, Lark, tool calls).
+
+Tool calls: each call is a JSON object whose name is one of the tools and whose arguments follow
+that tool's schema; the format (how calls are wrapped and separated) comes from the chat-template
+family, e.g. Hermes/Qwen::
+
+    call_open "<tool_call>\\n", call_close "\\n</tool_call>", separator "\\n"
+    → <tool_call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}\\n</tool_call>
+
+and Mistral: list_open "[TOOL_CALLS][", separator ", ", list_close "]". The name key comes first
+in the object so that a streaming parser sees the name before the arguments.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from engine.constrain.base import ConstraintError
+
+# compact, json.dumps-like output: no free whitespace (a small model at temperature 1 would
+# otherwise wander off into endless newlines)
+JSON_OPTIONS: dict[str, Any] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+MAX_TOOLS = 128
+_FORMAT_KEYS = ("list_open", "call_open", "call_close", "separator", "list_close")
+
+
+def _schema(value: Any, where: str) -> dict[str, Any]:
+    if isinstance(value, bool):  # JSON Schema allows true/false as schemas
+        return {} if value else {"not": {}}
+    if not isinstance(value, dict):
+        raise ConstraintError(f"{where} must be a JSON Schema object")
+    return value
+
+
+def _lark_str(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _json_grammar(schema: dict[str, Any], *, lenient: bool) -> str:
+    import llguidance
+
+    options = dict(JSON_OPTIONS, lenient=lenient)
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
+    except ValueError as exc:
+        raise ConstraintError(f"invalid JSON schema: {exc}") from None
+
+
+def tool_call_schema(tool: dict[str, Any], name_key: str, args_key: str) -> dict[str, Any]:
+    name = tool.get("name")
+    if not isinstance(name, str) or not name:
+        raise ConstraintError("every tool needs a non-empty string 'name'")
+    params = tool.get("parameters")
+    params = {"type": "object"} if params is None else _schema(params, f"tool {name!r} parameters")
+    return {
+        "type": "object",
+        "properties": {name_key: {"const": name}, args_key: params},
+        "required": [name_key, args_key],
+        "additionalProperties": False,
+    }
+
+
+def _tool_calls_lark(spec: dict[str, Any]) -> str:
+    tools = spec.get("tools")
+    if not isinstance(tools, list) or not tools:
+        raise ConstraintError("a tool_calls constraint needs a non-empty 'tools' list")
+    if len(tools) > MAX_TOOLS:
+        raise ConstraintError(f"at most {MAX_TOOLS} tools can be constrained at once")
+    fmt = spec.get("format") or {}
+    if not isinstance(fmt, dict):
+        raise ConstraintError("'format' must be an object")
+    parts = {k: fmt.get(k, "") for k in _FORMAT_KEYS}
+    if not all(isinstance(v, str) for v in parts.values()):
+        raise ConstraintError(f"format fields {', '.join(_FORMAT_KEYS)} must be strings")
+    name_key = fmt.get("name_key", "name")
+    args_key = fmt.get("args_key", "arguments")
+    lenient = bool(spec.get("lenient", True))
+    options = json.dumps(dict(JSON_OPTIONS, lenient=lenient))
+    rules = []
+    for i, tool in enumerate(tools):
+        schema = dict(tool_call_schema(tool, name_key, args_key), **{"x-guidance": json.loads(options)})
+        rules.append(f"tool_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
+    body = " | ".join(f"tool_{i}" for i in range(len(tools)))
+    call = f"{_lark_str(parts['call_open'])} ({body}) {_lark_str(parts['call_close'])}"
+    more = f" ({_lark_str(parts['separator'])} call)*" if spec.get("parallel", True) else ""
+    lines = [
+        f"start: {_lark_str(parts['list_open'])} call{more} {_lark_str(parts['list_close'])}",
+        f"call: {call}",
+        *rules,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def grammar_of(spec: Any) -> str:
+    """The llguidance grammar for a spec; ConstraintError for anything malformed."""
+    import llguidance
+
+    if not isinstance(spec, dict):
+        raise ConstraintError("a constraint must be an object with a 'type'")
+    kind = spec.get("type")
+    if kind == "json_schema":
+        return _json_grammar(_schema(spec.get("schema"), "'schema'"), lenient=not spec.get("strict", True))
+    if kind == "json_object":
+        return _json_grammar({"type": "object"}, lenient=False)
+    if kind == "regex":
+        pattern = spec.get("pattern")
+        if not isinstance(pattern, str):
+            raise ConstraintError("a regex constraint needs a string 'pattern'")
+        return llguidance.LLMatcher.grammar_from_regex(pattern)
+    if kind == "lark":
+        grammar = spec.get("grammar")
+        if not isinstance(grammar, str):
+            raise ConstraintError("a lark constraint needs a string 'grammar'")
+        return llguidance.LLMatcher.grammar_from_lark(grammar)
+    if kind == "tool_calls":
+        return llguidance.LLMatcher.grammar_from_lark(_tool_calls_lark(spec))
+    raise ConstraintError(
+        f"unknown constraint type {kind!r}; expected json_schema, json_object, regex, lark or tool_calls"
+    )
