@@ -1,0 +1,206 @@
+"""Source of the fused trellis mat-vec: ONE shared body, a thin prelude per backend.
+
+y[b, r] = scale[r] * norm * sum_j code(state(r, j)) * x~[b, j], for up to 8 rows b of x~.
+
+Work split: one 32-lane SIMD group (a CUDA warp, a Metal simdgroup) per output row; lane l walks
+the row's 32-weight groups l, l+32, ... A group of 32 weights is exactly K packed words, plus the
+word after it for the windows that run over its end (the block's first word at a block end:
+tail-biting). With i and K compile-time constants the unrolled loop turns every window into a
+funnel shift, and a weight costs one multiply-add (the LCG), a byte sum, one or two float ops and
+BATCH fused multiply-adds. The lanes' partial sums are then reduced across the SIMD group.
+
+The body sees: inputs ``packed`` (uint32), ``scales`` (float16/float32), ``x`` (DT), output ``y``
+(DT); template constants K, L, TB (block length), N_IN, N_OUT, BATCH, CODE (0 = 1MAD, 1 = 3INST),
+ROWS (rows per threadgroup); and from the backend prologue ``lane`` and ``row``. Helpers from the
+backend prelude: TRELLIS_FN, TRELLIS_UNROLL, u32, trellis_as_float, trellis_half_bits,
+trellis_byte_sum. The epilogue reduces ``acc`` over the SIMD group and writes ``y``.
+
+Besides CUDA and Metal there is a C++ prelude (``cpu_harness_source``) that runs the same body
+one lane at a time, so CPU-only CI compiles and checks this exact text with g++.
+"""
+
+from __future__ import annotations
+
+# Shared by every backend: the code functions and the per-lane arithmetic.
+SHARED_HELPERS = r"""
+TRELLIS_FN float trellis_1mad(u32 s) {
+    // x = s*34038481 + 76625530 mod 2^32; value*147.8 = (sum of x's four bytes) - 510.
+    const u32 x = s * 34038481u + 76625530u;
+    const u32 sum = trellis_byte_sum(x);
+    // 2^23 + sum as float bits, minus (2^23 + 510): exact integer, no int-to-float convert.
+    return trellis_as_float(0x4B000000u | sum) - 8389118.0f;
+}
+
+TRELLIS_FN float trellis_3inst(u32 s) {
+    // x = s*89226354 + 64248484 mod 2^32; two float16 halves with a pinned exponent, summed.
+    const u32 x = s * 89226354u + 64248484u;
+    const u32 m = (x & 0x8FFF8FFFu) ^ 0x3B603B60u;
+    return trellis_half_bits(m & 0xFFFFu) + trellis_half_bits(m >> 16);
+}
+"""
+
+BODY = r"""
+    float acc[BATCH];
+    TRELLIS_UNROLL
+    for (int b = 0; b < BATCH; ++b) {
+        acc[b] = 0.0f;
+    }
+    if (row < (u32)N_OUT) {
+        const u32 words_per_row = (u32)(N_IN * K / 32);
+        const u32 words_per_block = (u32)(TB * K / 32);
+        const u32 groups_per_block = (u32)(TB / 32);
+        const u32 num_groups = (u32)(N_IN / 32);
+        for (u32 g = lane; g < num_groups; g += 32u) {
+            const u32 blk = g / groups_per_block;
+            const u32 gi = g - blk * groups_per_block;
+            const u32 base = row * words_per_row + blk * words_per_block;
+            u32 w[K + 1];
+            TRELLIS_UNROLL
+            for (int k = 0; k < K; ++k) {
+                w[k] = packed[base + gi * (u32)K + (u32)k];
+            }
+            w[K] = packed[base + ((gi + 1u) * (u32)K) % words_per_block];
+            const u32 xo = g * 32u;
+            TRELLIS_UNROLL
+            for (int i = 0; i < 32; ++i) {
+                const int p = i * K;
+                const int q = p >> 5;
+                const u32 off = (u32)(p & 31);
+                const u32 win = (w[q] << off) | ((w[q + 1] >> 1) >> (31u - off));
+                const u32 state = win >> (32 - L);
+                const float v = (CODE == 0) ? trellis_1mad(state) : trellis_3inst(state);
+                TRELLIS_UNROLL
+                for (int b = 0; b < BATCH; ++b) {
+                    acc[b] += v * (float)x[(u32)b * (u32)N_IN + xo + (u32)i];
+                }
+            }
+        }
+    }
+    const float code_norm = (CODE == 0) ? (1.0f / 147.800537109375f) : 1.0f;
+"""
+
+# ---- CUDA -------------------------------------------------------------------------------------
+CUDA_HEADER = (
+    r"""
+typedef unsigned int u32;
+#define TRELLIS_FN __device__ __forceinline__
+#define TRELLIS_UNROLL _Pragma("unroll")
+TRELLIS_FN float trellis_as_float(u32 b) { return __uint_as_float(b); }
+TRELLIS_FN float trellis_half_bits(u32 h) { return __half2float(__ushort_as_half((unsigned short)h)); }
+TRELLIS_FN u32 trellis_byte_sum(u32 x) { return __dp4a(x, 0x01010101u, 0u); }
+"""
+    + SHARED_HELPERS
+)
+
+CUDA_PROLOGUE = r"""
+    const u32 lane = threadIdx.x & 31u;
+    const u32 row = blockIdx.x * (u32)ROWS + (threadIdx.x >> 5);
+"""
+
+CUDA_EPILOGUE = r"""
+    TRELLIS_UNROLL
+    for (int b = 0; b < BATCH; ++b) {
+        float v = acc[b];
+        TRELLIS_UNROLL
+        for (int o = 16; o > 0; o >>= 1) {
+            v += __shfl_xor_sync(0xffffffffu, v, o);
+        }
+        acc[b] = v;
+    }
+    if (lane == 0u && row < (u32)N_OUT) {
+        const float sc = (float)scales[row] * code_norm;
+        TRELLIS_UNROLL
+        for (int b = 0; b < BATCH; ++b) {
+            y[(u32)b * (u32)N_OUT + row] = (DT)(acc[b] * sc);
+        }
+    }
+"""
+
+# ---- Metal ------------------------------------------------------------------------------------
+METAL_HEADER = (
+    r"""
+typedef uint u32;
+#define TRELLIS_FN inline
+#define TRELLIS_UNROLL _Pragma("clang loop unroll(full)")
+TRELLIS_FN float trellis_as_float(u32 b) { return as_type<float>(b); }
+TRELLIS_FN float trellis_half_bits(u32 h) { return float(as_type<half>((ushort)h)); }
+TRELLIS_FN u32 trellis_byte_sum(u32 x) {
+    const u32 t = (x & 0x00FF00FFu) + ((x >> 8) & 0x00FF00FFu);
+    return (t & 0xFFFFu) + (t >> 16);
+}
+"""
+    + SHARED_HELPERS
+)
+
+METAL_PROLOGUE = r"""
+    const u32 lane = thread_index_in_simdgroup;
+    const u32 row = threadgroup_position_in_grid.x * (u32)ROWS + simdgroup_index_in_threadgroup;
+"""
+
+METAL_EPILOGUE = r"""
+    TRELLIS_UNROLL
+    for (int b = 0; b < BATCH; ++b) {
+        acc[b] = simd_sum(acc[b]);
+    }
+    if (lane == 0u && row < (u32)N_OUT) {
+        const float sc = (float)scales[row] * code_norm;
+        TRELLIS_UNROLL
+        for (int b = 0; b < BATCH; ++b) {
+            y[(u32)b * (u32)N_OUT + row] = (DT)(acc[b] * sc);
+        }
+    }
+"""
+
+# ---- C++ (CPU check of the shared body) -------------------------------------------------------
+CPU_HEADER = (
+    r"""
+#include <cstdint>
+#include <cstring>
+typedef uint32_t u32;
+#define TRELLIS_FN static inline
+#define TRELLIS_UNROLL
+static inline float trellis_as_float(u32 b) { float f; std::memcpy(&f, &b, 4); return f; }
+static inline float trellis_half_bits(u32 h) {
+    // IEEE binary16 -> binary32 (normal, subnormal, zero; the codes never make inf/nan).
+    const u32 sign = (h & 0x8000u) << 16;
+    const u32 e = (h >> 10) & 0x1Fu;
+    const u32 m = h & 0x3FFu;
+    if (e == 0) {
+        const float v = (float)m * (1.0f / 16777216.0f);
+        return sign ? -v : v;
+    }
+    return trellis_as_float(sign | ((e + 112u) << 23) | (m << 13));
+}
+static inline u32 trellis_byte_sum(u32 x) {
+    const u32 t = (x & 0x00FF00FFu) + ((x >> 8) & 0x00FF00FFu);
+    return (t & 0xFFFFu) + (t >> 16);
+}
+"""
+    + SHARED_HELPERS
+)
+
+
+def _constants_cpp(consts: dict[str, int]) -> str:
+    return "".join(f"    constexpr int {k} = {v};\n" for k, v in consts.items())
+
+
+def cpu_harness_source(consts: dict[str, int]) -> str:
+    """A C++ translation unit that runs BODY lane by lane and stores each lane's partial sums.
+
+    ``trellis_lane_partials(packed, scales, x, partial)``: partial has shape (N_OUT, 32, BATCH) and
+    already includes scale * code_norm, so summing over the lanes gives y.
+    """
+    return (
+        CPU_HEADER
+        + 'extern "C" void trellis_lane_partials(const u32* packed, const float* scales,\n'
+        + "                                      const float* x, float* partial) {\n"
+        + _constants_cpp(consts)
+        + "    typedef float DT;\n"
+        + "    for (u32 row = 0; row < (u32)N_OUT; ++row) {\n"
+        + "    for (u32 lane = 0; lane < 32u; ++lane) {\n"
+        + BODY
+        + "    for (int b = 0; b < BATCH; ++b) {\n"
+        + "        partial[((size_t)row * 32u + lane) * BATCH + b] = (DT)(acc[b] * scales[row] * code_norm);\n"
+        + "    }\n"
+        + "    }}\n}\n"
+    )

@@ -1,0 +1,329 @@
+"""TrellisLinear, and swapping it into any mlx-lm model: quantize, save, load.
+
+A quantized model directory is an ordinary mlx-lm directory whose ``config.json`` carries
+
+    "quantization": {"method": "trellis", "bits": K, "L": L, "code": "1mad", "max_block": 256, ...}
+
+and whose safetensors hold, for every quantized Linear at path ``p``, ``p.packed`` (uint32),
+``p.scales`` (float16), ``p.signs`` (int8) and ``p.bias`` if it had one, beside the model's other
+(unquantized) parameters. mlx-lm's own loader does not know this method: load such a directory
+with ``load_model`` below, or build the model yourself and call ``load_hook``.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .bitshift import block_size_for
+from .matvec import MAX_FUSED_BATCH, fused_backend, matmul_rotated
+from .quantizer import (
+    TrellisSpec,
+    TrellisWeight,
+    can_quantize,
+    dequantize,
+    dequantize_rotated,
+    quantize_weight,
+    rotate,
+)
+
+METHOD = "trellis"
+# Cache dequantized weights on layers that have no fused kernel (CPU). MLXD_TRELLIS_DENSE_CACHE=0
+# turns it off (then every call dequantizes: slow, but weights stay K bits in memory).
+DENSE_CACHE = os.environ.get("MLXD_TRELLIS_DENSE_CACHE", "1") != "0"
+DEFAULT_SKIP = ("lm_head",)
+
+
+class TrellisLinear(nn.Module):
+    """A Linear layer whose weight is trellis-coded (see ``quantizer.py`` for the format)."""
+
+    def __init__(
+        self,
+        input_dims: int,
+        output_dims: int,
+        bits: int,
+        L: int,
+        code: str = "1mad",
+        block: int | None = None,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        block = block or block_size_for(input_dims)
+        if block is None:
+            raise ValueError(f"no trellis block length divides {input_dims}")
+        self.bits, self.L, self.code, self.block = bits, L, code, block
+        self.packed = mx.zeros((output_dims, input_dims * bits // 32), dtype=mx.uint32)
+        self.scales = mx.zeros((output_dims,), dtype=mx.float16)
+        self.signs = mx.ones((input_dims,), dtype=mx.int8)
+        if bias:
+            self.bias = mx.zeros((output_dims,))
+
+    @property
+    def input_dims(self) -> int:
+        return int(self.signs.shape[0])
+
+    @property
+    def output_dims(self) -> int:
+        return int(self.packed.shape[0])
+
+    def trellis_weight(self) -> TrellisWeight:
+        return TrellisWeight(self.packed, self.scales, self.signs, self.bits, self.L, self.block, self.code)
+
+    def dense_weight(self) -> mx.array:
+        """The dense float32 weight this layer stands for (for inspection and tests)."""
+        return dequantize(self.trellis_weight())
+
+    def dense_rotated(self) -> mx.array:
+        """W~ dense float32, cached on the module when ``cache_dense`` is set (CPU default)."""
+        cached = self.__dict__.get("_dense")
+        if cached is not None and cached[0] is self.packed and cached[1] is self.scales:
+            return cached[2]
+        dense = dequantize_rotated(self.trellis_weight())
+        if self.cache_dense:
+            mx.eval(dense)
+            # object.__setattr__: a plain attribute, so the cache is not a parameter (not saved).
+            object.__setattr__(self, "_dense", (self.packed, self.scales, dense))
+        return dense
+
+    @property
+    def cache_dense(self) -> bool:
+        """Keep the dequantized W~ when there is no fused kernel (CPU): speed over memory there."""
+        return DENSE_CACHE and fused_backend() is None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        x_rot = rotate(x, self.signs)
+        rows = x_rot.size // self.input_dims
+        if fused_backend() is not None and rows <= MAX_FUSED_BATCH:
+            y = matmul_rotated(x_rot, self.trellis_weight(), use_fused=True)
+        else:
+            y = x_rot @ self.dense_rotated().T
+        if "bias" in self:
+            y = y + self.bias.astype(mx.float32)
+        return y.astype(x.dtype)
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        spec: TrellisSpec,
+        key: mx.array | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> TrellisLinear:
+        out_dims, in_dims = linear.weight.shape
+        has_bias = "bias" in linear
+        w = quantize_weight(linear.weight, spec, key=key, progress=progress)
+        layer = cls(in_dims, out_dims, spec.bits, spec.L, spec.code, w.block, bias=has_bias)
+        layer.packed, layer.scales, layer.signs = w.packed, w.scales, w.signs
+        if has_bias:
+            layer.bias = linear.bias
+        return layer
+
+    def _extra_repr(self) -> str:
+        return f"{self.input_dims}, {self.output_dims}, bits={self.bits}, L={self.L}, code={self.code}, block={self.block}"
+
+
+def spec_from_config(qconfig: dict[str, Any]) -> TrellisSpec:
+    return TrellisSpec(
+        bits=int(qconfig["bits"]),
+        L=int(qconfig["L"]),
+        code=str(qconfig.get("code", "1mad")),
+        max_block=int(qconfig.get("max_block", 256)),
+        wrap_window=qconfig.get("wrap_window", 64),
+    )
+
+
+def quantizable_linears(
+    model: nn.Module, spec: TrellisSpec, skip: Iterable[str] = DEFAULT_SKIP
+) -> list[tuple[str, nn.Linear]]:
+    """Plain Linear layers the trellis format can hold (row length OK), minus skipped names."""
+    skip = tuple(skip)
+    found = []
+    for path, module in model.named_modules():
+        if type(module) is not nn.Linear:
+            continue
+        if any(path == s or path.endswith("." + s) for s in skip):
+            continue
+        if can_quantize(int(module.weight.shape[1]), spec):
+            found.append((path, module))
+    return sorted(found)
+
+
+def quantize_model(
+    model: nn.Module,
+    bits: int,
+    L: int = 16,
+    *,
+    code: str = "1mad",
+    max_block: int = 256,
+    seed: int = 0,
+    skip: Iterable[str] = DEFAULT_SKIP,
+    only: Callable[[str], bool] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Quantize the model's Linear layers in place; returns the config's "quantization" entry.
+
+    only: optional filter on module paths (e.g. to quantize a few layers in a quick test).
+    progress(n): called with the number of weights just quantized.
+    """
+    spec = TrellisSpec(bits=bits, L=L, code=code, max_block=max_block)
+    targets = [(p, m) for p, m in quantizable_linears(model, spec, skip) if only is None or only(p)]
+    swapped = []
+    for index, (path, linear) in enumerate(targets):
+        key = mx.random.key(seed * 100003 + index)
+        swapped.append((path, TrellisLinear.from_linear(linear, spec, key=key, progress=progress)))
+        model.update_modules(tree_unflatten(swapped[-1:]))
+    return {
+        "method": METHOD,
+        "bits": bits,
+        "L": L,
+        "code": code,
+        "max_block": max_block,
+        "wrap_window": spec.wrap_window,
+        "seed": seed,
+        "num_layers": len(swapped),
+    }
+
+
+def quantizable_size(model: nn.Module, spec: TrellisSpec, skip: Iterable[str] = DEFAULT_SKIP) -> int:
+    return sum(int(m.weight.size) for _, m in quantizable_linears(model, spec, skip))
+
+
+def is_trellis_config(config: dict[str, Any]) -> bool:
+    q = config.get("quantization")
+    return isinstance(q, dict) and q.get("method") == METHOD
+
+
+def _load_weights(weights_dir: Path) -> dict[str, mx.array]:
+    files = sorted(glob.glob(str(Path(weights_dir) / "model*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no model*.safetensors in {weights_dir}")
+    weights: dict[str, mx.array] = {}
+    for f in files:
+        weights.update(mx.load(f))
+    return weights
+
+
+def apply_trellis(model: nn.Module, qconfig: dict[str, Any], weights: dict[str, mx.array]) -> nn.Module:
+    """Swap every Linear that has ``p.packed`` in ``weights`` for an (unfilled) TrellisLinear.
+
+    Shapes and bits come from the tensors themselves (n_in = len(signs), K = 32*words/n_in), so
+    layers may differ in bits; L, code and max_block come from the config.
+    """
+    swaps = []
+    modules = dict(model.named_modules())
+    for name, packed in weights.items():
+        if not name.endswith(".packed"):
+            continue
+        path = name[: -len(".packed")]
+        if path not in modules:
+            raise KeyError(f"trellis weights for {path!r}, which the model does not have")
+        n_out, words = packed.shape
+        n_in = int(weights[f"{path}.signs"].shape[0])
+        bits = words * 32 // n_in
+        block = block_size_for(n_in, int(qconfig.get("max_block", 256)))
+        layer = TrellisLinear(
+            n_in, n_out, bits, int(qconfig["L"]), str(qconfig.get("code", "1mad")), block, bias=f"{path}.bias" in weights
+        )
+        swaps.append((path, layer))
+    if swaps:
+        model.update_modules(tree_unflatten(swaps))
+    return model
+
+
+def load_hook(model: nn.Module, config: dict[str, Any], weights_dir: Path) -> nn.Module:
+    """Make ``model`` (built from ``config``, weights loaded or not) a trellis model from disk.
+
+    Swaps in TrellisLinear layers, loads every parameter from ``weights_dir/model*.safetensors``
+    (strictly), evaluates them and returns the model (the same object, changed in place).
+    """
+    if not is_trellis_config(config):
+        raise ValueError('config has no "quantization": {"method": "trellis", ...}')
+    weights = _load_weights(Path(weights_dir))
+    apply_trellis(model, config["quantization"], weights)
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def load_model(model_dir: Path | str) -> tuple[nn.Module, dict[str, Any]]:
+    """Load a trellis model directory with mlx-lm's model classes plus ``load_hook``."""
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    # Hide our "quantization" entry from mlx-lm, which would try to affine-quantize.
+    model, _ = mlx_lm_load_model(
+        model_dir, lazy=True, strict=False, model_config={"quantization": None, "quantization_config": None}
+    )
+    return load_hook(model, config, model_dir), config
+
+
+def save_model(model: nn.Module, config: dict[str, Any], dst: Path | str, src: Path | str | None = None) -> None:
+    """Write weights (mlx-lm's file layout) and config.json to ``dst``; copy tokenizer etc. from ``src``.
+
+    (mlx-lm's own ``save_model`` counts parameters assuming its affine layers, so we write the
+    shards ourselves.)
+    """
+    from mlx_lm.utils import make_shards
+
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    if src is not None:
+        for f in Path(src).iterdir():
+            if f.is_file() and not (f.name.endswith(".safetensors") or f.name in ("config.json", "model.safetensors.index.json")):
+                shutil.copy2(f, dst / f.name)
+    for old in dst.glob("model*.safetensors"):
+        old.unlink()
+    weights = dict(tree_flatten(model.parameters()))
+    shards = make_shards(weights)
+    pattern = "model-{:05d}-of-{:05d}.safetensors" if len(shards) > 1 else "model.safetensors"
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = pattern.format(i + 1, len(shards))
+        mx.save_safetensors(str(dst / name), shard, metadata={"format": "mlx"})
+        weight_map.update({k: name for k in shard})
+    index = {
+        "metadata": {"total_size": sum(v.nbytes for v in weights.values())},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    config = dict(config)
+    config.pop("quantization_config", None)
+    (dst / "config.json").write_text(json.dumps(dict(sorted(config.items())), indent=2) + "\n")
+
+
+def trellis_layers(model: nn.Module) -> list[tuple[str, TrellisLinear]]:
+    return [(p, m) for p, m in model.named_modules() if isinstance(m, TrellisLinear)]
+
+
+def bits_per_weight(model: nn.Module) -> float:
+    """Stored bits per quantized weight, scales and signs included."""
+    layers = [m for _, m in trellis_layers(model)]
+    num = sum(m.packed.nbytes + m.scales.nbytes + m.signs.nbytes for m in layers) * 8
+    den = sum(m.input_dims * m.output_dims for m in layers)
+    return num / den if den else 0.0
+
+
+__all__ = [
+    "TrellisLinear",
+    "apply_trellis",
+    "bits_per_weight",
+    "is_trellis_config",
+    "load_hook",
+    "load_model",
+    "quantizable_size",
+    "quantize_model",
+    "save_model",
+    "spec_from_config",
+    "trellis_layers",
+]
