@@ -18,7 +18,7 @@ from mlx.utils import tree_map
 WINDOW = 8
 
 _ATTN = dict(
-    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256
+    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256
 )
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
@@ -46,7 +46,7 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         model_type="gemma4_text",
         num_hidden_layers=4,
         intermediate_size=128,
-        global_head_dim=32,
+        global_head_dim=64,
         num_kv_shared_layers=2,
         vocab_size_per_layer_input=256,
         hidden_size_per_layer_input=8,

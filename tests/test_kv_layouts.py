@@ -1,0 +1,247 @@
+"""Property tests of the attention layouts against a naive reference over the full history.
+
+The reference keeps every row's whole history (float64) and attends, for the query at position
+q, to the positions p <= q with p < keep or p > q - (window - keep): exactly the semantics the
+layouts promise. Each step feeds random K/V/Q through `make_mask` + `update_and_fetch` + mlx-lm's
+SDPA (the quantized path for quantized layouts), as a model would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mlx_lm.models.base import scaled_dot_product_attention
+
+from engine.kv import (
+    KVLayout,
+    PlainLayout,
+    QuantizedLayout,
+    QuantizedRotatingLayout,
+    RotatingLayout,
+)
+from engine.kv.convert import row_of_layout
+
+H, D = 2, 32
+SETTINGS = settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+
+
+def make_layout(
+    kind: str, window: int, keep: int, slack: int, bits: int, num_rows: int = 0
+) -> KVLayout:
+    keep = min(keep, window - 1)
+    if kind == "plain":
+        if bits == 16:
+            return PlainLayout(num_rows)
+        return QuantizedLayout(num_rows, bits=bits, group_size=32)
+    ring = dict(window=window, keep=keep, slack=slack)
+    if bits == 16:
+        return RotatingLayout(num_rows, **ring)
+    return QuantizedRotatingLayout(num_rows, bits=bits, group_size=32, **ring)
+
+
+def stored(layout: KVLayout, x: mx.array) -> np.ndarray:
+    """What the layout will hold for `x` (quantize/dequantize round trip for quantized codecs)."""
+    k, _ = layout.codec.decode(layout.codec.encode(x, x))
+    return np.array(k, dtype=np.float64)
+
+
+@dataclass
+class RefRow:
+    keys: list[np.ndarray] = field(default_factory=list)  # per position [H, D]
+    values: list[np.ndarray] = field(default_factory=list)
+
+    def attend(self, q: np.ndarray, pos: int, window: int | None, keep: int) -> np.ndarray:
+        vis = [p for p in range(pos + 1) if window is None or p < keep or p > pos - (window - keep)]
+        k = np.stack([self.keys[p] for p in vis], axis=1)  # [H, P, D]
+        v = np.stack([self.values[p] for p in vis], axis=1)
+        s = np.einsum("hd,hpd->hp", q, k) / np.sqrt(D)
+        w = np.exp(s - s.max(-1, keepdims=True))
+        w /= w.sum(-1, keepdims=True)
+        return np.einsum("hp,hpd->hd", w, v)
+
+
+def step(layout: KVLayout, k: mx.array, v: mx.array, q: mx.array) -> np.ndarray:
+    """One model-style attention call; returns [B, H, S, D] outputs."""
+    mask = layout.make_mask(k.shape[2], window_size=layout.window)
+    keys, values = layout.update_and_fetch(k, v)
+    out = scaled_dot_product_attention(q, keys, values, cache=layout, scale=D**-0.5, mask=mask)
+    return np.array(out, dtype=np.float64)
+
+
+def rand(rng: np.random.Generator, b: int, s: int) -> mx.array:
+    return mx.array(rng.standard_normal((b, H, s, D)).astype(np.float32))
+
+
+def check_chunk(
+    layout: KVLayout,
+    refs: list[RefRow],
+    rng: np.random.Generator,
+    width: int,
+    real: list[int],
+    skip: list[int] | None = None,
+) -> None:
+    """Feed a chunk of `width` columns (row b: skip[b] pads, real[b] tokens, then pads)."""
+    b = len(refs)
+    skip = skip or [0] * b
+    k, v, q = rand(rng, b, width), rand(rng, b, width), rand(rng, b, width)
+    qn = np.array(q, dtype=np.float64)  # before SDPA: the quantized path scales q in place
+    start = layout.num_tokens
+    if any(skip) or any(r < width for r in real):
+        layout.prepare(left_padding=skip, lengths=real)
+    out = step(layout, k, v, q)
+    layout.finalize()
+    ks, vs = stored(layout, k), stored(layout, v)
+    for i, ref in enumerate(refs):
+        for j in range(skip[i], skip[i] + real[i]):
+            ref.keys.append(ks[i, :, j])
+            ref.values.append(vs[i, :, j])
+            pos = start[i] + j - skip[i]
+            want = ref.attend(qn[i, :, j], pos, layout.window, layout.keep)
+            np.testing.assert_allclose(out[i, :, j], want, rtol=2e-4, atol=2e-4)
+    assert layout.num_tokens == [s + r for s, r in zip(start, real, strict=True)]
+
+
+geometry = st.tuples(
+    st.sampled_from(["plain", "ring"]),
+    st.integers(3, 9),  # window
+    st.integers(0, 2),  # keep
+    st.integers(0, 4),  # slack
+    st.sampled_from([16, 8]),
+)
+
+
+@SETTINGS
+@given(geometry, st.lists(st.integers(1, 12), min_size=1, max_size=8), st.integers(0, 2**16))
+def test_ring_equals_sliding_window_over_full_history(geo, chunks, seed):
+    kind, window, keep, slack, bits = geo
+    layout = make_layout(kind, window, keep, slack, bits, num_rows=1)
+    rng = np.random.default_rng(seed)
+    refs = [RefRow()]
+    for width in chunks:
+        check_chunk(layout, refs, rng, width, [width])
+
+
+@SETTINGS
+@given(
+    geometry,
+    st.lists(st.tuples(st.integers(0, 4), st.integers(0, 5)), min_size=1, max_size=6),
+    st.integers(0, 2**16),
+)
+def test_rollback_then_update_equals_never_seen(geo, rounds, seed):
+    """Rounds of k+1 columns, keep `accepted`; later queries see exactly the accepted history."""
+    kind, window, keep, slack, bits = geo
+    max_draft = slack  # the ring's slack is what a round may append beyond one column
+    layout = make_layout(kind, window, keep, slack, bits, num_rows=2)
+    rng = np.random.default_rng(seed)
+    refs = [RefRow(), RefRow()]
+    check_chunk(layout, refs, rng, 5, [5, 3])  # rows of different lengths
+    for k_raw, acc_raw in rounds:
+        k = min(k_raw, max_draft)
+        accepted = [1 + acc_raw % (k + 1), 1 + (acc_raw * 7 + 3) % (k + 1)]
+        layout.checkpoint()
+        kk, vv, qq = rand(rng, 2, k + 1), rand(rng, 2, k + 1), rand(rng, 2, k + 1)
+        qn = np.array(qq, np.float64)
+        start = layout.num_tokens
+        out = step(layout, kk, vv, qq)
+        layout.rollback(accepted)
+        assert layout.num_tokens == [s + a for s, a in zip(start, accepted, strict=True)]
+        ks, vs = stored(layout, kk), stored(layout, vv)
+        for i, ref in enumerate(refs):
+            for j in range(accepted[i]):  # accepted columns saw the right history
+                ref.keys.append(ks[i, :, j])
+                ref.values.append(vs[i, :, j])
+                want = ref.attend(qn[i, :, j], start[i] + j, layout.window, layout.keep)
+                np.testing.assert_allclose(out[i, :, j], want, rtol=2e-4, atol=2e-4)
+        check_chunk(layout, refs, rng, 1, [1, 1])  # a plain decode step after the rollback
+    check_chunk(layout, refs, rng, 3, [3, 3])
+
+
+@SETTINGS
+@given(geometry, st.lists(st.integers(1, 20), min_size=1, max_size=4), st.integers(0, 2**16))
+def test_merge_then_extract_round_trips(geo, lengths, seed):
+    kind, window, keep, slack, bits = geo
+    template = make_layout(kind, window, keep, slack, bits)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for n in lengths:
+        row = template.empty_like(1)
+        for s in range(0, n, 7):  # prefill in chunks (wide chunks take the fold-in path)
+            w = min(7, n - s)
+            row.update_and_fetch(rand(rng, 1, w), rand(rng, 1, w))
+        rows.append(row)
+    batch = template.empty_like(0).merge(rows)
+    assert batch.num_tokens == lengths
+    for i, row in enumerate(rows):
+        back = batch.extract(i)
+        assert back.num_tokens == row.num_tokens
+        a, b = row_of_layout(row), row_of_layout(back)
+        np.testing.assert_array_equal(a.positions, b.positions)
+        for x, y in zip(a.bufs or [], b.bufs or [], strict=True):
+            assert mx.array_equal(x, y)
+    # filter keeps the chosen rows intact
+    keep = list(range(len(lengths)))[::-1][: max(1, len(lengths) - 1)]
+    batch.filter(keep)
+    assert batch.num_tokens == [lengths[i] for i in keep]
+    for j, i in enumerate(keep):
+        a, b = row_of_layout(rows[i]), row_of_layout(batch.extract(j))
+        for x, y in zip(a.bufs or [], b.bufs or [], strict=True):
+            assert mx.array_equal(x, y)
+
+
+@SETTINGS
+@given(
+    geometry,
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(1, 9), st.integers(0, 6)), min_size=2, max_size=4
+    ),
+    st.integers(0, 2**16),
+)
+def test_padding_never_changes_a_rows_results(geo, rows, seed):
+    """A batch with left pads, right pads and rows of different lengths == every row alone."""
+    kind, window, keep, slack, bits = geo
+    layout = make_layout(kind, window, keep, slack, bits, num_rows=len(rows))
+    rng = np.random.default_rng(seed)
+    refs = [RefRow() for _ in rows]
+    # history of different lengths first (each row alone-equivalent: right padding only)
+    hist = [h for _, _, h in rows]
+    if max(hist) > 0:
+        check_chunk(layout, refs, rng, max(hist), hist)
+    skip = [s for s, _, _ in rows]
+    real = [r for _, r, _ in rows]
+    width = max(s + r for s, r in zip(skip, real, strict=True)) + 1
+    check_chunk(layout, refs, rng, width, real, skip)
+    check_chunk(layout, refs, rng, 1, [1] * len(rows))
+
+
+def test_ring_rollback_beyond_slack_is_refused():
+    layout = RotatingLayout(1, window=4, keep=0, slack=1)
+    rng = np.random.default_rng(0)
+    layout.update_and_fetch(rand(rng, 1, 6), rand(rng, 1, 6))
+    layout.checkpoint()
+    layout.update_and_fetch(rand(rng, 1, 2), rand(rng, 1, 2))
+    layout.update_and_fetch(rand(rng, 1, 2), rand(rng, 1, 2))
+    with pytest.raises(ValueError, match="slack"):
+        layout.rollback([0])
+
+
+def test_offset_and_mask_shapes_follow_padding():
+    layout = PlainLayout(2)
+    rng = np.random.default_rng(1)
+    layout.prepare(lengths=[3, 1])
+    assert layout.make_mask(3).shape == (2, 1, 3, 3)
+    layout.update_and_fetch(rand(rng, 2, 3), rand(rng, 2, 3))
+    layout.finalize()
+    assert layout.num_tokens == [3, 1]
+    assert layout.offset.tolist() == [3, 1]
+    layout.prepare(left_padding=[0, 2])
+    assert layout.offset.tolist() == [3, -1]  # RoPE position of column 0 (a pad for row 1)
+    mask = layout.make_mask(3)
+    assert mask.shape == (2, 1, 3, 6)
+    assert mask[1, 0, 2].tolist() == [True, True, False, False, False, False]
