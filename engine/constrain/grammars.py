@@ -87,7 +87,11 @@ def _tool_calls_lark(spec: dict[str, Any]) -> str:
         rules.append(f"tool_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
     body = " | ".join(f"tool_{i}" for i in range(len(tools)))
     call = f"{_lark_str(parts['call_open'])} ({body}) {_lark_str(parts['call_close'])}"
-    more = f" ({_lark_str(parts['separator'])} call)*" if spec.get("parallel", True) else ""
+    max_calls = spec.get("max_calls") if spec.get("parallel", True) else 1
+    if max_calls is not None and (not isinstance(max_calls, int) or max_calls < 1):
+        raise ConstraintError("'max_calls' must be a positive integer")
+    sep = _lark_str(parts["separator"])
+    more = "" if max_calls == 1 else f" ({sep} call)" + ("*" if max_calls is None else f"{{0,{max_calls - 1}}}")
     lines = [
         f"start: {_lark_str(parts['list_open'])} call{more} {_lark_str(parts['list_close'])}",
         f"call: {call}",

@@ -1,0 +1,551 @@
+"""Tool calls: formats by chat-template family, prompt fallback, parsing (whole and streamed).
+
+A `ToolFormat` says how a model family writes calls; the registry (`FORMATS`) holds:
+
+    hermes       <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>   (Hermes, Qwen 2/2.5/3)
+    llama3_json  {"name": "f", "parameters": {...}}  at the very start, ";" between calls,
+                 optionally after <|python_tag|>                               (Llama 3.1/3.2/3.3)
+    mistral      [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]           (Mistral, Mixtral)
+
+`format_for_template(template)` picks one by what the chat template itself writes; a template
+that does not handle `tools` at all (the bundled tinycoder's plain ChatML) gets Hermes, and the
+tools are rendered into the system prompt by `tools_system_prompt` (the documented fallback).
+
+`ToolCallParser` is one incremental parser used for both the streamed and the whole response, so
+the two always agree: `feed(text)` returns events —
+
+    TextEvent(text)                      ordinary content
+    CallStart(index, id, name)           a call began (name known)
+    CallArgs(index, fragment)            more of its arguments (raw JSON text as the model wrote it)
+    CallEnd(index)
+
+and `finish()` flushes what is held. Text that might be the start of a call marker is held back
+(like a partial stop string) until it is decided. The arguments are streamed as they arrive once
+the name is known and the arguments value has begun; the concatenated fragments equal the
+non-streamed `arguments` string exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# -- formats --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ToolFormat:
+    name: str
+    start_markers: tuple[str, ...]  # text that opens a tool-call section
+    end_marker: str = ""  # text that closes one call's section ("" = none)
+    args_keys: tuple[str, ...] = ("arguments",)  # accepted keys for the arguments, first = written
+    at_start_only: bool = False  # a bare "{" opens calls only at the start of the output
+    # for the constraint that forces a call (engine.constrain tool_calls spec)
+    list_open: str = ""
+    call_open: str = ""
+    call_close: str = ""
+    separator: str = ""
+    list_close: str = ""
+
+    def constraint(
+        self, tools: Sequence[dict[str, Any]], parallel: bool, max_calls: int = 4
+    ) -> dict[str, Any]:
+        """The engine's plain-data spec forcing one (or, if parallel, up to max_calls) valid calls."""
+        return {
+            "type": "tool_calls",
+            "tools": [{"name": t["name"], "parameters": t.get("parameters")} for t in tools],
+            "format": {
+                "list_open": self.list_open,
+                "call_open": self.call_open,
+                "call_close": self.call_close,
+                "separator": self.separator,
+                "list_close": self.list_close,
+                "name_key": "name",
+                "args_key": self.args_keys[0],
+            },
+            "parallel": parallel,
+            "max_calls": max_calls,
+        }
+
+
+HERMES = ToolFormat(
+    name="hermes",
+    start_markers=("<tool_call>",),
+    end_marker="</tool_call>",
+    call_open="<tool_call>\n",
+    call_close="\n</tool_call>",
+    separator="\n",
+)
+LLAMA3_JSON = ToolFormat(
+    name="llama3_json",
+    start_markers=("<|python_tag|>",),
+    args_keys=("parameters", "arguments"),
+    at_start_only=True,
+    separator="; ",
+)
+MISTRAL = ToolFormat(
+    name="mistral",
+    start_markers=("[TOOL_CALLS]",),
+    list_open="[TOOL_CALLS][",
+    separator=", ",
+    list_close="]",
+)
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
+
+
+def template_handles_tools(template: str | None) -> bool:
+    return bool(template) and "tools" in template  # type: ignore[operator]
+
+
+def format_for_template(template: str | None) -> ToolFormat:
+    """The call format a chat template's family uses (Hermes when it shows none)."""
+    t = template or ""
+    if "[TOOL_CALLS]" in t:
+        return MISTRAL
+    if "<tool_call>" in t:
+        return HERMES
+    if "<|python_tag|>" in t or ("<|start_header_id|>" in t and "tools" in t):
+        return LLAMA3_JSON
+    return HERMES
+
+
+# -- request side ---------------------------------------------------------------------------
+
+
+def function_specs(tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """OpenAI `tools` ([{"type": "function", "function": {...}}]) → [{"name", "description",
+    "parameters"}]. Raises ValueError with a reason for a malformed entry."""
+    out = []
+    for i, tool in enumerate(tools or []):
+        if not isinstance(tool, dict):
+            raise ValueError(f"tools[{i}] must be an object")
+        fn = tool.get("function") if tool.get("type", "function") == "function" else None
+        if not isinstance(fn, dict):
+            raise ValueError(
+                f"tools[{i}]: only {{'type': 'function', 'function': {{...}}}} tools are supported"
+            )
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tools[{i}].function.name must be a non-empty string")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON Schema object")
+        out.append(
+            {
+                "name": name,
+                "description": fn.get("description") or "",
+                "parameters": params
+                if params is not None
+                else {"type": "object", "properties": {}},
+            }
+        )
+    names = [t["name"] for t in out]
+    if len(set(names)) != len(names):
+        raise ValueError("tool names must be unique")
+    return out
+
+
+def tools_system_prompt(functions: Sequence[dict[str, Any]], fmt: ToolFormat = HERMES) -> str:
+    """Tools described in the system prompt, for templates that ignore `tools` (Hermes style)."""
+    sigs = "\n".join(
+        json.dumps({"type": "function", "function": f}, ensure_ascii=False) for f in functions
+    )
+    example = json.dumps({"name": "<function-name>", fmt.args_keys[0]: {"<arg>": "<value>"}})
+    return (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n"
+        f"<tools>\n{sigs}\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n"
+        f"<tool_call>\n{example}\n</tool_call>"
+    )
+
+
+def history_for_fallback(
+    messages: list[dict[str, Any]], fmt: ToolFormat = HERMES
+) -> list[dict[str, Any]]:
+    """Assistant tool calls and tool results as plain text, for templates without tool support."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        calls = m.pop("tool_calls", None)
+        if m.get("role") == "assistant" and calls:
+            parts = [m.get("content") or ""]
+            for c in calls:
+                fn = c.get("function", {})
+                args = fn.get("arguments", "{}")
+                try:
+                    args_obj = json.loads(args) if isinstance(args, str) else args
+                except json.JSONDecodeError:
+                    args_obj = args
+                call = json.dumps(
+                    {"name": fn.get("name"), fmt.args_keys[0]: args_obj}, ensure_ascii=False
+                )
+                parts.append(f"{fmt.call_open or ''}{call}{fmt.call_close or ''}")
+            m["content"] = "\n".join(p for p in parts if p)
+        elif m.get("role") == "tool":
+            m["content"] = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+            m.pop("tool_call_id", None)
+        out.append(m)
+    return out
+
+
+# -- parsing --------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class TextEvent:
+    text: str
+
+
+@dataclass(slots=True)
+class CallStart:
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(slots=True)
+class CallArgs:
+    index: int
+    fragment: str
+
+
+@dataclass(slots=True)
+class CallEnd:
+    index: int
+
+
+Event = TextEvent | CallStart | CallArgs | CallEnd
+
+
+@dataclass(slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+    def openai(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+class _JsonObjectScanner:
+    """Follows one JSON object char by char: top-level keys, the name value, the span of the
+    arguments value, and where the object ends."""
+
+    def __init__(self, args_keys: tuple[str, ...]):
+        self.args_keys = args_keys
+        self.depth = 0
+        self.in_string = False
+        self.escape = False
+        self.text: list[str] = []
+        self.key: str | None = None  # the top-level key whose value is being read
+        self.expect = "key"  # at depth 1: "key" | "colon" | "value" | "comma"
+        self.str_start = -1
+        self.value_start = -1  # index in text of the current top-level value
+        self.name: str | None = None
+        self.args_start = -1
+        self.args_end = -1
+        self.done = False
+
+    def push(self, ch: str) -> None:
+        i = len(self.text)
+        self.text.append(ch)
+        if self.in_string:
+            if self.escape:
+                self.escape = False
+            elif ch == "\\":
+                self.escape = True
+            elif ch == '"':
+                self.in_string = False
+                if self.depth == 1 and self.expect == "key":
+                    self.key = json.loads("".join(self.text[self.str_start : i + 1]))
+                    self.expect = "colon"
+                elif self.depth == 1 and self.expect == "value":
+                    self._value_end(i + 1)
+            return
+        if ch == '"':
+            self.in_string = True
+            if self.depth == 1 and self.expect in ("key", "value"):
+                self.str_start = i
+                if self.expect == "value":
+                    self.value_start = i
+            return
+        if ch in "{[":
+            self.depth += 1
+            if self.depth == 2 and self.expect == "value":
+                self.value_start = i
+            return
+        if ch in "}]":
+            self.depth -= 1
+            if self.depth == 1 and self.expect == "value":
+                self._value_end(i + 1)
+            elif self.depth == 0:
+                if self.expect == "value" and self.value_start >= 0:  # a bare value before "}"
+                    self._value_end(i)
+                self.done = True
+            return
+        if self.depth != 1:
+            return
+        if ch == ":" and self.expect == "colon":
+            self.expect = "value"
+            self.value_start = -1
+        elif ch == "," and self.expect in ("value", "comma"):
+            if self.expect == "value" and self.value_start >= 0:
+                self._value_end(i)
+            self.expect = "key"
+        elif not ch.isspace() and self.expect == "value" and self.value_start < 0:
+            self.value_start = i  # a number, true, false or null
+
+    def _value_end(self, end: int) -> None:
+        raw = "".join(self.text[self.value_start : end]).strip()
+        if self.key == "name" and self.name is None:
+            try:
+                value = json.loads(raw)
+            except json.JSONDecodeError:
+                value = None
+            if isinstance(value, str):
+                self.name = value
+        elif self.key in self.args_keys and self.args_start < 0:
+            self.args_start, self.args_end = self.value_start, end
+        self.expect = "comma"
+        self.value_start = -1
+
+    @property
+    def args_open(self) -> bool:
+        """Inside the arguments value, which is an object (streamable as it comes)."""
+        return (
+            self.key in self.args_keys
+            and self.expect == "value"
+            and self.value_start >= 0
+            and self.args_start < 0
+            and self.text[self.value_start] == "{"
+        )
+
+
+class ToolCallParser:
+    """Text deltas → content and tool-call events, for one choice (see the module docstring)."""
+
+    def __init__(self, fmt: ToolFormat, tool_names: Sequence[str] | None = None):
+        self.fmt = fmt
+        self.tool_names = set(tool_names) if tool_names else None
+        self.calls: list[ToolCall] = []
+        self._state = "text"  # text | calls | object
+        self._held = ""  # text that may be the start of a marker
+        self._seen_text = False  # non-whitespace content was emitted (for at_start_only)
+        self._obj: _JsonObjectScanner | None = None
+        self._obj_raw = ""  # raw text since the section opened, returned as text on failure
+        self._sent_args = 0  # characters of the current call's arguments already streamed
+        self._started = False  # CallStart sent for the current object
+
+    # public ----------------------------------------------------------------------------------
+    def feed(self, text: str) -> list[Event]:
+        events: list[Event] = []
+        buf = self._held + text
+        self._held = ""
+        i = 0
+        while i < len(buf):
+            if self._state == "text":
+                i = self._scan_text(buf, i, events)
+            elif self._state == "calls":
+                i = self._scan_calls(buf, i, events)
+            else:
+                i = self._scan_object(buf, i, events)
+        return _merge_text(events)
+
+    def finish(self) -> list[Event]:
+        """The generation ended: flush held text; an unfinished call becomes text if it never
+        started, or is closed with what arrived."""
+        events: list[Event] = []
+        if self._state != "object" and self._held:
+            events.append(TextEvent(self._held))
+        elif self._state == "object" and self._obj is not None:
+            if self._started:
+                self._close_object(events, complete=False)
+            else:
+                events.append(TextEvent(self._obj_raw))
+        self._held = ""
+        self._state = "text"
+        return _merge_text(events)
+
+    # states ----------------------------------------------------------------------------------
+    def _scan_text(self, buf: str, i: int, events: list[Event]) -> int:
+        rest = buf[i:]
+        markers = self.fmt.start_markers
+        best = -1
+        marker = ""
+        for m in markers:
+            j = rest.find(m)
+            if j >= 0 and (best < 0 or j < best):
+                best, marker = j, m
+        bare = self.fmt.at_start_only and not self._seen_text and not self.calls
+        if bare:  # Llama 3: a "{" before any content opens the calls
+            k = len(rest) - len(rest.lstrip())
+            if k < len(rest) and rest[k] == "{" and (best < 0 or k < best):
+                self._emit_text(rest[:k], events)
+                self._open_section("")
+                return i + k
+            if k == len(rest):  # only whitespace so far: hold it, a "{" may follow
+                self._held = rest
+                return len(buf)
+        if best >= 0:
+            self._emit_text(rest[:best], events)
+            self._open_section(marker)
+            return i + best + len(marker)
+        keep = _partial_suffix(rest, markers)
+        self._emit_text(rest[: len(rest) - keep], events)
+        self._held = rest[len(rest) - keep :]
+        return len(buf)
+
+    def _open_section(self, marker: str) -> None:
+        self._state = "calls"
+        self._obj_raw = marker
+
+    def _scan_calls(self, buf: str, i: int, events: list[Event]) -> int:
+        """Between calls: skip whitespace, separators and closers until "{" or other text."""
+        end = self.fmt.end_marker
+        while i < len(buf):
+            ch = buf[i]
+            if ch == "{":
+                self._obj = _JsonObjectScanner(self.fmt.args_keys)
+                self._state = "object"
+                self._sent_args = 0
+                self._started = False
+                return i
+            if ch.isspace() or ch in "[,;]":
+                self._obj_raw += ch
+                i += 1
+                continue
+            for m in (end, *self.fmt.start_markers):
+                if m and buf.startswith(m, i):
+                    self._obj_raw += m
+                    i += len(m)
+                    break
+                if m and m.startswith(buf[i:]):  # a marker cut by the delta: wait for more
+                    self._held = buf[i:]
+                    return len(buf)
+            else:
+                self._state = "text"  # ordinary text after the calls
+                self._seen_text = True
+                return i
+        return i
+
+    def _scan_object(self, buf: str, i: int, events: list[Event]) -> int:
+        obj = self._obj
+        assert obj is not None
+        start = i
+        while i < len(buf) and not obj.done:
+            obj.push(buf[i])
+            i += 1
+        self._obj_raw += buf[start:i]
+        if not self._started and obj.name is not None:
+            if self.tool_names is None or obj.name in self.tool_names:
+                self.calls.append(ToolCall(new_call_id(), obj.name, ""))
+                events.append(CallStart(len(self.calls) - 1, self.calls[-1].id, obj.name))
+                self._started = True
+        if self._started:
+            if obj.args_open:
+                self._stream_args(obj, len(obj.text), events)
+            elif obj.args_start >= 0 and obj.text[obj.args_start] == "{":
+                self._stream_args(obj, obj.args_end, events)
+        if obj.done:
+            if self._started:
+                self._close_object(events, complete=True)
+            else:  # not a call of ours: it was text after all
+                events.append(TextEvent(self._obj_raw))
+                self._seen_text = True
+                self._state = "text"
+                self._obj = None
+                return i
+            self._state = "calls"
+            self._obj_raw = ""
+        return i
+
+    def _stream_args(self, obj: _JsonObjectScanner, upto: int, events: list[Event]) -> None:
+        begin = obj.value_start if obj.args_start < 0 else obj.args_start
+        fragment = "".join(obj.text[begin + self._sent_args : upto])
+        if fragment:
+            self._sent_args += len(fragment)
+            call = self.calls[-1]
+            call.arguments += fragment
+            events.append(CallArgs(len(self.calls) - 1, fragment))
+
+    def _close_object(self, events: list[Event], complete: bool) -> None:
+        obj = self._obj
+        assert obj is not None
+        call = self.calls[-1]
+        if obj.args_start >= 0:
+            raw = "".join(obj.text[obj.args_start : obj.args_end])
+            if self._sent_args == 0 and raw.startswith('"'):  # arguments written as a JSON string
+                try:
+                    raw = json.loads(raw)
+                except json.JSONDecodeError:
+                    pass
+                if isinstance(raw, str):
+                    call.arguments = raw
+                    events.append(CallArgs(len(self.calls) - 1, raw))
+            else:
+                self._stream_args(obj, obj.args_end, events)
+        elif not complete and self._sent_args:
+            pass  # cut off mid-arguments: what arrived is what we have
+        elif not call.arguments:
+            call.arguments = "{}"
+            events.append(CallArgs(len(self.calls) - 1, "{}"))
+        events.append(CallEnd(len(self.calls) - 1))
+        self._obj = None
+
+    def _emit_text(self, text: str, events: list[Event]) -> None:
+        if text:
+            events.append(TextEvent(text))
+            if text.strip():
+                self._seen_text = True
+
+
+def _partial_suffix(buf: str, markers: Sequence[str]) -> int:
+    best = 0
+    for m in markers:
+        for k in range(min(len(m) - 1, len(buf)), best, -1):
+            if buf.endswith(m[:k]):
+                best = k
+                break
+    return best
+
+
+def _merge_text(events: list[Event]) -> list[Event]:
+    out: list[Event] = []
+    for e in events:
+        if isinstance(e, TextEvent):
+            if not e.text:
+                continue
+            if out and isinstance(out[-1], TextEvent):
+                out[-1] = TextEvent(out[-1].text + e.text)
+                continue
+        out.append(e)
+    return out
+
+
+@dataclass(slots=True)
+class ParsedOutput:
+    content: str
+    calls: list[ToolCall] = field(default_factory=list)
+
+
+def parse_tool_calls(
+    text: str, fmt: ToolFormat, tool_names: Sequence[str] | None = None
+) -> ParsedOutput:
+    """A whole output → (content outside the calls, calls)."""
+    parser = ToolCallParser(fmt, tool_names)
+    events = parser.feed(text) + parser.finish()
+    content = "".join(e.text for e in events if isinstance(e, TextEvent))
+    return ParsedOutput(content, parser.calls)

@@ -1,0 +1,149 @@
+"""Tool-call formats: whole-text parsing, and streamed parsing that reassembles to the same calls
+however the text is split."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from server.tools import (
+    FORMATS,
+    HERMES,
+    LLAMA3_JSON,
+    MISTRAL,
+    CallArgs,
+    CallEnd,
+    CallStart,
+    TextEvent,
+    ToolCallParser,
+    format_for_template,
+    function_specs,
+    parse_tool_calls,
+)
+
+ARGS_A = '{"city": "Paris", "units": {"temp": "C", "list": [1, 2, {"x": "}"}]}, "q": "a\\"b"}'
+ARGS_B = '{"n": 3}'
+
+SAMPLES = {
+    "hermes": (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": ' + ARGS_A + '}\n</tool_call>\n'
+        '<tool_call>\n{"name": "count", "arguments": ' + ARGS_B + '}\n</tool_call>',
+        "Let me check.\n",
+    ),
+    "llama3_json": (
+        '{"name": "get_weather", "parameters": ' + ARGS_A + '}; {"name": "count", "parameters": ' + ARGS_B + "}",
+        "",
+    ),
+    "mistral": (
+        'Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": ' + ARGS_A + '}, {"name": "count", "arguments": '
+        + ARGS_B + "}]",
+        "Sure.",
+    ),
+}
+
+
+def _stream(fmt, pieces):
+    parser = ToolCallParser(fmt, ["get_weather", "count"])
+    events = []
+    for p in pieces:
+        events += parser.feed(p)
+    events += parser.finish()
+    return parser, events
+
+
+def _reassemble(events):
+    text, calls, order = "", {}, []
+    for e in events:
+        if isinstance(e, TextEvent):
+            text += e.text
+        elif isinstance(e, CallStart):
+            assert e.index not in calls and e.index == len(order)
+            calls[e.index] = {"id": e.id, "name": e.name, "arguments": ""}
+            order.append(e.index)
+        elif isinstance(e, CallArgs):
+            calls[e.index]["arguments"] += e.fragment
+        elif isinstance(e, CallEnd):
+            assert e.index in calls
+    return text, [calls[i] for i in order]
+
+
+def test_whole_text_parses_per_format():
+    for name, (text, content) in SAMPLES.items():
+        out = parse_tool_calls(text, FORMATS[name], ["get_weather", "count"])
+        assert out.content == content, name
+        assert [c.name for c in out.calls] == ["get_weather", "count"], name
+        assert [c.arguments for c in out.calls] == [ARGS_A, ARGS_B], name
+        assert json.loads(out.calls[0].arguments)["units"]["list"][2] == {"x": "}"}
+        assert all(c.id.startswith("call_") for c in out.calls)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(sorted(SAMPLES)), st.lists(st.integers(0, 400), max_size=12))
+def test_streamed_equals_whole_for_any_split(name, cuts):
+    text, content = SAMPLES[name]
+    cuts = sorted({c % (len(text) + 1) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    parser, events = _stream(FORMATS[name], pieces)
+    got_text, calls = _reassemble(events)
+    assert got_text == content
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", ARGS_A), ("count", ARGS_B)]
+    # name first: every call's start precedes its argument fragments
+    seen = set()
+    for e in events:
+        if isinstance(e, CallStart):
+            seen.add(e.index)
+        if isinstance(e, CallArgs):
+            assert e.index in seen
+
+
+def test_arguments_stream_in_fragments_before_the_call_ends():
+    text = SAMPLES["hermes"][0]
+    parser = ToolCallParser(HERMES)
+    events = []
+    for ch in text:
+        events += parser.feed(ch)
+    frags = [e for e in events if isinstance(e, CallArgs) and e.index == 0]
+    assert len(frags) > 10  # streamed, not in one piece at the end
+    assert "".join(f.fragment for f in frags) == ARGS_A
+
+
+def test_plain_text_passes_through_and_partial_markers_are_held():
+    parser = ToolCallParser(HERMES)
+    assert parser.feed("x < y and <tool") == [TextEvent("x < y and ")]
+    assert parser.feed("box>") == [TextEvent("<toolbox>")]
+    assert parser.finish() == []
+    out = parse_tool_calls("no calls here {\"name\": 1}", HERMES)
+    assert out.content == "no calls here {\"name\": 1}" and out.calls == []
+
+
+def test_unknown_tool_name_and_truncated_call():
+    out = parse_tool_calls('<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>', HERMES, ["f"])
+    assert out.calls == [] and '"nope"' in out.content
+    cut = parse_tool_calls('<tool_call>\n{"name": "f", "arguments": {"a": [1, ', HERMES, ["f"])
+    assert [c.name for c in cut.calls] == ["f"] and cut.calls[0].arguments == '{"a": [1, '
+
+
+def test_string_encoded_arguments_and_llama_python_tag():
+    out = parse_tool_calls('<|python_tag|>{"name": "f", "arguments": "{\\"a\\": 1}"}', LLAMA3_JSON)
+    assert out.calls[0].arguments == '{"a": 1}' and out.content == ""
+    # Llama 3 JSON only opens calls at the start: later braces are text
+    out = parse_tool_calls('Sure: {"name": "f", "parameters": {}}', LLAMA3_JSON)
+    assert out.calls == []
+
+
+def test_template_families_and_function_specs():
+    assert format_for_template("{% if tools %}<tool_call>{% endif %}") is HERMES
+    assert format_for_template("[TOOL_CALLS] {{ tools }}") is MISTRAL
+    assert format_for_template("<|start_header_id|>{% if tools %}") is LLAMA3_JSON
+    assert format_for_template(None) is HERMES
+    specs = function_specs([{"type": "function", "function": {"name": "f"}}])
+    assert specs == [{"name": "f", "description": "", "parameters": {"type": "object", "properties": {}}}]
+    for bad in ([{"type": "function", "function": {}}], [{"type": "web_search"}],
+                [{"type": "function", "function": {"name": "f"}}] * 2):
+        try:
+            function_specs(bad)
+        except ValueError:
+            continue
+        raise AssertionError(bad)
