@@ -1,0 +1,107 @@
+"""Pure-ASGI middleware (no BaseHTTPMiddleware, so streaming and disconnects pass through intact):
+request ids, the body-size limit, and the last-resort JSON 500."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import uuid
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.errors import APIError, error_body
+
+log = logging.getLogger("mlxd.server")
+
+_SAFE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def _json_message(
+    status: int, body: dict, request_id: str, extra: list | None = None
+) -> tuple[Message, Message]:
+    data = json.dumps(body).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(data)).encode()),
+        (b"x-request-id", request_id.encode()),
+        *(extra or []),
+    ]
+    return (
+        {"type": "http.response.start", "status": status, "headers": headers},
+        {"type": "http.response.body", "body": data, "more_body": False},
+    )
+
+
+class RequestContextMiddleware:
+    """X-Request-ID in and out (request.state.request_id); bodies over the limit get 413; an
+    exception nobody handled becomes an OpenAI-shaped 500 and the server keeps serving."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int = 8 * 1024 * 1024):
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        given = headers.get(b"x-request-id", b"").decode("latin-1")
+        request_id = given if _SAFE_ID.match(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        rid_header = (b"x-request-id", request_id.encode())
+
+        limit = self.max_body_bytes
+        too_large = APIError(
+            413, f"The request body is larger than {limit} bytes.", code="request_too_large"
+        )
+        try:
+            declared = int(headers.get(b"content-length", b"0") or 0)
+        except ValueError:
+            declared = 0
+        if declared > limit:
+            for msg in _json_message(
+                413, too_large.body(), request_id, [(b"connection", b"close")]
+            ):
+                await send(msg)
+            return
+
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise too_large
+            return message
+
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message = dict(message)
+                message["headers"] = [*message.get("headers", []), rid_header]
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, send_with_id)
+        except Exception:
+            log.exception(
+                "request %s %s failed (id %s)", scope.get("method"), scope.get("path"), request_id
+            )
+            if not started:
+                body = error_body(
+                    "The server had an error while processing your request.",
+                    "server_error",
+                    None,
+                    "internal_error",
+                )
+                try:
+                    for msg in _json_message(500, body, request_id):
+                        await send(msg)
+                except Exception:
+                    pass

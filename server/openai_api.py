@@ -1,0 +1,513 @@
+"""POST /v1/chat/completions and /v1/completions: requests → engine choices → OpenAI shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response
+
+from engine.api import EngineClient, SamplingParams
+from server.config import ServerConfig
+from server.errors import bad_request, error_body
+from server.generation import (
+    ChoiceSpec,
+    Generation,
+    GenerationError,
+    TokenLogprob,
+    collect_all,
+    start_all,
+    stream_all,
+    usage_numbers,
+)
+from server.prompts import (
+    ServedModel,
+    check_prompt_ids,
+    encode,
+    render_chat,
+    template_messages,
+)
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    _SamplingRequest,
+    require_model_param,
+)
+from server.sse import DONE, SSEResponse, run_until_disconnect, sse_event
+
+try:
+    from importlib.metadata import version as _version
+
+    SYSTEM_FINGERPRINT = "mlxd-" + _version("mlxd")
+except Exception:  # not installed (running from a checkout)
+    SYSTEM_FINGERPRINT = "mlxd-dev"
+
+router = APIRouter()
+log = logging.getLogger("mlxd.server")
+
+
+@dataclass(slots=True)
+class AppState:
+    client: EngineClient
+    config: ServerConfig
+    model: ServedModel
+
+
+def app_state(request: Request) -> AppState:
+    return request.app.state.mlxd
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+# -- request → SamplingParams ---------------------------------------------------------------
+
+
+def sampling_params(
+    body: _SamplingRequest,
+    config: ServerConfig,
+    model: ServedModel,
+    num_prompt_tokens: int,
+    *,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+) -> SamplingParams:
+    """Request fields (or the server's defaults) → the engine's SamplingParams."""
+    requested = body.requested_max_tokens  # type: ignore[attr-defined]
+    if requested is not None and requested < 1:
+        raise bad_request("max_tokens must be at least 1", "max_tokens")
+    room = model.context_length - num_prompt_tokens
+    max_tokens = min(requested if requested is not None else config.default_max_tokens, room)
+    temperature = body.temperature if body.temperature is not None else config.temperature
+    top_p = body.top_p if body.top_p is not None else config.top_p
+    if top_p == 0.0:  # OpenAI accepts top_p=0: only the most likely token survives
+        temperature, top_p = 0.0, 1.0
+    top_k = body.top_k or 0
+    return SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=max(0, top_k),
+        min_p=body.min_p or 0.0,
+        repetition_penalty=body.repetition_penalty if body.repetition_penalty is not None else 1.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias=body.logit_bias_ids(model.vocab_size),
+        seed=body.seed,
+        max_tokens=max(1, max_tokens),
+        stop_token_ids=body.checked_stop_token_ids(model.vocab_size),
+        ignore_eos=bool(body.ignore_eos),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+
+
+def _choice_seed(seed: int | None, i: int) -> int | None:
+    if seed is None or i == 0:
+        return seed
+    return (seed + i + 2**63) % 2**64 - 2**63
+
+
+def make_specs(
+    req_prefix: str,
+    prompts: Sequence[list[int]],
+    params: Sequence[SamplingParams],
+    n: int,
+    body: _SamplingRequest,
+) -> list[ChoiceSpec]:
+    """n choices per prompt; choice index = prompt_index * n + i; seeds seed + i."""
+    specs = []
+    for p, (ids, base) in enumerate(zip(prompts, params, strict=True)):
+        for i in range(n):
+            index = p * n + i
+            specs.append(
+                ChoiceSpec(
+                    index=index,
+                    req_id=f"{req_prefix}-{index}",
+                    prompt_ids=ids,
+                    params=dataclasses.replace(
+                        base, seed=_choice_seed(base.seed, i), logit_bias=dict(base.logit_bias)
+                    ),
+                    stop=body.stop,
+                    include_stop_str=bool(body.include_stop_str_in_output),
+                    skip_special_tokens=body.skip_special_tokens is not False,
+                    prompt_index=p,
+                )
+            )
+    return specs
+
+
+def _log_start(request: Request, cid: str, specs: Sequence[ChoiceSpec]) -> None:
+    if log.isEnabledFor(logging.DEBUG):
+        rid = getattr(request.state, "request_id", "-")
+        n_prompt = sum(len(s.prompt_ids) for s in specs)
+        log.debug("request %s: %s, %d choices, %d prompt tokens", rid, cid, len(specs), n_prompt)
+
+
+def _abort_all(gens: Sequence[Generation]) -> None:
+    for g in gens:
+        g.abort()
+
+
+# -- logprob shapes -------------------------------------------------------------------------
+
+
+def chat_logprobs(model: ServedModel, entries: Sequence[TokenLogprob], k: int) -> dict[str, Any]:
+    vocab = model.vocab
+    assert vocab is not None
+    content = []
+    for e in entries:
+        content.append(
+            {
+                "token": vocab.token_str(e.token_id),
+                "logprob": e.logprob,
+                "bytes": list(vocab.token_bytes(e.token_id)),
+                "top_logprobs": [
+                    {
+                        "token": vocab.token_str(t),
+                        "logprob": lp,
+                        "bytes": list(vocab.token_bytes(t)),
+                    }
+                    for t, lp in e.top[:k]
+                ],
+            }
+        )
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(
+    model: ServedModel, entries: Sequence[TokenLogprob], k: int, offset: int
+) -> dict[str, Any]:
+    vocab = model.vocab
+    assert vocab is not None
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for e in entries:
+        s = vocab.token_str(e.token_id)
+        tokens.append(s)
+        token_lps.append(e.logprob)
+        top = {vocab.token_str(t): lp for t, lp in e.top[:k]}
+        top.setdefault(s, e.logprob)  # OpenAI: the sampled token is always listed
+        tops.append(top)
+        offsets.append(offset + e.offset)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_lps,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+# -- /v1/chat/completions -------------------------------------------------------------------
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    st = app_state(request)
+    model = st.model
+    body: ChatCompletionRequest = ChatCompletionRequest.parse(await request.body())
+    require_model_param(body, model.aliases, model.name)
+    body.check_supported()
+    text = render_chat(
+        model,
+        template_messages(body.messages),
+        add_generation_prompt=bool(body.add_generation_prompt),
+        continue_final_message=bool(body.continue_final_message),
+        template_kwargs=body.chat_template_kwargs,
+        tools=body.tools if body.tools and body.tool_choice != "none" else None,
+    )
+    ids = check_prompt_ids(model, encode(model, text, add_special_tokens=False), "messages")
+    want_lp = bool(body.logprobs)
+    k = body.top_logprobs or 0
+    params = sampling_params(body, st.config, model, len(ids), logprobs=want_lp, top_logprobs=k)
+    cid = new_id("chatcmpl")
+    specs = make_specs(cid, [ids], [params], body.n or 1, body)
+    gens = await start_all(st.client, specs, model.info.eos_token_ids)
+    _log_start(request, cid, specs)
+    created = int(time.time())
+    if body.stream:
+        return SSEResponse(
+            _chat_stream(gens, model, cid, created, body, want_lp, k),
+            on_close=lambda: _abort_all(gens),
+        )
+    try:
+        results = await run_until_disconnect(request, lambda: collect_all(gens))
+    except GenerationError as exc:
+        return JSONResponse(error_body(str(exc), "server_error", None, "generation_failed"), 500)
+    finally:
+        _abort_all(gens)
+    if results is None:
+        return Response(status_code=499)
+    choices = [
+        {
+            "index": r.index,
+            "message": {"role": "assistant", "content": r.text, "refusal": None},
+            "logprobs": chat_logprobs(model, r.logprobs, k) if want_lp else None,
+            "finish_reason": r.finish_reason,
+        }
+        for r in results
+    ]
+    return JSONResponse(
+        {
+            "id": cid,
+            "object": "chat.completion",
+            "created": created,
+            "model": model.name,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "choices": choices,
+            "usage": usage_numbers(gens),
+        }
+    )
+
+
+async def _chat_stream(
+    gens: list[Generation],
+    model: ServedModel,
+    cid: str,
+    created: int,
+    body: ChatCompletionRequest,
+    want_lp: bool,
+    k: int,
+) -> AsyncIterator[bytes]:
+    include_usage = body.include_usage
+    head = {
+        "id": cid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model.name,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+    }
+
+    continuous = body.continuous_usage
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+        out = dict(head, choices=choices)
+        if include_usage:
+            out["usage"] = usage if usage is not None or not continuous else usage_numbers(gens)
+        return sse_event(out)
+
+    for g in gens:
+        yield chunk(
+            [
+                {
+                    "index": g.spec.index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
+        )
+    try:
+        async for d in stream_all(gens):
+            if d.text or d.logprobs:
+                yield chunk(
+                    [
+                        {
+                            "index": d.index,
+                            "delta": {"content": d.text},
+                            "logprobs": chat_logprobs(model, d.logprobs, k) if want_lp else None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+            if d.finish_reason:
+                yield chunk(
+                    [
+                        {
+                            "index": d.index,
+                            "delta": {},
+                            "logprobs": None,
+                            "finish_reason": d.finish_reason,
+                        }
+                    ]
+                )
+    except GenerationError as exc:
+        yield sse_event(error_body(str(exc), "server_error", None, "generation_failed"))
+        yield sse_event(DONE)
+        return
+    if include_usage:
+        yield chunk([], usage_numbers(gens))
+    yield sse_event(DONE)
+
+
+# -- /v1/completions ------------------------------------------------------------------------
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    st = app_state(request)
+    model = st.model
+    body: CompletionRequest = CompletionRequest.parse(await request.body())
+    require_model_param(body, model.aliases, model.name)
+    body.check_supported()
+    n = body.n or 1
+    if len(body.prompt) * n > st.config.max_choices:
+        raise bad_request(f"at most {st.config.max_choices} choices (prompts x n) per request", "n")
+    prompts: list[list[int]] = []
+    echoes: list[str] = []
+    for j, p in enumerate(body.prompt):
+        param = "prompt" if len(body.prompt) == 1 else f"prompt[{j}]"
+        if isinstance(p, str):
+            ids = encode(model, p, add_special_tokens=True)
+            echoes.append(p)
+        else:
+            ids = p
+            echoes.append(model.tokenizer.decode(p) if body.echo else "")
+        prompts.append(check_prompt_ids(model, ids, param))
+    want_lp = body.logprobs is not None
+    k = body.logprobs or 0
+    cid = new_id("cmpl")
+    created = int(time.time())
+    if body.echo and body.max_tokens == 0:  # echo only, nothing to generate
+        return _echo_only(cid, created, model, prompts, echoes, n, body)
+    params = [
+        sampling_params(body, st.config, model, len(ids), logprobs=want_lp, top_logprobs=k)
+        for ids in prompts
+    ]
+    specs = make_specs(cid, prompts, params, n, body)
+    echo_of = {s.index: (echoes[s.prompt_index] if body.echo else "") for s in specs}
+    gens = await start_all(st.client, specs, model.info.eos_token_ids)
+    _log_start(request, cid, specs)
+    if body.stream:
+        return SSEResponse(
+            _completion_stream(gens, model, cid, created, body, echo_of, k),
+            on_close=lambda: _abort_all(gens),
+        )
+    try:
+        results = await run_until_disconnect(request, lambda: collect_all(gens))
+    except GenerationError as exc:
+        return JSONResponse(error_body(str(exc), "server_error", None, "generation_failed"), 500)
+    finally:
+        _abort_all(gens)
+    if results is None:
+        return Response(status_code=499)
+    choices = []
+    for r in results:
+        echo = echo_of[r.index]
+        choices.append(
+            {
+                "index": r.index,
+                "text": echo + r.text,
+                "logprobs": completion_logprobs(model, r.logprobs, k, len(echo))
+                if want_lp
+                else None,
+                "finish_reason": r.finish_reason,
+            }
+        )
+    return JSONResponse(
+        {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": model.name,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "choices": choices,
+            "usage": usage_numbers(gens),
+        }
+    )
+
+
+def _echo_only(
+    cid: str,
+    created: int,
+    model: ServedModel,
+    prompts: list[list[int]],
+    echoes: list[str],
+    n: int,
+    body: CompletionRequest,
+) -> Response:
+    choices = [
+        {"index": p * n + i, "text": echoes[p], "logprobs": None, "finish_reason": "length"}
+        for p in range(len(prompts))
+        for i in range(n)
+    ]
+    prompt_tokens = sum(len(p) for p in prompts)
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 0,
+        "total_tokens": prompt_tokens,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    out = {
+        "id": cid,
+        "object": "text_completion",
+        "created": created,
+        "model": model.name,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "choices": choices,
+        "usage": usage,
+    }
+    if not body.stream:
+        return JSONResponse(out)
+
+    async def events() -> AsyncIterator[bytes]:
+        head = {k: out[k] for k in ("id", "object", "created", "model", "system_fingerprint")}
+        for c in choices:
+            yield sse_event(dict(head, choices=[c]))
+        if body.include_usage:
+            yield sse_event(dict(head, choices=[], usage=usage))
+        yield sse_event(DONE)
+
+    return SSEResponse(events())
+
+
+async def _completion_stream(
+    gens: list[Generation],
+    model: ServedModel,
+    cid: str,
+    created: int,
+    body: CompletionRequest,
+    echo_of: dict[int, str],
+    k: int,
+) -> AsyncIterator[bytes]:
+    include_usage = body.include_usage
+    want_lp = body.logprobs is not None
+    head = {
+        "id": cid,
+        "object": "text_completion",
+        "created": created,
+        "model": model.name,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+    }
+
+    continuous = body.continuous_usage
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+        out = dict(head, choices=choices)
+        if include_usage:
+            out["usage"] = usage if usage is not None or not continuous else usage_numbers(gens)
+        return sse_event(out)
+
+    for index, echo in echo_of.items():
+        if echo:
+            yield chunk([{"index": index, "text": echo, "logprobs": None, "finish_reason": None}])
+    try:
+        async for d in stream_all(gens):
+            if d.text or d.logprobs or d.finish_reason:
+                lp = (
+                    completion_logprobs(model, d.logprobs, k, len(echo_of[d.index]))
+                    if want_lp
+                    else None
+                )
+                yield chunk(
+                    [
+                        {
+                            "index": d.index,
+                            "text": d.text,
+                            "logprobs": lp,
+                            "finish_reason": d.finish_reason,
+                        }
+                    ]
+                )
+    except GenerationError as exc:
+        yield sse_event(error_body(str(exc), "server_error", None, "generation_failed"))
+        yield sse_event(DONE)
+        return
+    if include_usage:
+        yield chunk([], usage_numbers(gens))
+    yield sse_event(DONE)

@@ -1,0 +1,158 @@
+"""The served model as the HTTP layer sees it, and prompts → token ids (chat templates).
+
+`ServedModel` wraps `engine.api.ModelInfo` once per app: names it answers to, vocabulary size,
+token byte table. `chat_prompt_ids` renders messages with the chat template (ModelInfo's override
+first, then the tokenizer's, then ChatML) and tokenizes without adding special tokens again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.api import ModelInfo
+from server.detokenize import TokenVocab
+from server.errors import APIError, bad_request
+
+log = logging.getLogger("mlxd.server")
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_IMAGE_PARTS = {"image_url", "input_image", "image", "image_file"}
+_AUDIO_PARTS = {"input_audio", "audio"}
+
+
+@dataclass(slots=True)
+class ServedModel:
+    info: ModelInfo
+    name: str  # the id the API reports
+    aliases: set[str] = field(default_factory=set)  # names a request may use
+    vocab: TokenVocab | None = None
+    vocab_size: int = 0
+
+    @classmethod
+    def from_info(cls, info: ModelInfo, alias: str | None = None) -> ServedModel:
+        name = alias or info.model_id
+        tok = info.tokenizer
+        vocab_size = max(int(info.extra.get("vocab_size") or 0), len(tok))
+        aliases = {name, info.model_id, info.path}
+        return cls(info, name, aliases, TokenVocab(tok), vocab_size)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.info.tokenizer
+
+    @property
+    def context_length(self) -> int:
+        return self.info.context_length
+
+
+def message_text(content: Any, where: str) -> str | None:
+    """OpenAI content (a string or a list of parts) → one string; non-text parts → 400."""
+    if content is None or isinstance(content, str):
+        return content
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        kind = part.get("type")
+        param = f"{where}.content[{j}]"
+        if kind in ("text", "input_text", "output_text"):
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise bad_request("a text content part needs a string 'text'", param)
+            texts.append(text)
+        elif kind == "refusal":
+            texts.append(str(part.get("refusal") or ""))
+        elif kind in _IMAGE_PARTS:
+            raise APIError(
+                400,
+                "Image input is not supported: this model has no vision.",
+                param=param,
+                code="unsupported_content",
+            )
+        elif kind in _AUDIO_PARTS or kind == "file":
+            raise APIError(
+                400,
+                f"'{kind}' content is not supported: text only.",
+                param=param,
+                code="unsupported_content",
+            )
+        else:
+            raise bad_request(f"unknown content part type {kind!r}", param)
+    return "".join(texts)
+
+
+def template_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """Pydantic ChatMessages → plain dicts for the Jinja template (developer → system)."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        d = m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else dict(m)
+        d["content"] = message_text(d.get("content"), f"messages[{i}]") or ""
+        if d["role"] == "developer":
+            d["role"] = "system"
+        out.append(d)
+    return out
+
+
+def render_chat(
+    model: ServedModel,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    tok = model.tokenizer
+    template = model.info.chat_template or getattr(tok, "chat_template", None)
+    if not template:
+        template = CHATML_TEMPLATE
+    kwargs = dict(template_kwargs or {})
+    for reserved in ("conversation", "messages", "tokenize", "chat_template"):
+        kwargs.pop(reserved, None)
+    try:
+        text = tok.apply_chat_template(
+            messages,
+            tools=tools,
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **kwargs,
+        )
+    except Exception as exc:  # jinja TemplateError, raise_exception(...), bad kwargs
+        raise bad_request(
+            f"The chat template could not render these messages: {exc}", "messages"
+        ) from None
+    if not isinstance(text, str):  # some tokenizers return a list for batched input
+        text = text[0]
+    return text
+
+
+def encode(model: ServedModel, text: str, *, add_special_tokens: bool) -> list[int]:
+    # verbose=False: the context check below reports long prompts, not a tokenizer warning
+    return list(model.tokenizer.encode(text, add_special_tokens=add_special_tokens, verbose=False))
+
+
+def check_prompt_ids(model: ServedModel, ids: Sequence[int], param: str = "prompt") -> list[int]:
+    if not ids:
+        raise bad_request("The prompt is empty.", param, code="empty_prompt")
+    for t in ids:
+        if not 0 <= t < model.vocab_size:
+            raise bad_request(
+                f"token id {t} is outside the vocabulary (0..{model.vocab_size - 1})", param
+            )
+    n, ctx = len(ids), model.context_length
+    if n >= ctx:
+        raise bad_request(
+            f"This model's maximum context length is {ctx} tokens. However, your prompt has {n} "
+            "tokens, which leaves no room for a completion. Please shorten the prompt.",
+            param,
+            code="context_length_exceeded",
+        )
+    return list(ids)
