@@ -247,3 +247,24 @@ def test_unsupported_quantization_is_refused():
         if not ARCHITECTURES[arch].can_quantize:
             with pytest.raises(ValueError, match="quantized KV is not supported"):
                 make_batch_layouts(model_for(arch), 1, kv_bits=8)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_left_padded_group_prefill_equals_alone(arch):
+    """mlx-lm-style left padding (fresh rows): pads reach neither attention nor recurrent state."""
+    model = model_for(arch)
+    ps = prompts(6)[:3]
+    want = [greedy(model, layer_templates(model), p, 6) for p in ps]
+    width = max(len(p) for p in ps)
+    caches = make_batch_layouts(model, len(ps))
+    kvb.prepare(caches, left_padding=[width - len(p) for p in ps], lengths=[len(p) for p in ps])
+    padded = [[0] * (width - len(p)) + p for p in ps]
+    for s in range(0, width, 4):  # chunks narrower than the padding of the short rows
+        logits = model(mx.array([r[s : s + 4] for r in padded]), cache=caches)
+    kvb.finalize(caches)
+    outs = [[t] for t in argmax(logits[:, -1])]
+    for _ in range(5):
+        nxt = argmax(model(mx.array([o[-1] for o in outs])[:, None], cache=caches)[:, -1])
+        for o, t in zip(outs, nxt, strict=True):
+            o.append(t)
+    assert outs == want
