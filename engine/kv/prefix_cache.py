@@ -1,0 +1,259 @@
+"""Prefix cache: a trie of token blocks holding one-row KV, LRU-evicted under a byte budget.
+
+    pc = PrefixCache(template=make_batch_layouts(model, 0, ...), block_size=64, max_bytes=...)
+    hit = pc.lookup(prompt_ids, max_tokens=len(prompt_ids) - 1)   # None or a PrefixHit
+    row = pc.restore(hit) if hit else make_batch_layouts(model, 1, ...)
+    for end in chunk_ends(hit.num_tokens if hit else 0, len(prompt_ids), chunk, pc.block_size):
+        model(prompt[start:end], cache=row); pc.insert(prompt_ids[:end], row)
+    ... merge `row` into the running batch ...
+
+Each trie node is one block of `block_size` tokens (the path from the root spells the prefix)
+and holds, per layer, what restoring a row at or after that block needs:
+
+* full-attention layers: the block's K/V columns (encoded: quantized layouts store codes);
+* ring layers: the block's K/V columns too, but only while the row's ring still held them
+  when it was inserted: a restore at boundary b needs the sinks and the last window - keep
+  positions before b, so deep in a long prompt only the recent blocks carry ring data;
+* recurrent layers: a state snapshot, only on the node whose boundary equals the row's length
+  at insertion time (these are the "checkpoints at block boundaries": call `insert` after
+  every block-aligned prefill chunk, `chunk_ends` makes the chunks line up).
+
+`lookup` returns the deepest node whose boundary every layer can be restored at. Eviction drops
+the least recently used leaf until the bytes fit; a lookup or insert touches the whole path,
+so parents always outlive their children.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from engine.kv.attention import KVLayout
+from engine.kv.convert import RowKV, adopt, place
+from engine.kv.recurrent import RecurrentLayout
+
+
+@dataclass(eq=False, slots=True)
+class _Node:
+    tokens: tuple[int, ...]
+    parent: _Node | None
+    depth: int  # blocks from the root; boundary = depth * block_size
+    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
+    data: list[Any] = field(default_factory=list)  # per layer: None or a list of arrays
+    nbytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    num_tokens: int
+    node: _Node
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    queries: int = 0
+    hits: int = 0
+    hit_tokens: int = 0
+    inserted_blocks: int = 0
+    evicted_blocks: int = 0
+
+
+def chunk_ends(start: int, total: int, chunk: int, block_size: int) -> Iterator[int]:
+    """Prefill chunk ends from `start` to `total` such that the last block boundary before
+    `total` is a chunk end (so recurrent snapshots exist there). `chunk` should be a multiple
+    of `block_size`, and `start` block-aligned (a restored prefix is)."""
+    last_boundary = total // block_size * block_size
+    pos = start
+    while pos < total:
+        end = min(pos + chunk, total)
+        if pos < last_boundary < end:
+            end = last_boundary
+        yield end
+        pos = end
+
+
+def _arrays_nbytes(arrays: Sequence[mx.array | None]) -> int:
+    return sum(int(a.nbytes) for a in arrays if a is not None)
+
+
+class PrefixCache:
+    def __init__(
+        self, template: Sequence[Any], *, block_size: int = 64, max_bytes: int = 1 << 30
+    ) -> None:
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        self.template = [layer.empty_like(0) for layer in template]
+        self.block_size = block_size
+        self.max_bytes = max_bytes
+        self._root = _Node((), None, 0)
+        self._lru: OrderedDict[int, _Node] = OrderedDict()
+        self._nbytes = 0
+        self.stats = PrefixCacheStats()
+
+    # ---------------------------------------------------------------- queries
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._lru)
+
+    def _blocks(self, token_ids: Sequence[int], limit: int) -> Iterator[tuple[int, ...]]:
+        bs = self.block_size
+        for j in range(min(len(token_ids), limit) // bs):
+            yield tuple(int(t) for t in token_ids[j * bs : (j + 1) * bs])
+
+    def _path(self, node: _Node) -> list[_Node]:
+        path = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        return path[::-1]
+
+    def _touch(self, node: _Node) -> None:
+        for n in self._path(node):
+            self._lru.move_to_end(id(n))
+
+    def lookup(self, token_ids: Sequence[int], max_tokens: int | None = None) -> PrefixHit | None:
+        """The longest cached, restorable, block-aligned prefix of `token_ids` (<= max_tokens)."""
+        self.stats.queries += 1
+        limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
+        node, path = self._root, []
+        for block in self._blocks(token_ids, limit):
+            child = node.children.get(block)
+            if child is None:
+                break
+            path.append(child)
+            node = child
+        for cand in reversed(path):
+            if self._restorable(path[: cand.depth]):
+                self._touch(cand)
+                self.stats.hits += 1
+                self.stats.hit_tokens += cand.depth * self.block_size
+                return PrefixHit(cand.depth * self.block_size, cand)
+        return None
+
+    def _restorable(self, path: list[_Node]) -> bool:
+        boundary = len(path) * self.block_size
+        for li, layer in enumerate(self.template):
+            if isinstance(layer, RecurrentLayout):
+                if path[-1].data[li] is None:
+                    return False
+            elif any(path[j].data[li] is None for j in self._blocks_needed(layer, boundary)):
+                return False
+        return True
+
+    def _blocks_needed(self, layer: KVLayout, boundary: int) -> list[int]:
+        bs = self.block_size
+        if layer.window is None:
+            return list(range(boundary // bs))
+        recent_from = max(layer.keep, boundary - (layer.window - layer.keep) + 1)
+        sink_blocks = set(range((min(layer.keep, boundary) + bs - 1) // bs))
+        return sorted(sink_blocks | set(range(recent_from // bs, boundary // bs)))
+
+    # ---------------------------------------------------------------- restore
+
+    def restore(self, hit: PrefixHit) -> list[Any]:
+        """One-row layouts (the template's kinds) holding the hit's `num_tokens` tokens."""
+        path = self._path(hit.node)
+        boundary = hit.num_tokens
+        out: list[Any] = []
+        for li, layer in enumerate(self.template):
+            if isinstance(layer, RecurrentLayout):
+                row = layer.empty_like(1)
+                row.cache = list(path[-1].data[li])
+                row._n = np.array([boundary], dtype=np.int64)
+                out.append(row)
+                continue
+            blocks = self._blocks_needed(layer, boundary)
+            bufs = [
+                mx.concatenate([path[j].data[li][b] for j in blocks], axis=2)
+                for b in range(len(path[blocks[0]].data[li]))
+            ]
+            positions = np.concatenate(
+                [np.arange(j * self.block_size, (j + 1) * self.block_size) for j in blocks]
+            )
+            out.append(place(layer, RowKV(boundary, positions, bufs, layer.codec)))
+        return out
+
+    # ---------------------------------------------------------------- insert
+
+    def insert(self, token_ids: Sequence[int], row: Sequence[Any]) -> int:
+        """Store the complete blocks of a one-row cache that has seen `token_ids` (its length
+        is the row's token count). Returns the number of new trie nodes."""
+        rows = [
+            r if isinstance(r, RecurrentLayout) else adopt(t, r)
+            for t, r in zip(self.template, row, strict=True)
+        ]
+        n = rows[0].num_tokens[0]
+        if n > len(token_ids):
+            raise ValueError(f"row has {n} tokens but only {len(token_ids)} ids were given")
+        positions = [None if isinstance(r, RecurrentLayout) else r.row_positions(0) for r in rows]
+        node, created = self._root, 0
+        for block in self._blocks(token_ids, n):
+            child = node.children.get(block)
+            if child is None:
+                child = _Node(block, node, node.depth + 1, data=[None] * len(rows))
+                node.children[block] = child
+                self._lru[id(child)] = child
+                created += 1
+            self._fill(child, rows, positions, n)
+            node = child
+        if node is not self._root:
+            self._touch(node)
+        self.stats.inserted_blocks += created
+        self._evict()
+        return created
+
+    def _fill(self, node: _Node, rows: list[Any], positions: list[Any], n: int) -> None:
+        bs = self.block_size
+        lo, hi = (node.depth - 1) * bs, node.depth * bs
+        for li, r in enumerate(rows):
+            if node.data[li] is not None:
+                continue
+            if isinstance(r, RecurrentLayout):
+                if hi == n and not r.empty():
+                    node.data[li] = [mx.contiguous(c) if c is not None else None for c in r.cache]
+            else:
+                pos, cols = positions[li]
+                sel = (pos >= lo) & (pos < hi)
+                if int(sel.sum()) != bs or r._bufs is None:
+                    continue
+                idx = cols[sel]
+                if int(idx[-1] - idx[0]) == bs - 1:
+                    node.data[li] = [
+                        mx.contiguous(b[:, :, int(idx[0]) : int(idx[0]) + bs]) for b in r._bufs
+                    ]
+                else:
+                    idx_mx = mx.array(idx, dtype=mx.int32)
+                    node.data[li] = [mx.contiguous(b[:, :, idx_mx]) for b in r._bufs]
+            if node.data[li] is not None:
+                added = _arrays_nbytes(node.data[li])
+                node.nbytes += added
+                self._nbytes += added
+
+    def _evict(self) -> None:
+        while self._nbytes > self.max_bytes and self._lru:
+            victim = next((n for n in self._lru.values() if not n.children), None)
+            if victim is None:
+                break
+            self._remove(victim)
+
+    def _remove(self, node: _Node) -> None:
+        assert node.parent is not None
+        del node.parent.children[node.tokens]
+        del self._lru[id(node)]
+        self._nbytes -= node.nbytes
+        self.stats.evicted_blocks += 1
+
+    def clear(self) -> None:
+        self._root = _Node((), None, 0)
+        self._lru.clear()
+        self._nbytes = 0
