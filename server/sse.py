@@ -33,13 +33,21 @@ STREAM_ERROR = {
 log = logging.getLogger("mlxd.server")
 
 
+try:  # optional: 10x faster than json for the per-token chunks
+    import orjson
+
+    def _dumps(payload: Any) -> bytes:
+        return orjson.dumps(payload)
+except ImportError:  # pragma: no cover
+
+    def _dumps(payload: Any) -> bytes:
+        return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+
+
 def sse_event(payload: Any) -> bytes:
-    data = (
-        payload
-        if isinstance(payload, str)
-        else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    )
-    return f"data: {data}\n\n".encode()
+    """One `data:` event; `payload` is a JSON-able object or a literal string such as [DONE]."""
+    data = payload.encode() if isinstance(payload, str) else _dumps(payload)
+    return b"data: " + data + b"\n\n"
 
 
 class SSEResponse(StreamingResponse):
