@@ -42,6 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="module name (or suffix) to leave unquantized; repeatable (default: lm_head)",
     )
+    p.add_argument(
+        "--calibration",
+        type=Path,
+        default=None,
+        help="jsonl of {text} / {messages} records: quantize with BlockLDLQ on their activations",
+    )
+    p.add_argument("--calibration-windows", type=int, default=16, help="token windows to run")
+    p.add_argument("--calibration-length", type=int, default=512, help="tokens per window")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -64,13 +72,16 @@ def quantize_dir(
     skip: Sequence[str] | None = None,
     progress: bool = True,
     only=None,
+    calibration: Path | None = None,
+    calibration_windows: int = 16,
+    calibration_length: int = 512,
 ) -> dict:
     """Quantize ``src`` into ``dst``; returns the "quantization" config entry written."""
     from mlx_lm.utils import load_model
     from tqdm import tqdm
 
     from kernels.trellis import TrellisSpec, quantizable_size, quantize_model, save_model
-    from kernels.trellis.linear import DEFAULT_SKIP
+    from kernels.trellis.linear import DEFAULT_SKIP, quantizable_linears
 
     L = L or default_L()
     skip = tuple(skip) if skip else DEFAULT_SKIP
@@ -78,16 +89,61 @@ def quantize_dir(
     if config.get("quantization") or config.get("quantization_config"):
         raise SystemExit(f"{src} is already quantized; trellis quantization needs float weights")
     spec = TrellisSpec(bits=bits, L=L, code=code, max_block=max_block)
-    total = quantizable_size(model, spec, skip)
     start = time.perf_counter()
+    hessians = None
+    if calibration is not None:
+        paths = [p for p, _ in quantizable_linears(model, spec, skip) if only is None or only(p)]
+        hessians = calibration_hessians(model, Path(src), calibration, paths, calibration_windows, calibration_length)
+    total = quantizable_size(model, spec, skip)
     with tqdm(total=total, unit="w", unit_scale=True, disable=not progress, desc=f"trellis K={bits} L={L}") as bar:
         qconfig = quantize_model(
-            model, bits, L, code=code, max_block=max_block, seed=seed, skip=skip, only=only, progress=bar.update
+            model,
+            bits,
+            L,
+            code=code,
+            max_block=max_block,
+            seed=seed,
+            skip=skip,
+            only=only,
+            progress=bar.update,
+            hessians=hessians,
         )
     qconfig["seconds"] = round(time.perf_counter() - start, 1)
+    if calibration is not None:
+        qconfig["calibration"] = {
+            "file": Path(calibration).name,
+            "windows": calibration_windows,
+            "length": calibration_length,
+        }
     config["quantization"] = qconfig
     save_model(model, config, dst, src)
     return qconfig
+
+
+def calibration_hessians(model, src: Path, data: Path, paths, num_windows: int, length: int) -> dict:
+    """E[x x^T] per layer over evenly spaced windows of ``data`` (float32 forward on a CPU)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_tokenizer
+
+    from kernels.trellis.calibration import (
+        collect_hessians,
+        even_windows,
+        read_records,
+        token_stream,
+    )
+
+    tokenizer = load_tokenizer(src)
+    windows = even_windows(token_stream(tokenizer, read_records(data)), num_windows, length)
+    dtype = next(v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+    on_cpu = mx.default_device() == mx.cpu
+    if on_cpu:
+        model.set_dtype(mx.float32)  # MLX's CPU matmuls are fast in float32 only
+    try:
+        return collect_hessians(model, windows, paths)
+    finally:
+        if on_cpu:
+            model.set_dtype(dtype)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -104,6 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=args.seed,
         skip=args.skip,
         progress=not args.no_progress,
+        calibration=args.calibration,
+        calibration_windows=args.calibration_windows,
+        calibration_length=args.calibration_length,
     )
     print(json.dumps({"dst": str(args.dst), "quantization": q}))
     return 0

@@ -87,10 +87,22 @@ typedef unsigned int u32;
 #define TRELLIS_UNROLL _Pragma("unroll")
 TRELLIS_FN float trellis_as_float(u32 b) { return __uint_as_float(b); }
 TRELLIS_FN float trellis_half_bits(u32 h) { return __half2float(__ushort_as_half((unsigned short)h)); }
+"""
+)
+# Byte sum: one dp4a instruction, or the portable bit trick (same as Metal's) if NVRTC lacks it.
+CUDA_BYTE_SUM_DP4A = r"""
 TRELLIS_FN u32 trellis_byte_sum(u32 x) { return __dp4a(x, 0x01010101u, 0u); }
 """
-    + SHARED_HELPERS
-)
+CUDA_BYTE_SUM_PORTABLE = r"""
+TRELLIS_FN u32 trellis_byte_sum(u32 x) {
+    const u32 t = (x & 0x00FF00FFu) + ((x >> 8) & 0x00FF00FFu);
+    return (t & 0xFFFFu) + (t >> 16);
+}
+"""
+
+
+def cuda_header(portable: bool = False) -> str:
+    return CUDA_HEADER + (CUDA_BYTE_SUM_PORTABLE if portable else CUDA_BYTE_SUM_DP4A) + SHARED_HELPERS
 
 CUDA_PROLOGUE = r"""
     const u32 lane = threadIdx.x & 31u;

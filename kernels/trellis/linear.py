@@ -117,10 +117,11 @@ class TrellisLinear(nn.Module):
         spec: TrellisSpec,
         key: mx.array | None = None,
         progress: Callable[[int], None] | None = None,
+        hessian: mx.array | None = None,
     ) -> TrellisLinear:
         out_dims, in_dims = linear.weight.shape
         has_bias = "bias" in linear
-        w = quantize_weight(linear.weight, spec, key=key, progress=progress)
+        w = quantize_weight(linear.weight, spec, key=key, progress=progress, hessian=hessian)
         layer = cls(in_dims, out_dims, spec.bits, spec.L, spec.code, w.block, bias=has_bias)
         layer.packed, layer.scales, layer.signs = w.packed, w.scales, w.signs
         if has_bias:
@@ -168,18 +169,23 @@ def quantize_model(
     skip: Iterable[str] = DEFAULT_SKIP,
     only: Callable[[str], bool] | None = None,
     progress: Callable[[int], None] | None = None,
+    hessians: dict[str, mx.array] | None = None,
 ) -> dict[str, Any]:
     """Quantize the model's Linear layers in place; returns the config's "quantization" entry.
 
     only: optional filter on module paths (e.g. to quantize a few layers in a quick test).
     progress(n): called with the number of weights just quantized.
+    hessians: optional E[x x^T] per module path (``calibration.collect_hessians``): those layers
+    are quantized with BlockLDLQ.
     """
     spec = TrellisSpec(bits=bits, L=L, code=code, max_block=max_block)
     targets = [(p, m) for p, m in quantizable_linears(model, spec, skip) if only is None or only(p)]
     swapped = []
     for index, (path, linear) in enumerate(targets):
         key = mx.random.key(seed * 100003 + index)
-        swapped.append((path, TrellisLinear.from_linear(linear, spec, key=key, progress=progress)))
+        hessian = None if hessians is None else hessians.get(path)
+        layer = TrellisLinear.from_linear(linear, spec, key=key, progress=progress, hessian=hessian)
+        swapped.append((path, layer))
         model.update_modules(tree_unflatten(swapped[-1:]))
     return {
         "method": METHOD,
@@ -190,6 +196,7 @@ def quantize_model(
         "wrap_window": spec.wrap_window,
         "seed": seed,
         "num_layers": len(swapped),
+        "ldlq": hessians is not None,
     }
 
 

@@ -38,25 +38,44 @@ def fused_backend() -> str | None:
     return None
 
 
-@lru_cache(maxsize=2)
-def _kernel(backend: str):
+VARIANTS = {"cuda": ("dp4a", "portable"), "metal": ("portable",)}
+_chosen: dict[str, str] = {}
+
+
+def kernel_sources(backend: str, variant: str) -> tuple[str, str]:
+    """(source, header) of the fused kernel for a backend; the body is the same for all."""
     if backend == "cuda":
-        return mx.fast.cuda_kernel(
-            name="trellis_matvec",
-            input_names=["packed", "scales", "x"],
-            output_names=["y"],
-            source=ks.CUDA_PROLOGUE + ks.BODY + ks.CUDA_EPILOGUE,
-            header=ks.CUDA_HEADER,
-        )
+        return ks.CUDA_PROLOGUE + ks.BODY + ks.CUDA_EPILOGUE, ks.cuda_header(portable=variant == "portable")
     if backend == "metal":
-        return mx.fast.metal_kernel(
-            name="trellis_matvec",
-            input_names=["packed", "scales", "x"],
-            output_names=["y"],
-            source=ks.METAL_PROLOGUE + ks.BODY + ks.METAL_EPILOGUE,
-            header=ks.METAL_HEADER,
-        )
+        return ks.METAL_PROLOGUE + ks.BODY + ks.METAL_EPILOGUE, ks.METAL_HEADER
     raise ValueError(f"no fused trellis kernel for backend {backend!r}")
+
+
+@lru_cache(maxsize=8)
+def _kernel(backend: str, variant: str):
+    source, header = kernel_sources(backend, variant)
+    # The name carries a hash of the text: MLX caches compiled kernels by name (on disk for CUDA).
+    name = "trellis_matvec_" + hashlib.sha1((source + header).encode()).hexdigest()[:12]
+    make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
+    return make(name=name, input_names=["packed", "scales", "x"], output_names=["y"], source=source, header=header)
+
+
+def kernel_variant(backend: str) -> str:
+    """The first variant that compiles and runs here (probed once on a tiny problem)."""
+    if backend in _chosen:
+        return _chosen[backend]
+    errors = []
+    for variant in VARIANTS[backend]:
+        try:
+            x = mx.ones((1, 32), dtype=mx.float32)
+            packed = mx.zeros((8, 4), dtype=mx.uint32)
+            y = _launch(backend, variant, x, packed, mx.ones((8,), dtype=mx.float16), 4, 12, 32, "1mad")
+            mx.eval(y)
+            _chosen[backend] = variant
+            return variant
+        except Exception as exc:  # compile errors surface at eval time
+            errors.append(f"{variant}: {exc}")
+    raise RuntimeError("no fused trellis kernel variant works here: " + " | ".join(errors))
 
 
 def kernel_constants(n_out: int, n_in: int, batch: int, bits: int, L: int, block: int, code: str) -> dict[str, int]:
@@ -87,13 +106,18 @@ def trellis_matvec(
     backend = backend or fused_backend()
     if backend is None:
         raise RuntimeError("no GPU backend for the fused trellis kernel")
-    m, n_in = x_rot.shape
-    n_out = packed.shape[0]
+    m = x_rot.shape[0]
     if not 1 <= m <= MAX_FUSED_BATCH:
         raise ValueError(f"fused kernel takes 1..{MAX_FUSED_BATCH} rows, got {m}")
+    return _launch(backend, kernel_variant(backend), x_rot, packed, scales, bits, L, block, code)
+
+
+def _launch(backend, variant, x_rot, packed, scales, bits, L, block, code) -> mx.array:
+    m, n_in = x_rot.shape
+    n_out = packed.shape[0]
     consts = kernel_constants(n_out, n_in, m, bits, L, block, code)
     groups = -(-n_out // ROWS_PER_GROUP)
-    (y,) = _kernel(backend)(
+    (y,) = _kernel(backend, variant)(
         inputs=[packed, scales, x_rot],
         template=[*consts.items(), ("DT", x_rot.dtype)],
         grid=(groups * 32 * ROWS_PER_GROUP, 1, 1),

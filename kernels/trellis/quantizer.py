@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import mlx.core as mx
 
@@ -85,10 +86,34 @@ def random_signs(n: int, key: mx.array) -> mx.array:
     return (2 * mx.random.bernoulli(0.5, (n,), key=key).astype(mx.int8) - 1).astype(mx.int8)
 
 
+_hadamard_ok: dict[str, bool] = {}
+
+
+def _device_hadamard_ok() -> bool:
+    """Whether mx.hadamard_transform runs on the default device (probed once per device)."""
+    dev = str(mx.default_device())
+    if dev not in _hadamard_ok:
+        try:
+            mx.eval(mx.hadamard_transform(mx.ones((2, 384)), 1.0))
+            _hadamard_ok[dev] = True
+        except Exception:
+            _hadamard_ok[dev] = False
+    return _hadamard_ok[dev]
+
+
+@lru_cache(maxsize=16)
+def hadamard_matrix(n: int) -> mx.array:
+    """The matrix of h (h(v) = v @ it), built on the CPU."""
+    return mx.hadamard_transform(mx.eye(n, dtype=mx.float32), 1.0 / math.sqrt(n), stream=mx.cpu)
+
+
 def rotate(x: mx.array, signs: mx.array) -> mx.array:
     """x~ = h(s * x) along the last axis, in float32."""
     n = x.shape[-1]
-    return mx.hadamard_transform(x.astype(mx.float32) * signs.astype(mx.float32), 1.0 / math.sqrt(n))
+    xs = x.astype(mx.float32) * signs.astype(mx.float32)
+    if _device_hadamard_ok():
+        return mx.hadamard_transform(xs, 1.0 / math.sqrt(n))
+    return xs @ hadamard_matrix(n)  # same map through a dense matmul where the op is missing
 
 
 def quantize_weight(
@@ -97,8 +122,14 @@ def quantize_weight(
     key: mx.array | None = None,
     progress: Callable[[int], None] | None = None,
     rows_per_step: int | None = None,
+    hessian: mx.array | None = None,
 ) -> TrellisWeight:
-    """Quantize W (n_out, n_in). ``progress(n)`` is called with the number of weights done."""
+    """Quantize W (n_out, n_in). ``progress(n)`` is called with the number of weights done.
+
+    hessian: optional E[x x^T] (n_in, n_in) of the layer's inputs. With it, blocks of T columns
+    are quantized in order with error feedback (BlockLDLQ, see ``ldlq.py``) and the row scales
+    minimise the output error rather than the weight error.
+    """
     check_code(spec.code)
     n_out, n_in = weight.shape
     block = spec.block_for(n_in)
@@ -108,33 +139,64 @@ def quantize_weight(
     key = mx.random.key(0) if key is None else key
     signs = random_signs(n_in, key)
     cb = codebook(spec.L, spec.code) * (CODE_GAIN.get(spec.bits, 1.0) / CODE_RMS[spec.code])
-    rows_per_step = rows_per_step or max(1, (1 << 17) // n_in)
-    packed_parts, scale_parts = [], []
-    for lo in range(0, n_out, rows_per_step):
-        rows = rotate(weight[lo : lo + rows_per_step], signs)
-        rms = mx.sqrt(mx.mean(mx.square(rows), axis=1, keepdims=True))
-        rms = mx.where(rms > 0, rms, 1.0)
-        seqs = (rows / rms).reshape(-1, block)
-        states = encode_tail_biting(seqs, cb, spec.L, spec.bits, spec.wrap_window)
-        r = rows.shape[0]
-        packed_parts.append(pack_symbols(symbols_from_states(states, spec.L, spec.bits), spec.bits).reshape(r, -1))
-        # Least-squares row scale for the chosen codes (never worse than rms * code scale).
-        values = decode_states(states, spec.code).reshape(r, n_in)
-        num = mx.sum(values * rows, axis=1)
-        den = mx.sum(values * values, axis=1)
-        scale_parts.append(mx.where(den > 0, num / mx.maximum(den, 1e-30), 0.0))
-        mx.eval(packed_parts[-1], scale_parts[-1])
-        if progress is not None:
-            progress(r * n_in)
+    if hessian is not None:
+        from .ldlq import quantize_rows_ldlq
+
+        packed, scales = quantize_rows_ldlq(rotate(weight, signs), rotate_hessian(hessian, signs), cb, spec, block, progress)
+    else:
+        packed, scales = _quantize_rows_plain(weight, signs, cb, spec, block, progress, rows_per_step)
     return TrellisWeight(
-        packed=mx.concatenate(packed_parts, axis=0),
-        scales=mx.concatenate(scale_parts, axis=0).astype(mx.float16),
+        packed=packed,
+        scales=scales.astype(mx.float16),
         signs=signs,
         bits=spec.bits,
         L=spec.L,
         block=block,
         code=spec.code,
     )
+
+
+def rotate_hessian(hessian: mx.array, signs: mx.array) -> mx.array:
+    """E[x~ x~^T] for x~ = h(s*x): rotate rows and columns."""
+    h1 = rotate(hessian, signs)  # H S h
+    return rotate(mx.contiguous(h1.T), signs)  # h^T S H S h
+
+
+def encode_rows(target: mx.array, rms: mx.array, cb: mx.array, spec: TrellisSpec, block: int) -> mx.array:
+    """States (rows, n) for rows of ``target`` divided by their ``rms`` (rows, 1)."""
+    rows, n = target.shape
+    seqs = (target / rms).reshape(-1, block)
+    return encode_tail_biting(seqs, cb, spec.L, spec.bits, spec.wrap_window).reshape(rows, n)
+
+
+def pack_states(states: mx.array, spec: TrellisSpec, block: int) -> mx.array:
+    rows, n = states.shape
+    syms = symbols_from_states(states, spec.L, spec.bits).reshape(rows, n // block, block)
+    return pack_symbols(syms, spec.bits).reshape(rows, -1)
+
+
+def row_rms(rows: mx.array) -> mx.array:
+    rms = mx.sqrt(mx.mean(mx.square(rows), axis=1, keepdims=True))
+    return mx.where(rms > 0, rms, 1.0)
+
+
+def _quantize_rows_plain(weight, signs, cb, spec, block, progress, rows_per_step):
+    n_out, n_in = weight.shape
+    rows_per_step = rows_per_step or max(1, (1 << 17) // n_in)
+    packed_parts, scale_parts = [], []
+    for lo in range(0, n_out, rows_per_step):
+        rows = rotate(weight[lo : lo + rows_per_step], signs)
+        states = encode_rows(rows, row_rms(rows), cb, spec, block)
+        packed_parts.append(pack_states(states, spec, block))
+        # Least-squares row scale for the chosen codes (never worse than rms * code scale).
+        values = decode_states(states, spec.code)
+        num = mx.sum(values * rows, axis=1)
+        den = mx.sum(values * values, axis=1)
+        scale_parts.append(mx.where(den > 0, num / mx.maximum(den, 1e-30), 0.0))
+        mx.eval(packed_parts[-1], scale_parts[-1])
+        if progress is not None:
+            progress(rows.shape[0] * n_in)
+    return mx.concatenate(packed_parts, axis=0), mx.concatenate(scale_parts, axis=0)
 
 
 def dequantize_rotated_ref(w: TrellisWeight) -> mx.array:
@@ -156,9 +218,7 @@ def dequantize(w: TrellisWeight) -> mx.array:
     wt = dequantize_rotated(w)
     n = wt.shape[-1]
     # W = W~ h S, i.e. row r of W is s * h^T(row r of W~); h^T is h^-1.
-    eye = mx.eye(n, dtype=mx.float32)
-    h = mx.hadamard_transform(eye, 1.0 / math.sqrt(n))  # row i = h(e_i), so h(v) = v @ h
-    return (wt @ h.T) * w.signs.astype(mx.float32)
+    return (wt @ hadamard_matrix(n).T) * w.signs.astype(mx.float32)
 
 
 def matmul_ref(x: mx.array, w: TrellisWeight) -> mx.array:

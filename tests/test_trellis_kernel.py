@@ -1,0 +1,124 @@
+"""Fused trellis mat-vec == the plain-MLX reference.
+
+- CPU (CI): the kernel's shared body, compiled with g++ behind a one-lane-at-a-time prelude.
+- CUDA (``-m gpu`` on the GPU machine): the real kernel through mx.fast.cuda_kernel.
+- Metal: the same tests run on a Mac (no Metal machine is available to this project).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kernels.trellis import kernel_source as ks
+from kernels.trellis import matvec
+from kernels.trellis.quantizer import TrellisWeight, dequantize_rotated_ref
+
+# (n_out, n_in, block): odd row counts, row lengths that are 3/5/7 x a power of two.
+SHAPES = [(37, 96, 32), (131, 384, 128), (8, 160, 32), (300, 1024, 256), (5, 224, 32), (1, 512, 256)]
+
+
+def random_weight(n_out: int, n_in: int, bits: int, L: int, block: int, code: str, seed: int = 0) -> TrellisWeight:
+    """Uniformly random codes (every bit pattern is a valid tail-biting stream) and scales."""
+    rng = np.random.default_rng(seed)
+    packed = rng.integers(0, 2**32, size=(n_out, n_in * bits // 32), dtype=np.uint64).astype(np.uint32)
+    scales = rng.uniform(0.5, 2.0, size=n_out).astype(np.float16)
+    return TrellisWeight(mx.array(packed), mx.array(scales), mx.ones((n_in,), mx.int8), bits, L, block, code)
+
+
+def reference(x: mx.array, w: TrellisWeight) -> np.ndarray:
+    with mx.stream(mx.cpu):
+        y = x.astype(mx.float32) @ dequantize_rotated_ref(w).T
+        return np.array(y)
+
+
+# ---- CPU: the shared body through the C++ prelude ---------------------------------------------
+
+needs_cxx = pytest.mark.skipif(matvec.cpu_compiler() is None, reason="no C++ compiler for the CPU harness")
+
+CPU_CASES = [
+    # (shape index, batch, bits, L, code)
+    (0, 1, 2, 12, "1mad"),
+    (1, 3, 3, 16, "3inst"),
+    (2, 8, 4, 12, "1mad"),
+    (4, 5, 3, 12, "1mad"),
+    (3, 2, 2, 16, "3inst"),
+]
+
+
+@needs_cxx
+@pytest.mark.parametrize("shape_i,batch,bits,L,code", CPU_CASES)
+def test_kernel_body_on_cpu_equals_reference(shape_i, batch, bits, L, code):
+    n_out, n_in, block = SHAPES[shape_i]
+    w = random_weight(n_out, n_in, bits, L, block, code, seed=shape_i)
+    x = mx.random.normal((batch, n_in), key=mx.random.key(batch))
+    got = matvec.trellis_matvec_cpu_harness(
+        np.array(x), np.array(w.packed), np.array(w.scales.astype(mx.float32)), bits=bits, L=L, block=block, code=code
+    )
+    ref = reference(x, w)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_every_backend_runs_the_same_body():
+    for backend, variant in [("cuda", "dp4a"), ("cuda", "portable"), ("metal", "portable")]:
+        source, header = matvec.kernel_sources(backend, variant)
+        assert ks.BODY in source and ks.SHARED_HELPERS in header
+    assert ks.BODY in ks.cpu_harness_source(matvec.kernel_constants(8, 32, 1, 2, 12, 32, "1mad"))
+    # the per-backend parts stay thin
+    assert len(ks.CUDA_PROLOGUE) + len(ks.CUDA_EPILOGUE) < len(ks.BODY)
+    assert len(ks.METAL_PROLOGUE) + len(ks.METAL_EPILOGUE) < len(ks.BODY)
+
+
+# ---- GPU: the real kernels --------------------------------------------------------------------
+
+GPU_CASES = (
+    # every batch size 1..8 on one odd shape
+    [(0, b, 3, 16, "1mad", mx.float32) for b in range(1, 9)]
+    # every dtype on every shape
+    + [(i, 1 + i % 4, 2 + i % 3, 12 if i % 2 else 16, "1mad", dt)
+       for i, dt in itertools.product(range(len(SHAPES)), (mx.float16, mx.bfloat16, mx.float32))]
+    # both codes, all bit widths
+    + [(1, 4, k, 16, code, mx.bfloat16) for k, code in itertools.product((2, 3, 4), ("1mad", "3inst"))]
+)
+TOL = {mx.float32: 1e-4, mx.float16: 4e-3, mx.bfloat16: 2e-2}
+
+
+def _gpu_case(backend: str, shape_i, batch, bits, L, code, dtype):
+    if matvec.fused_backend() != backend:
+        pytest.skip(f"needs the {backend} backend (have {matvec.fused_backend()})")
+    n_out, n_in, block = SHAPES[shape_i]
+    w = random_weight(n_out, n_in, bits, L, block, code, seed=shape_i * 7 + batch)
+    x = mx.random.normal((batch, n_in), key=mx.random.key(shape_i + batch)).astype(dtype)
+    y = matvec.trellis_matvec(x, w.packed, w.scales, bits=bits, L=L, block=block, code=code)
+    assert y.dtype == dtype and y.shape == (batch, n_out)
+    ref = reference(x, w)
+    got = np.array(y.astype(mx.float32))
+    np.testing.assert_allclose(got, ref, rtol=TOL[dtype], atol=TOL[dtype] * np.abs(ref).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape_i,batch,bits,L,code,dtype", GPU_CASES)
+def test_cuda_kernel_equals_reference(shape_i, batch, bits, L, code, dtype):
+    _gpu_case("cuda", shape_i, batch, bits, L, code, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape_i,batch,bits,L,code,dtype", GPU_CASES[:12])
+def test_metal_kernel_equals_reference(shape_i, batch, bits, L, code, dtype):
+    _gpu_case("metal", shape_i, batch, bits, L, code, dtype)
+
+
+@pytest.mark.gpu
+def test_cuda_portable_variant_equals_reference():
+    """The bit-trick byte sum (what Metal runs) on CUDA too, whichever variant was chosen."""
+    if matvec.fused_backend() != "cuda":
+        pytest.skip("needs the cuda backend")
+    n_out, n_in, block = SHAPES[1]
+    w = random_weight(n_out, n_in, 3, 16, block, "1mad", seed=11)
+    x = mx.random.normal((3, n_in), key=mx.random.key(11))
+    y = matvec._launch("cuda", "portable", x, w.packed, w.scales, 3, 16, block, "1mad")
+    ref = reference(x, w)
+    np.testing.assert_allclose(np.array(y), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
