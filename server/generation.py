@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -76,6 +77,14 @@ class Delta:
     finish_reason: str | None = None
 
 
+MIN_LOGPROB = -9999.0  # what OpenAI reports for -inf (JSON has no infinities)
+
+
+def _finite(value: float) -> float:
+    value = float(value)
+    return value if math.isfinite(value) else MIN_LOGPROB
+
+
 class TextPipeline:
     """Token ids → (text, logprob entries) for one choice; synchronous and deterministic."""
 
@@ -124,9 +133,9 @@ class TextPipeline:
             if self.stopped:
                 break
             if self.want_logprobs:
-                lp = float(logprobs[i]) if logprobs is not None and i < len(logprobs) else 0.0
+                lp = _finite(logprobs[i]) if logprobs is not None and i < len(logprobs) else 0.0
                 top = (
-                    list(top_logprobs[i])
+                    [(int(t), _finite(v)) for t, v in top_logprobs[i]]
                     if top_logprobs is not None and i < len(top_logprobs)
                     else []
                 )

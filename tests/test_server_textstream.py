@@ -225,3 +225,13 @@ def test_held_partial_stop_released_at_end(tok):
     assert out1 == "xy"
     out2, _ = p.feed([], None, None, "length")
     assert out2 == "ab"
+
+
+def test_infinite_logprobs_become_finite(tok):
+    spec = ChoiceSpec(0, "r", [5], SamplingParams(logprobs=True, top_logprobs=2))
+    p = TextPipeline(tok, spec)
+    ids = tok.encode("ok", add_special_tokens=False)
+    tops = [[(t, float("-inf")), (3, float("nan"))] for t in ids]
+    _, entries = p.feed(ids, [float("-inf")] * len(ids), tops, "length")
+    assert all(e.logprob == -9999.0 for e in entries)
+    assert all(v == -9999.0 for e in entries for _, v in e.top)
