@@ -33,3 +33,25 @@ def dev_data_path() -> Path:
     if not path.exists():
         pytest.skip("../shared/data/tinycoder-dev.jsonl is not present")
     return path
+
+
+@pytest.fixture(scope="session")
+def real_engine():
+    """The real engine on the bundled model (float32 on CPU), started once per session."""
+    from mlxd.runtime import build_client
+
+    client = build_client(model=None)
+    client.start()
+    yield client
+    client.stop()
+
+
+@pytest.fixture(scope="session")
+def real_server(real_engine):
+    """uvicorn serving the real engine on a free loopback port."""
+    from server.app import create_app
+    from server.config import ServerConfig
+    from tests.fake_engine import ServerThread
+
+    with ServerThread(create_app(real_engine, ServerConfig())) as srv:
+        yield srv
