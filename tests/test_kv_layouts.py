@@ -245,3 +245,16 @@ def test_offset_and_mask_shapes_follow_padding():
     mask = layout.make_mask(3)
     assert mask.shape == (2, 1, 3, 6)
     assert mask[1, 0, 2].tolist() == [True, True, False, False, False, False]
+
+
+def test_rows_merged_into_a_batch_are_not_aliased():
+    """Writes into the batch (in-place column updates) never change the row merged into it."""
+    rng = np.random.default_rng(2)
+    row = RotatingLayout(1, window=4, keep=0, slack=1)
+    row.update_and_fetch(rand(rng, 1, 5), rand(rng, 1, 5))
+    before = [np.array(b) for b in row.state]
+    batch = RotatingLayout(0, window=4, keep=0, slack=1).merge([row])
+    for _ in range(3):
+        batch.update_and_fetch(rand(rng, 1, 1), rand(rng, 1, 1))
+    for a, b in zip(before, row.state, strict=True):
+        np.testing.assert_array_equal(a, np.array(b))

@@ -434,7 +434,11 @@ class KVLayout:
                         pad = mx.zeros((*b.shape[:2], cap - b.shape[2], b.shape[3]), b.dtype)
                         b = mx.concatenate([b, pad], axis=2)
                     pieces.append(b)
-                bufs.append(mx.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0])
+                # a lone piece still gets a new array object: in-place column writes into the
+                # batch must never reach the layout the row came from
+                bufs.append(
+                    mx.concatenate(pieces, axis=0) if len(pieces) > 1 else mx.array(pieces[0])
+                )
             self._bufs = bufs
         self._n = np.concatenate([p._n for p in parts])
         self._skip = np.concatenate([p._skip for p in parts])
