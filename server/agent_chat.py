@@ -1,0 +1,182 @@
+"""/v1/chat/completions for agents: tools, tool_choice, parallel_tool_calls, response_format, and
+reasoning_content. `server.openai_api.chat_completions` hands a request here when it uses any of
+these (or the model thinks in tags); plain chat stays on the plain path.
+
+Streaming follows OpenAI: a tool call's first delta carries its index, id, type and name with
+empty arguments; later deltas carry argument fragments only; the last chunk's finish_reason is
+"tool_calls" when the model called a tool.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from starlette.responses import JSONResponse, Response
+
+from server.errors import bad_request, error_body
+from server.generation import Generation, GenerationError, start_all, usage_numbers
+from server.openai_api import (
+    SYSTEM_FINGERPRINT,
+    AppState,
+    chat_logprobs,
+    make_specs,
+    new_id,
+    sampling_params,
+)
+from server.prompts import ServedModel, template_messages
+from server.protocol import ChatCompletionRequest
+from server.reasoning import model_thinks
+from server.sse import DONE, SSEResponse, run_until_disconnect, sse_event
+from server.structured import response_format_constraint
+from server.tools import CallArgs, CallStart, TextEvent, function_specs
+from server.turn import ReasoningEvent, TurnPlan, collect_turn, parse_tool_choice, plan_turn, turn_steps
+
+
+def wants_agent_path(body: ChatCompletionRequest, model: ServedModel) -> bool:
+    rf = body.response_format
+    template = model.info.chat_template or getattr(model.tokenizer, "chat_template", None)
+    return bool(
+        body.tools
+        or body.functions
+        or (rf and rf.get("type") not in (None, "text"))
+        or model_thinks(template, model.tokenizer)
+    )
+
+
+def _functions(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    tools = body.tools
+    if not tools and body.functions:  # the deprecated `functions` field
+        tools = [{"type": "function", "function": f} for f in body.functions]
+    try:
+        return function_specs(tools)
+    except ValueError as exc:
+        raise bad_request(str(exc), "tools") from None
+
+
+def _tool_choice(body: ChatCompletionRequest) -> Any:
+    if body.tool_choice is not None or body.function_call is None:
+        return body.tool_choice
+    fc = body.function_call  # deprecated: "none" | "auto" | {"name": ...}
+    return {"type": "function", "function": fc} if isinstance(fc, dict) else fc
+
+
+async def chat_completions_agent(request: Request, body: ChatCompletionRequest, st: AppState) -> Response:
+    model = st.model
+    functions = _functions(body)
+    choice = parse_tool_choice(_tool_choice(body), functions)
+    parallel = body.parallel_tool_calls is not False
+    plan = plan_turn(
+        model,
+        template_messages(body.messages),
+        functions,
+        choice,
+        parallel=parallel,
+        constraint=response_format_constraint(body.response_format),
+        template_kwargs=body.chat_template_kwargs,
+        add_generation_prompt=bool(body.add_generation_prompt),
+        continue_final_message=bool(body.continue_final_message),
+    )
+    want_lp = bool(body.logprobs)
+    k = body.top_logprobs or 0
+    params = sampling_params(body, st.config, model, len(plan.prompt_ids), logprobs=want_lp, top_logprobs=k)
+    params.constraint = plan.constraint
+    cid = new_id("chatcmpl")
+    specs = make_specs(cid, [plan.prompt_ids], [params], body.n or 1, body)
+    for s in specs:
+        s.skip_special_tokens = s.skip_special_tokens and plan.skip_special_tokens
+    gens = await start_all(st.client, specs, model.info.eos_token_ids)  # EngineError → 400 etc.
+    created = int(time.time())
+    if body.stream:
+        return SSEResponse(
+            _stream(gens, plan, parallel, model, cid, created, body, want_lp, k),
+            on_close=lambda: [g.abort() for g in gens],
+        )
+    try:
+        results = await run_until_disconnect(request, lambda: collect_turn(gens, plan, parallel))
+    except GenerationError as exc:
+        return JSONResponse(error_body(str(exc), "server_error", None, "generation_failed"), 500)
+    finally:
+        for g in gens:
+            g.abort()
+    if results is None:
+        return Response(status_code=499)
+    choices = []
+    for index in sorted(results):
+        r = results[index]
+        message: dict[str, Any] = {"role": "assistant", "content": r.text, "refusal": None}
+        if r.calls:
+            message["tool_calls"] = [c.openai() for c in r.calls]
+            message["content"] = r.text.strip() or None
+        if r.reasoning is not None:
+            message["reasoning_content"] = r.reasoning
+        choices.append({
+            "index": index,
+            "message": message,
+            "logprobs": chat_logprobs(model, r.logprobs, k) if want_lp else None,
+            "finish_reason": r.finish_reason,
+        })
+    return JSONResponse({
+        "id": cid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model.name,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "choices": choices,
+        "usage": usage_numbers(gens),
+    })
+
+
+async def _stream(
+    gens: list[Generation],
+    plan: TurnPlan,
+    parallel: bool,
+    model: ServedModel,
+    cid: str,
+    created: int,
+    body: ChatCompletionRequest,
+    want_lp: bool,
+    k: int,
+) -> AsyncIterator[bytes]:
+    include_usage = body.include_usage
+    head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model.name,
+            "system_fingerprint": SYSTEM_FINGERPRINT}
+
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, lps: Any = None) -> bytes:
+        out = dict(head, choices=[{"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}])
+        if include_usage:
+            out["usage"] = None
+        return sse_event(out)
+
+    for g in gens:
+        yield chunk(g.spec.index, {"role": "assistant", "content": ""})
+    try:
+        async for step in turn_steps(gens, plan, parallel):
+            lps = chat_logprobs(model, step.logprobs, k) if want_lp and step.logprobs else None
+            for e in step.events:
+                if isinstance(e, ReasoningEvent):
+                    delta: dict[str, Any] = {"reasoning_content": e.text}
+                elif isinstance(e, TextEvent):
+                    delta = {"content": e.text}
+                elif isinstance(e, CallStart):
+                    delta = {"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
+                                             "function": {"name": e.name, "arguments": ""}}]}
+                elif isinstance(e, CallArgs):
+                    delta = {"tool_calls": [{"index": e.index, "function": {"arguments": e.fragment}}]}
+                else:
+                    continue
+                yield chunk(step.index, delta, lps=lps)
+                lps = None
+            if lps is not None:
+                yield chunk(step.index, {}, lps=lps)
+            if step.finish_reason:
+                yield chunk(step.index, {}, step.finish_reason)
+    except GenerationError as exc:
+        yield sse_event(error_body(str(exc), "server_error", None, "generation_failed"))
+        yield sse_event(DONE)
+        return
+    if include_usage:
+        yield sse_event(dict(head, choices=[], usage=usage_numbers(gens)))
+    yield sse_event(DONE)

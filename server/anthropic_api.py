@@ -1,0 +1,406 @@
+"""Anthropic Messages: POST /v1/messages (+ streaming) and POST /v1/messages/count_tokens.
+
+Requests become OpenAI-style chat messages for `server.turn` (system → a system message,
+tool_use blocks → assistant tool_calls, tool_result blocks → tool messages); the turn's events
+become Anthropic content blocks: thinking, text, tool_use. Streaming sends Anthropic's events:
+
+    message_start, ping, (content_block_start, content_block_delta*, content_block_stop)*,
+    message_delta (stop_reason, usage), message_stop
+
+Errors have Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`, including
+401s from the key check and 400s from the engine (`AnthropicRoute` converts them).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.responses import JSONResponse, Response
+
+from engine.api import EngineError, SamplingParams
+from server.errors import APIError, bad_request, from_engine_error, from_validation_error
+from server.generation import ChoiceSpec, Generation, GenerationError, start_all, usage_numbers
+from server.openai_api import app_state
+from server.prompts import ServedModel
+from server.sse import SSEResponse, run_until_disconnect
+from server.tools import CallArgs, CallEnd, CallStart, TextEvent
+from server.turn import ReasoningEvent, ToolChoice, TurnPlan, TurnResult, collect_turn, plan_turn, turn_steps
+
+log = logging.getLogger("mlxd.server")
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
+
+
+def anthropic_error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status, headers=headers)
+
+
+class AnthropicRoute(APIRoute):
+    """Every error on these routes (the key check included) in Anthropic's shape."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except APIError as exc:
+                return anthropic_error(exc.status, exc.message, exc.headers)
+            except EngineError as exc:
+                err = from_engine_error(exc)
+                return anthropic_error(err.status, err.message, err.headers)
+
+        return route
+
+
+router = APIRouter(route_class=AnthropicRoute)
+
+
+# -- request models ---------------------------------------------------------------------------
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class MessageParam(_Model):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class ToolParam(_Model):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+
+
+class CountTokensRequest(_Model):
+    model: str | None = None
+    messages: list[MessageParam] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = Field(None, max_length=16)
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+
+
+def _parse(model_cls: type[BaseModel], raw: bytes) -> Any:
+    if not raw.strip():
+        raise bad_request("The request body is empty; send a JSON object.")
+    try:
+        return model_cls.model_validate_json(raw)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+# -- Anthropic → chat messages ----------------------------------------------------------------
+
+
+def _block_text(block: dict[str, Any], where: str) -> str:
+    kind = block.get("type")
+    if kind == "text":
+        text = block.get("text")
+        if not isinstance(text, str):
+            raise bad_request(f"{where}: a text block needs a string 'text'")
+        return text
+    if kind == "image":
+        raise bad_request(f"{where}: image input is not supported: this model has no vision")
+    if kind in ("document", "search_result", "container_upload"):
+        raise bad_request(f"{where}: '{kind}' blocks are not supported: text only")
+    raise bad_request(f"{where}: unexpected content block type {kind!r}")
+
+
+def _tool_result_text(content: Any, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        return "".join(_block_text(b, where) for b in content if isinstance(b, dict))
+    raise bad_request(f"{where}: tool_result content must be a string or a list of blocks")
+
+
+def system_text(system: Any) -> str:
+    if system is None or isinstance(system, str):
+        return system or ""
+    return "\n".join(_block_text(b, f"system[{i}]") for i, b in enumerate(system))
+
+
+def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    system = system_text(body.system)
+    if system:
+        out.append({"role": "system", "content": system})
+    for i, m in enumerate(body.messages):
+        blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for j, b in enumerate(blocks):
+            where = f"messages[{i}].content[{j}]"
+            kind = b.get("type")
+            if kind == "tool_use" and m.role == "assistant":
+                calls.append({"id": str(b.get("id") or ""), "type": "function", "function": {
+                    "name": str(b.get("name") or ""), "arguments": json.dumps(b.get("input") or {})}})
+            elif kind == "tool_result" and m.role == "user":
+                out.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id") or ""),
+                            "content": _tool_result_text(b.get("content"), where)})
+            elif kind in ("thinking", "redacted_thinking") and m.role == "assistant":
+                continue  # earlier reasoning is not replayed into the prompt
+            else:
+                texts.append(_block_text(b, where))
+        if texts or calls or (not blocks):
+            msg: dict[str, Any] = {"role": m.role, "content": "".join(texts)}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+    return out
+
+
+def functions_of(body: CountTokensRequest) -> list[dict[str, Any]]:
+    tools = body.tools or []
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise bad_request("tools: tool names must be unique")
+    return [{"name": t.name, "description": t.description or "", "parameters": t.input_schema} for t in tools]
+
+
+def tool_choice_of(body: CountTokensRequest, functions: list[dict[str, Any]]) -> tuple[ToolChoice, bool]:
+    """Anthropic's {type: auto|any|tool|none, name, disable_parallel_tool_use} → (choice, parallel)."""
+    tc = body.tool_choice or {}
+    parallel = not tc.get("disable_parallel_tool_use", False)
+    kind = tc.get("type", "auto" if functions else "none")
+    if not functions or kind == "none":
+        return ToolChoice("none"), parallel
+    if kind == "auto":
+        return ToolChoice("auto"), parallel
+    if kind == "any":
+        return ToolChoice("required"), parallel
+    if kind == "tool":
+        name = tc.get("name")
+        if name not in {f["name"] for f in functions}:
+            raise bad_request(f"tool_choice names a tool that is not in 'tools': {name!r}")
+        return ToolChoice("function", name), False
+    raise bad_request(f"tool_choice.type must be auto, any, tool or none, not {kind!r}")
+
+
+def _plan(model: ServedModel, body: CountTokensRequest) -> tuple[TurnPlan, bool]:
+    functions = functions_of(body)
+    choice, parallel = tool_choice_of(body, functions)
+    kwargs = None
+    if body.thinking is not None:  # templates with a thinking switch (Qwen3's enable_thinking)
+        kwargs = {"enable_thinking": body.thinking.get("type") == "enabled"}
+    plan = plan_turn(model, chat_messages(body), functions, choice, parallel=parallel,
+                     template_kwargs=kwargs)
+    return plan, parallel
+
+
+def _check_model(body: CountTokensRequest, model: ServedModel) -> None:
+    if body.model is not None and body.model not in model.aliases:
+        raise APIError(404, f"model: '{body.model}' does not exist; this server serves '{model.name}'")
+
+
+# -- routes -----------------------------------------------------------------------------------
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request) -> Response:
+    st = app_state(request)
+    body = _parse(CountTokensRequest, await request.body())
+    _check_model(body, st.model)
+    plan, _ = _plan(st.model, body)
+    return JSONResponse({"input_tokens": len(plan.prompt_ids)})
+
+
+@router.post("/v1/messages")
+async def messages(request: Request) -> Response:
+    st = app_state(request)
+    model = st.model
+    body: MessagesRequest = _parse(MessagesRequest, await request.body())
+    _check_model(body, model)
+    plan, parallel = _plan(model, body)
+    room = model.context_length - len(plan.prompt_ids)
+    params = SamplingParams(
+        temperature=body.temperature if body.temperature is not None else st.config.temperature,
+        top_p=body.top_p if body.top_p is not None else 1.0,
+        top_k=body.top_k or 0,
+        max_tokens=max(1, min(body.max_tokens, room)),
+        constraint=plan.constraint,
+    )
+    mid = "msg_" + secrets.token_hex(12)
+    stops = [s for s in (body.stop_sequences or []) if s]
+    spec = ChoiceSpec(index=0, req_id=mid, prompt_ids=plan.prompt_ids, params=params, stop=stops,
+                      skip_special_tokens=plan.skip_special_tokens)
+    gens = await start_all(st.client, [spec], model.info.eos_token_ids)
+    if body.stream:
+        return SSEResponse(_stream(gens[0], plan, parallel, model, mid), on_close=gens[0].abort)
+    try:
+        results = await run_until_disconnect(request, lambda: collect_turn(gens, plan, parallel))
+    except GenerationError as exc:
+        return anthropic_error(500, str(exc))
+    finally:
+        gens[0].abort()
+    if results is None:
+        return Response(status_code=499)
+    return JSONResponse(_message(mid, model, results[0], gens[0]))
+
+
+def _tool_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def _input_of(arguments: str) -> dict[str, Any]:
+    try:
+        value = json.loads(arguments) if arguments else {}
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _stop(gen: Generation, finish: str | None) -> tuple[str, str | None]:
+    matched = gen.pipeline.matcher.matched
+    if matched is not None:
+        return "stop_sequence", matched
+    return STOP_REASONS.get(finish or "stop", "end_turn"), None
+
+
+def _usage(gen: Generation) -> dict[str, Any]:
+    u = usage_numbers([gen])
+    cached = u["prompt_tokens_details"]["cached_tokens"]
+    return {"input_tokens": u["prompt_tokens"] - cached, "output_tokens": u["completion_tokens"],
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+
+
+def _message(mid: str, model: ServedModel, r: TurnResult, gen: Generation) -> dict[str, Any]:
+    content: list[dict[str, Any]] = []
+    if r.reasoning:
+        content.append({"type": "thinking", "thinking": r.reasoning, "signature": ""})
+    text = r.text.strip() if r.calls else r.text
+    if text:
+        content.append({"type": "text", "text": text})
+    for c in r.calls:
+        content.append({"type": "tool_use", "id": _tool_id(c.id), "name": c.name, "input": _input_of(c.arguments)})
+    stop_reason, stop_sequence = _stop(gen, r.finish_reason)
+    return {"id": mid, "type": "message", "role": "assistant", "model": model.name, "content": content,
+            "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": _usage(gen)}
+
+
+def sse(event: str, data: dict[str, Any]) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+
+
+async def _stream(gen: Generation, plan: TurnPlan, parallel: bool, model: ServedModel, mid: str) -> AsyncIterator[bytes]:
+    start = {"id": mid, "type": "message", "role": "assistant", "model": model.name, "content": [],
+             "stop_reason": None, "stop_sequence": None,
+             "usage": {"input_tokens": len(plan.prompt_ids), "output_tokens": 0}}
+    yield sse("message_start", {"type": "message_start", "message": start})
+    yield sse("ping", {"type": "ping"})
+    blocks = _BlockWriter()
+    finish: str | None = None
+    last_ping = time.monotonic()
+    try:
+        async for step in turn_steps([gen], plan, parallel):
+            for e in step.events:
+                for out in blocks.write(e):
+                    yield out
+            if step.finish_reason:
+                finish = step.finish_reason
+            if time.monotonic() - last_ping > 10.0:  # keep idle proxies from closing the stream
+                last_ping = time.monotonic()
+                yield sse("ping", {"type": "ping"})
+    except GenerationError as exc:
+        yield sse("error", {"type": "error", "error": {"type": "api_error", "message": str(exc)}})
+        return
+    for out in blocks.close():
+        yield out
+    stop_reason, stop_sequence = _stop(gen, finish)
+    usage = _usage(gen)
+    yield sse("message_delta", {"type": "message_delta",
+                                "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                                "usage": {"output_tokens": usage["output_tokens"]}})
+    yield sse("message_stop", {"type": "message_stop"})
+
+
+class _BlockWriter:
+    """Turn events → content_block_* events; one block open at a time. Whitespace-only text
+    between tool calls is held and dropped if no real text follows."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None  # thinking | text | tool_use
+        self.pending_ws = ""
+
+    def _start(self, block: dict[str, Any]) -> list[bytes]:
+        out = self._stop()
+        self.index += 1
+        self.open = block["type"]
+        out.append(sse("content_block_start", {"type": "content_block_start", "index": self.index,
+                                               "content_block": block}))
+        return out
+
+    def _stop(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        out = []
+        if self.open == "thinking":
+            out.append(self._delta({"type": "signature_delta", "signature": ""}))
+        out.append(sse("content_block_stop", {"type": "content_block_stop", "index": self.index}))
+        self.open = None
+        return out
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def write(self, e: Any) -> list[bytes]:
+        out: list[bytes] = []
+        if isinstance(e, ReasoningEvent):
+            if self.open != "thinking":
+                out += self._start({"type": "thinking", "thinking": ""})
+            out.append(self._delta({"type": "thinking_delta", "thinking": e.text}))
+        elif isinstance(e, TextEvent):
+            text = e.text
+            if self.open != "text":
+                if not (self.pending_ws + text).strip():
+                    self.pending_ws += text
+                    return out
+                text = (self.pending_ws + text).lstrip() if self.index >= 0 else self.pending_ws + text
+                self.pending_ws = ""
+                out += self._start({"type": "text", "text": ""})
+            out.append(self._delta({"type": "text_delta", "text": text}))
+        elif isinstance(e, CallStart):
+            self.pending_ws = ""
+            out += self._start({"type": "tool_use", "id": _tool_id(e.id), "name": e.name, "input": {}})
+        elif isinstance(e, CallArgs):
+            out.append(self._delta({"type": "input_json_delta", "partial_json": e.fragment}))
+        elif isinstance(e, CallEnd):
+            out += self._stop()
+        return out
+
+    def close(self) -> list[bytes]:
+        return self._stop()

@@ -1,0 +1,203 @@
+"""Prometheus metrics (prometheus-client) and request-scoped logging.
+
+`Metrics` owns a registry per app. Request-level numbers come from `InstrumentedClient`, a thin
+`EngineClient` wrapper every endpoint goes through (so every endpoint is measured the same way,
+with no code in the endpoints); engine-level numbers are read from `client.stats()` at scrape time.
+
+    mlxd_requests_total{finish_reason}                  engine requests finished
+    mlxd_prompt_tokens_total, mlxd_generation_tokens_total
+    mlxd_time_to_first_token_seconds                    histogram: submit → first token
+    mlxd_inter_token_latency_seconds                    histogram: between tokens of a request
+    mlxd_e2e_request_latency_seconds                    histogram: submit → finish
+    mlxd_http_requests_total{method, route, status}
+    mlxd_num_requests_running / _waiting / _prefilling  gauges (engine)
+    mlxd_kv_cache_bytes{layout}, mlxd_prefix_cache_bytes, mlxd_prefix_cache_hits_total,
+    mlxd_prefix_cache_queries_total, mlxd_engine_steps_total
+    mlxd_spec_decode_<key>                              every number in stats.spec (when present),
+    mlxd_spec_decode_acceptance_rate                    accepted / draft tokens
+
+Every log record carries `request_id` (the X-Request-ID of the HTTP request it belongs to, "-"
+outside one); use `%(request_id)s` in a log format.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine.api import FINISH_ABORT, Request, TokenEvent
+
+log = logging.getLogger("mlxd.server")
+access_log = logging.getLogger("mlxd.access")
+request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("mlxd_request_id", default="-")
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+
+class Metrics:
+    def __init__(self, client: Any):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("mlxd_requests", "Engine requests finished, by finish reason",
+                                ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("mlxd_prompt_tokens", "Prompt tokens submitted", registry=r)
+        self.generation_tokens = Counter("mlxd_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("mlxd_time_to_first_token_seconds", "Submit to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("mlxd_inter_token_latency_seconds", "Time between tokens of a request",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("mlxd_e2e_request_latency_seconds", "Submit to finish",
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.http = Counter("mlxd_http_requests", "HTTP requests by route and status",
+                            ["method", "route", "status"], registry=r)
+        r.register(_EngineCollector(client))
+
+
+class _EngineCollector:
+    def __init__(self, client: Any):
+        self.client = client
+
+    def collect(self) -> Any:
+        try:
+            s = self.client.stats()
+        except Exception:  # a scrape must not fail because stats did
+            log.exception("engine stats failed")
+            return
+        for name, value, doc in (
+            ("mlxd_num_requests_running", s.num_running, "Requests decoding"),
+            ("mlxd_num_requests_waiting", s.num_waiting, "Requests waiting for admission"),
+            ("mlxd_num_requests_prefilling", s.num_prefilling, "Requests being prefilled"),
+            ("mlxd_prefix_cache_bytes", s.prefix_cache_bytes, "Bytes held by the prefix cache"),
+        ):
+            yield GaugeMetricFamily(name, doc, value=float(value))
+        kv = GaugeMetricFamily("mlxd_kv_cache_bytes", "KV cache bytes in use, by layout", labels=["layout"])
+        for layout, n in sorted((s.kv_bytes_by_layout or {}).items()):
+            kv.add_metric([str(layout)], float(n))
+        if not s.kv_bytes_by_layout:
+            kv.add_metric(["all"], float(s.kv_bytes))
+        yield kv
+        for name, value, doc in (
+            ("mlxd_prefix_cache_hits", s.prefix_cache_hits, "Prefix cache hits"),
+            ("mlxd_prefix_cache_queries", s.prefix_cache_queries, "Prefix cache lookups"),
+            ("mlxd_engine_steps", s.num_steps, "Engine steps"),
+        ):
+            yield CounterMetricFamily(name, doc, value=float(value))
+        spec = {k: v for k, v in (s.spec or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        for key, value in sorted(spec.items()):
+            safe = "".join(c if c.isalnum() else "_" for c in str(key))
+            yield GaugeMetricFamily(f"mlxd_spec_decode_{safe}", f"Speculative decoding: {key}", value=float(value))
+        drafted = spec.get("num_draft_tokens")
+        accepted = spec.get("num_accepted_tokens")
+        if drafted and accepted is not None:
+            yield GaugeMetricFamily("mlxd_spec_decode_acceptance_rate", "Accepted / drafted tokens",
+                                    value=float(accepted) / float(drafted))
+
+
+class InstrumentedClient:
+    """An EngineClient that measures every request passing through it."""
+
+    def __init__(self, inner: Any, metrics: Metrics):
+        self.inner = inner
+        self.metrics = metrics
+        self.model = inner.model
+
+    async def submit(self, request: Request) -> AsyncIterator[TokenEvent]:
+        t0 = time.perf_counter()
+        stream = await self.inner.submit(request)
+        self.metrics.prompt_tokens.inc(len(request.prompt_ids))
+        return self._watch(stream, t0)
+
+    async def _watch(self, stream: AsyncIterator[TokenEvent], t0: float) -> AsyncIterator[TokenEvent]:
+        m = self.metrics
+        last: float | None = None
+        finish: str | None = None
+        try:
+            async for ev in stream:
+                n = len(ev.token_ids)
+                if n:
+                    now = time.perf_counter()
+                    if last is None:
+                        m.ttft.observe(now - t0)
+                    else:
+                        for _ in range(n):
+                            m.itl.observe((now - last) / n)
+                    last = now
+                    m.generation_tokens.inc(n)
+                if ev.finish_reason is not None:
+                    finish = ev.finish_reason
+                yield ev
+        finally:
+            m.requests.labels(finish or FINISH_ABORT).inc()
+            m.e2e.observe(time.perf_counter() - t0)
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()  # closing an unfinished stream aborts the row
+
+    def abort(self, req_id: str) -> None:
+        self.inner.abort(req_id)
+
+    def stats(self) -> Any:
+        return self.inner.stats()
+
+    def __getattr__(self, name: str) -> Any:  # start/stop and anything else of the real client
+        return getattr(self.inner, name)
+
+
+class ObservabilityMiddleware:
+    """Per HTTP request: the request id in a context variable (for log records), the
+    mlxd_http_requests_total counter, and one access log line with the id."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = (scope.get("state") or {}).get("request_id", "-")
+        token = request_id_var.set(rid)
+        status = 500
+        t0 = time.perf_counter()
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", None) or "unmatched"
+            self.metrics.http.labels(scope.get("method", ""), path, str(status)).inc()
+            access_log.info("%s %s %d %.1fms", scope.get("method"), scope.get("path"), status,
+                     (time.perf_counter() - t0) * 1e3)
+            request_id_var.reset(token)
+
+
+_factory_installed = False
+
+
+def install_log_request_ids() -> None:
+    """Give every log record a `request_id` attribute (idempotent)."""
+    global _factory_installed
+    if _factory_installed:
+        return
+    previous = logging.getLogRecordFactory()
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = previous(*args, **kwargs)
+        record.request_id = request_id_var.get()
+        return record
+
+    logging.setLogRecordFactory(factory)
+    _factory_installed = True

@@ -1,0 +1,79 @@
+"""Operations routes: POST /tokenize, POST /detokenize (vLLM's shapes), GET /metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.responses import JSONResponse, Response
+
+from server.errors import bad_request, from_validation_error
+from server.openai_api import app_state
+from server.prompts import encode, render_chat, template_messages
+from server.protocol import ChatMessage
+
+router = APIRouter()
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int] = Field(min_length=0)
+
+
+def _parse(cls: type[BaseModel], raw: bytes) -> Any:
+    if not raw.strip():
+        raise bad_request("The request body is empty; send a JSON object.")
+    try:
+        return cls.model_validate_json(raw)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> JSONResponse:
+    model = app_state(request).model
+    body: TokenizeRequest = _parse(TokenizeRequest, await request.body())
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("send exactly one of 'prompt' or 'messages'")
+    if body.messages is not None:
+        text = render_chat(model, template_messages(body.messages),
+                           add_generation_prompt=body.add_generation_prompt)
+        ids = encode(model, text, add_special_tokens=bool(body.add_special_tokens))
+    else:
+        add = True if body.add_special_tokens is None else body.add_special_tokens
+        ids = encode(model, body.prompt or "", add_special_tokens=add)
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": model.context_length, "tokens": ids}
+    if body.return_token_strs and model.vocab is not None:
+        out["token_strs"] = [model.vocab.token_str(t) for t in ids]
+    return JSONResponse(out)
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> JSONResponse:
+    model = app_state(request).model
+    body: DetokenizeRequest = _parse(DetokenizeRequest, await request.body())
+    bad = [t for t in body.tokens if not 0 <= t < model.vocab_size]
+    if bad:
+        raise bad_request(f"token id {bad[0]} is outside the vocabulary (0..{model.vocab_size - 1})", "tokens")
+    return JSONResponse({"prompt": model.tokenizer.decode(body.tokens)})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    registry = request.app.state.metrics.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,292 @@
+"""One assistant turn for agent-facing endpoints (chat completions with tools, Anthropic
+Messages, Responses): prompt with tools → engine → reasoning, text and tool-call events.
+
+    plan = plan_turn(model, messages, functions, choice, parallel=True, constraint=None)
+    gens = await start_all(client, [ChoiceSpec(... plan.prompt_ids, params_with(plan) ...)], eos)
+    async for step in turn_steps(gens, plan):   # Step(index, events, logprobs, finish_reason)
+        ...
+
+Messages are OpenAI chat dicts (role, content as a string, tool_calls, tool_call_id); every
+endpoint converts its own shapes into them. Templates that handle `tools` get them as-is (tool
+call arguments as objects, the Hugging Face convention); others get the tools in the system
+prompt and the tool history as Hermes text (server.tools). Each choice's text goes through the
+reasoning splitter, then the tool-call parser, both incremental, so streamed and whole responses
+are the same events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.errors import bad_request
+from server.generation import Generation, TokenLogprob, stream_all
+from server.prompts import ServedModel, check_prompt_ids, encode, render_chat
+from server.reasoning import ReasoningSplitter, model_thinks, prompt_opens_thinking
+from server.tools import (
+    CallArgs,
+    CallEnd,
+    CallStart,
+    Event,
+    TextEvent,
+    ToolCall,
+    ToolCallParser,
+    ToolFormat,
+    format_for_template,
+    history_for_fallback,
+    template_handles_tools,
+    tools_system_prompt,
+)
+
+FINISH_TOOL_CALLS = "tool_calls"
+
+
+@dataclass(slots=True)
+class ToolChoice:
+    mode: str = "auto"  # none | auto | required | function
+    name: str | None = None  # with mode "function"
+
+
+def parse_tool_choice(value: Any, functions: Sequence[dict[str, Any]], param: str = "tool_choice") -> ToolChoice:
+    """OpenAI's tool_choice: "none" | "auto" | "required" | {"type": "function", "function":
+    {"name"}} (and the Responses API's {"type": "function", "name"})."""
+    names = {f["name"] for f in functions}
+    if value is None:
+        return ToolChoice("auto" if functions else "none")
+    if isinstance(value, str):
+        if value not in ("none", "auto", "required"):
+            raise bad_request(f"'{param}' must be none, auto, required or a named function", param)
+        if value == "required" and not functions:
+            raise bad_request(f"'{param}' is 'required' but no tools were given", param)
+        return ToolChoice(value)
+    if isinstance(value, dict) and value.get("type") == "function":
+        fn = value.get("function") if isinstance(value.get("function"), dict) else value
+        name = fn.get("name")
+        if not isinstance(name, str) or name not in names:
+            raise bad_request(f"'{param}' names a function that is not in 'tools': {name!r}", param)
+        return ToolChoice("function", name)
+    raise bad_request(f"'{param}' must be none, auto, required or a named function", param)
+
+
+@dataclass(slots=True)
+class TurnPlan:
+    prompt_ids: list[int]
+    prompt_text: str
+    fmt: ToolFormat | None  # None: tool calls are not parsed
+    tool_names: list[str]
+    constraint: dict[str, Any] | None
+    thinks: bool  # split <think> reasoning out
+    starts_in_reasoning: bool
+    skip_special_tokens: bool = True
+
+
+def openai_tools(functions: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"type": "function", "function": dict(f)} for f in functions]
+
+
+def _arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Templates that handle tools expect call arguments as objects, not JSON text."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = dict(m)
+            fixed = []
+            for c in calls:
+                c = dict(c)
+                fn = dict(c.get("function") or {})
+                args = fn.get("arguments")
+                if isinstance(args, str):
+                    with contextlib.suppress(json.JSONDecodeError):
+                        fn["arguments"] = json.loads(args)
+                c["function"] = fn
+                fixed.append(c)
+            m["tool_calls"] = fixed
+        out.append(m)
+    return out
+
+
+def _with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    if messages and messages[0].get("role") == "system":
+        first = dict(messages[0])
+        first["content"] = f"{first.get('content') or ''}\n\n{text}".lstrip()
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+def plan_turn(
+    model: ServedModel,
+    messages: list[dict[str, Any]],
+    functions: Sequence[dict[str, Any]],
+    choice: ToolChoice,
+    *,
+    parallel: bool = True,
+    constraint: dict[str, Any] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    param: str = "messages",
+) -> TurnPlan:
+    template = model.info.chat_template or getattr(model.tokenizer, "chat_template", None)
+    fmt = format_for_template(template)
+    use_tools = bool(functions) and choice.mode != "none"
+    native = template_handles_tools(template)
+    if native:
+        msgs = _arguments_as_objects(messages)
+    else:
+        msgs = history_for_fallback(messages, fmt)
+        if use_tools:
+            msgs = _with_system(msgs, tools_system_prompt(functions, fmt))
+    text = render_chat(
+        model,
+        msgs,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        template_kwargs=template_kwargs,
+        tools=openai_tools(functions) if use_tools and native else None,
+    )
+    ids = check_prompt_ids(model, encode(model, text, add_special_tokens=False), param)
+    if use_tools and choice.mode in ("required", "function"):
+        forced = [f for f in functions if choice.mode == "required" or f["name"] == choice.name]
+        constraint = fmt.constraint(forced, parallel=parallel and choice.mode == "required")
+    special = set(getattr(model.tokenizer, "all_special_tokens", []) or [])
+    thinks = model_thinks(template, model.tokenizer)
+    return TurnPlan(
+        prompt_ids=ids,
+        prompt_text=text,
+        fmt=fmt if use_tools else None,
+        tool_names=[f["name"] for f in functions],
+        constraint=constraint,
+        thinks=thinks,
+        starts_in_reasoning=thinks and prompt_opens_thinking(text),
+        skip_special_tokens=not (use_tools and any(m in special for m in fmt.start_markers)),
+    )
+
+
+# -- output -----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ReasoningEvent:
+    text: str
+
+
+TurnEvent = ReasoningEvent | Event
+
+
+class TurnOutput:
+    """One choice's text → reasoning / content / tool-call events (incremental)."""
+
+    def __init__(self, plan: TurnPlan, parallel: bool = True):
+        self.splitter = ReasoningSplitter(in_reasoning=plan.starts_in_reasoning) if plan.thinks else None
+        self.parser = ToolCallParser(plan.fmt, plan.tool_names) if plan.fmt is not None else None
+        self.parallel = parallel
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        calls = self.parser.calls if self.parser is not None else []
+        return calls if self.parallel else calls[:1]
+
+    def feed(self, text: str) -> list[TurnEvent]:
+        return self._route(self.splitter.feed(text) if self.splitter else [("content", text)], final=False)
+
+    def finish(self) -> list[TurnEvent]:
+        parts = self.splitter.finish() if self.splitter else []
+        return self._route(parts, final=True)
+
+    def _route(self, parts: list[tuple[str, str]], final: bool) -> list[TurnEvent]:
+        out: list[TurnEvent] = []
+        for kind, text in parts:
+            if kind == "reasoning":
+                self.reasoning.append(text)
+                out.append(ReasoningEvent(text))
+            elif self.parser is None:
+                self.content.append(text)
+                out.append(TextEvent(text))
+            else:
+                out.extend(self._keep(self.parser.feed(text)))
+        if final and self.parser is not None:
+            out.extend(self._keep(self.parser.finish()))
+        return out
+
+    def _keep(self, events: list[Event]) -> list[TurnEvent]:
+        kept: list[TurnEvent] = []
+        for e in events:
+            if isinstance(e, TextEvent):
+                self.content.append(e.text)
+            elif not self.parallel and isinstance(e, (CallStart, CallArgs, CallEnd)) and e.index > 0:
+                continue  # parallel_tool_calls=false: the first call only
+            kept.append(e)
+        return kept
+
+    @property
+    def text(self) -> str:
+        return "".join(self.content)
+
+    @property
+    def reasoning_text(self) -> str | None:
+        return "".join(self.reasoning) if self.splitter is not None and self.reasoning else None
+
+
+@dataclass(slots=True)
+class Step:
+    index: int
+    events: list[TurnEvent] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+async def turn_steps(
+    gens: Sequence[Generation], plan: TurnPlan, parallel: bool = True
+) -> AsyncIterator[Step]:
+    """The engine's deltas for every choice, as turn events; the finish reason becomes
+    "tool_calls" when the choice called a tool and stopped."""
+    outputs = {g.spec.index: TurnOutput(plan, parallel) for g in gens}
+    async with contextlib.aclosing(stream_all(gens)) as deltas:
+        async for d in deltas:
+            out = outputs[d.index]
+            step = Step(d.index, out.feed(d.text) if d.text else [], list(d.logprobs))
+            if d.finish_reason:
+                step.events.extend(out.finish())
+                reason = d.finish_reason
+                if out.calls and reason == "stop":
+                    reason = FINISH_TOOL_CALLS
+                step.finish_reason = reason
+            if step.events or step.logprobs or step.finish_reason:
+                yield step
+
+
+async def collect_turn(
+    gens: Sequence[Generation], plan: TurnPlan, parallel: bool = True
+) -> dict[int, TurnResult]:
+    """Run every choice to the end (the same events a stream gives, gathered)."""
+    results: dict[int, TurnResult] = {g.spec.index: TurnResult() for g in gens}
+    async for step in turn_steps(gens, plan, parallel):
+        r = results[step.index]
+        r.logprobs.extend(step.logprobs)
+        for e in step.events:
+            if isinstance(e, ReasoningEvent):
+                r.reasoning = (r.reasoning or "") + e.text
+            elif isinstance(e, TextEvent):
+                r.text += e.text
+            elif isinstance(e, CallStart):
+                r.calls.append(ToolCall(e.id, e.name, ""))
+            elif isinstance(e, CallArgs):
+                r.calls[e.index].arguments += e.fragment
+        if step.finish_reason:
+            r.finish_reason = step.finish_reason
+    return results
+
+
+@dataclass(slots=True)
+class TurnResult:
+    text: str = ""
+    reasoning: str | None = None
+    calls: list[ToolCall] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None

@@ -1,0 +1,438 @@
+"""Agent-facing endpoints over real HTTP with the official SDKs, against the fake engine (the
+model's words are scripted, so these test the protocol shapes; tests/test_agents_real.py runs the
+real engine for what only constrained decoding can guarantee).
+
+Covers: chat completions with tools (auto, required, named, none; streamed tool-call deltas
+reassemble into the non-streamed call), response_format → engine constraint, Anthropic Messages
+(plain, streamed, tool round trip, count_tokens, errors), Responses (plain, streamed,
+previous_response_id, GET, background + cancel), /tokenize, /detokenize, /metrics, API keys.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.app import create_app
+from server.config import ServerConfig
+from tests.fake_engine import FakeEngine, ServerThread
+
+MODEL = "tinycoder-16m"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+COUNT = {"type": "function", "function": {"name": "count", "parameters": {"type": "object"}}}
+CALL_TEXT = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n'
+             '</tool_call>\n<tool_call>\n{"name": "count", "arguments": {"n": 3}}\n</tool_call>')
+THINK_TEXT = "<think>The user wants a greeting.</think>\n\nHello there!"
+
+
+def scripted(fake: FakeEngine, text: str):
+    ids = fake.tokenizer.encode(text, add_special_tokens=False) + [fake.eos_id]
+    return lambda request: ids
+
+
+@pytest.fixture(scope="module")
+def fake():
+    return FakeEngine()
+
+
+@pytest.fixture(scope="module")
+def server(fake):
+    with ServerThread(create_app(fake, ServerConfig())) as s:
+        yield s
+
+
+@pytest.fixture(autouse=True)
+def _fresh(fake):
+    fake.reset()
+
+
+@pytest.fixture
+def oai(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def claude(server):
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+
+
+def _reassemble_chat_stream(stream):
+    content, calls, finish = "", {}, None
+    first_delta_of = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            d = c.delta
+            content += d.content or ""
+            for tc in d.tool_calls or []:
+                if tc.index not in calls:
+                    first_delta_of[tc.index] = tc
+                    calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": ""}
+                else:
+                    assert tc.id is None and tc.function.name is None  # id and name come first, once
+                calls[tc.index]["arguments"] += tc.function.arguments or ""
+            finish = c.finish_reason or finish
+    for tc in first_delta_of.values():
+        assert tc.id and tc.type == "function" and tc.function.name and tc.function.arguments == ""
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+# -- chat completions with tools ------------------------------------------------------------------
+
+
+def test_chat_tools_auto_streamed_equals_whole(fake, oai):
+    fake.reset(script=scripted(fake, CALL_TEXT))
+    msgs = [{"role": "user", "content": "weather in Paris?"}]
+    whole = oai.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, COUNT])
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Checking."
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert calls == [("get_weather", '{"city": "Paris", "days": [1, 2]}'), ("count", '{"n": 3}')]
+    assert all(c.id.startswith("call_") for c in choice.message.tool_calls)
+    # the tools reached the prompt (tinycoder's ChatML template ignores `tools`: system-prompt fallback)
+    prompt = fake.tokenizer.decode(fake.submits[-1].prompt_ids)
+    assert "<tools>" in prompt and '"get_weather"' in prompt and prompt.startswith("<|im_start|>system")
+    assert fake.submits[-1].params.constraint is None  # auto: the model may answer in text
+
+    fake.reset(script=scripted(fake, CALL_TEXT), tokens_per_event=1)
+    stream = oai.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, COUNT], stream=True)
+    content, streamed, finish = _reassemble_chat_stream(stream)
+    assert finish == "tool_calls"
+    assert content.strip() == "Checking."
+    assert [(c["name"], c["arguments"]) for c in streamed] == calls
+
+
+def test_chat_tool_choice_required_named_and_none_reach_the_engine(fake, oai):
+    fake.reset(script=scripted(fake, '<tool_call>\n{"name": "count", "arguments": {}}\n</tool_call>'))
+    msgs = [{"role": "user", "content": "hi"}]
+    oai.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, COUNT], tool_choice="required")
+    spec = fake.submits[-1].params.constraint
+    assert spec["type"] == "tool_calls" and [t["name"] for t in spec["tools"]] == ["get_weather", "count"]
+    assert spec["format"]["call_open"] == "<tool_call>\n" and spec["parallel"] is True
+    assert spec["tools"][0]["parameters"] == WEATHER["function"]["parameters"]
+
+    named = {"type": "function", "function": {"name": "count"}}
+    r = oai.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, COUNT], tool_choice=named,
+                                    parallel_tool_calls=True)
+    spec = fake.submits[-1].params.constraint
+    assert [t["name"] for t in spec["tools"]] == ["count"] and spec["parallel"] is False
+    assert r.choices[0].message.tool_calls[0].function.name == "count"
+
+    oai.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER], tool_choice="none")
+    assert fake.submits[-1].params.constraint is None
+    assert "<tools>" not in fake.tokenizer.decode(fake.submits[-1].prompt_ids)
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(fake, oai):
+    fake.reset(script=scripted(fake, CALL_TEXT))
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                    tools=[WEATHER, COUNT], parallel_tool_calls=False)
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
+
+
+def test_tool_history_is_rendered(fake, oai):
+    msgs = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21C"},
+    ]
+    oai.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER])
+    prompt = fake.tokenizer.decode(fake.submits[-1].prompt_ids)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in prompt
+    assert "<tool_response>\nsunny, 21C\n</tool_response>" in prompt
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tools"),
+    ({"response_format": {"type": "xml"}}, "xml"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}}, "schema"),
+])
+def test_bad_tool_and_format_fields_are_400(fake, server, bad, fragment):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **bad}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert fragment in r.json()["error"]["message"]
+    assert not fake.submits
+
+
+def test_response_format_becomes_the_engine_constraint(fake, oai):
+    fake.reset(script=scripted(fake, '{"a": 1}'))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    r = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "A", "schema": schema, "strict": True}})
+    assert json.loads(r.choices[0].message.content) == {"a": 1}
+    assert fake.submits[-1].params.constraint == {"type": "json_schema", "schema": schema, "strict": True}
+    oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                response_format={"type": "json_object"})
+    assert fake.submits[-1].params.constraint == {"type": "json_object"}
+
+
+def test_reasoning_split_when_the_template_thinks(fake):
+    tmpl = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+    fake2 = FakeEngine()
+    fake2.model.chat_template = tmpl
+    fake2.reset(script=scripted(fake2, "The user wants a greeting.</think>\n\nHello there!"))
+    with ServerThread(create_app(fake2, ServerConfig())) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        msg = r.choices[0].message
+        assert msg.content == "Hello there!"
+        assert msg.model_extra["reasoning_content"] == "The user wants a greeting."
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                stream=True)
+        content = reasoning = ""
+        for chunk in stream:
+            for c in chunk.choices:
+                content += c.delta.content or ""
+                reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+        assert (reasoning, content) == ("The user wants a greeting.", "Hello there!")
+
+
+# -- Anthropic Messages ---------------------------------------------------------------------------
+
+
+def test_messages_plain_and_streamed(fake, claude):
+    fake.reset(script=scripted(fake, "Hello from mlxd."))
+    msg = claude.messages.create(model=MODEL, max_tokens=50, system="Be brief.",
+                                 messages=[{"role": "user", "content": "hi"}])
+    assert msg.type == "message" and msg.role == "assistant" and msg.id.startswith("msg_")
+    assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == "Hello from mlxd."
+    n_out = len(fake.tokenizer.encode("Hello from mlxd.", add_special_tokens=False))
+    assert msg.stop_reason == "end_turn" and msg.usage.output_tokens == n_out
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == len(fake.submits[-1].prompt_ids)
+    prompt = fake.tokenizer.decode(fake.submits[-1].prompt_ids)
+    assert prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+
+    with claude.messages.stream(model=MODEL, max_tokens=50, messages=[{"role": "user", "content": "hi"}]) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_message()
+    assert final.content[0].text == "Hello from mlxd." and final.stop_reason == "end_turn"
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert "content_block_start" in kinds and "content_block_stop" in kinds and "message_delta" in kinds
+
+
+def test_messages_max_tokens_and_stop_sequences(fake, claude):
+    fake.reset(script=scripted(fake, "one two three four five six"))
+    msg = claude.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "count"}])
+    assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 2
+    msg = claude.messages.create(model=MODEL, max_tokens=50, stop_sequences=[" four"],
+                                 messages=[{"role": "user", "content": "count"}])
+    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == " four"
+    assert msg.content[0].text == "one two three"
+
+
+def test_messages_tools_round_trip(fake, claude):
+    tools = [{"name": "get_weather", "description": "Weather", "input_schema": WEATHER["function"]["parameters"]}]
+    fake.reset(script=scripted(fake, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'))
+    msg = claude.messages.create(model=MODEL, max_tokens=100, tools=tools,
+                                 messages=[{"role": "user", "content": "weather in Paris?"}])
+    assert msg.stop_reason == "tool_use"
+    use = [b for b in msg.content if b.type == "tool_use"][0]
+    assert use.name == "get_weather" and use.input == {"city": "Paris"} and use.id.startswith("toolu_")
+    # streamed: the same tool_use block, arguments as input_json_delta fragments
+    with claude.messages.stream(model=MODEL, max_tokens=100, tools=tools,
+                                messages=[{"role": "user", "content": "weather in Paris?"}]) as s:
+        deltas = [e.delta.partial_json for e in s if e.type == "content_block_delta"
+                  and e.delta.type == "input_json_delta"]
+        final = s.get_final_message()
+    assert "".join(deltas) == '{"city": "Paris"}'
+    assert [b.input for b in final.content if b.type == "tool_use"] == [{"city": "Paris"}]
+    # the tool result goes back in and reaches the prompt
+    fake.reset(script=scripted(fake, "It is sunny in Paris."))
+    msg2 = claude.messages.create(model=MODEL, max_tokens=100, tools=tools, messages=[
+        {"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "content": msg.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]},
+    ])
+    assert msg2.content[0].text == "It is sunny in Paris." and msg2.stop_reason == "end_turn"
+    prompt = fake.tokenizer.decode(fake.submits[-1].prompt_ids)
+    assert '"get_weather", "arguments": {"city": "Paris"}' in prompt and "<tool_response>\nsunny\n" in prompt
+    # tool_choice any / tool → the forcing constraint
+    claude.messages.create(model=MODEL, max_tokens=20, tools=tools, tool_choice={"type": "any"},
+                           messages=[{"role": "user", "content": "x"}])
+    assert fake.submits[-1].params.constraint["type"] == "tool_calls"
+
+
+def test_messages_count_tokens_and_errors(fake, claude, server):
+    n = claude.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hello there"}])
+    assert n.input_tokens > 3
+    with pytest.raises(anthropic.BadRequestError) as err:
+        claude.messages.create(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
+    assert "vision" in str(err.value)
+    r = httpx.post(server.url + "/v1/messages", json={"model": MODEL, "messages": []})
+    assert r.status_code == 400
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["message"]
+    assert not fake.submits
+
+
+# -- Responses ------------------------------------------------------------------------------------
+
+
+def test_responses_plain_streamed_and_previous_id(fake, oai):
+    fake.reset(script=scripted(fake, "Paris is the capital."))
+    r1 = oai.responses.create(model=MODEL, input="What is the capital of France?", instructions="Be terse.")
+    assert r1.status == "completed" and r1.output_text == "Paris is the capital."
+    assert r1.usage.output_tokens > 0 and r1.id.startswith("resp_")
+    assert oai.responses.retrieve(r1.id).output_text == "Paris is the capital."
+
+    fake.reset(script=scripted(fake, "About 2 million."))
+    r2 = oai.responses.create(model=MODEL, input="And its population?", previous_response_id=r1.id)
+    assert r2.output_text == "About 2 million." and r2.previous_response_id == r1.id
+    prompt = fake.tokenizer.decode(fake.submits[-1].prompt_ids)
+    assert "capital of France?" in prompt and "Paris is the capital." in prompt and "population" in prompt
+    assert "Be terse." not in prompt  # instructions do not carry over
+
+    fake.reset(script=scripted(fake, "Streaming works."))
+    events = list(oai.responses.create(model=MODEL, input="x", stream=True))
+    types = [e.type for e in events]
+    assert types[0] == "response.created" and types[-1] == "response.completed"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == "Streaming works." and events[-1].response.output_text == "Streaming works."
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_function_calls_round_trip(fake, oai):
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    fake.reset(script=scripted(fake, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'))
+    r = oai.responses.create(model=MODEL, input="weather in Rome?", tools=[tool])
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Rome"}')]
+    events = list(oai.responses.create(model=MODEL, input="weather in Rome?", tools=[tool], stream=True))
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert args == '{"city": "Rome"}'
+    fake.reset(script=scripted(fake, "Rome is sunny."))
+    r2 = oai.responses.create(model=MODEL, previous_response_id=r.id, tools=[tool], input=[
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}])
+    assert r2.output_text == "Rome is sunny."
+    prompt = fake.tokenizer.decode(fake.submits[-1].prompt_ids)
+    assert '{"city": "Rome"}' in prompt and "<tool_response>\nsunny\n" in prompt
+
+
+def test_responses_background_cancel_and_missing_ids(fake, oai, server):
+    fake.reset(step_delay=0.05)
+    r = oai.responses.create(model=MODEL, input="go on forever", background=True, max_output_tokens=500)
+    assert r.status == "in_progress"
+    assert fake.wait_until(lambda: fake.tokens_sent.get(r.id, 0) > 0, 5)
+    cancelled = oai.responses.cancel(r.id)
+    assert cancelled.status == "cancelled"
+    assert fake.wait_until(lambda: fake.aborted(r.id), 2)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve("resp_nope")
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.create(model=MODEL, input="x", previous_response_id="resp_nope")
+
+
+# -- operations -----------------------------------------------------------------------------------
+
+
+def test_tokenize_detokenize(fake, server):
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "def f(x):", "return_token_strs": True})
+    body = r.json()
+    assert body["tokens"] == fake.tokenizer.encode("def f(x):") and body["count"] == len(body["tokens"])
+    assert "".join(body["token_strs"]).replace("Ġ", " ") == "def f(x):"
+    back = httpx.post(server.url + "/detokenize", json={"tokens": body["tokens"]}).json()
+    assert back["prompt"] == "def f(x):"
+    chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert fake.tokenizer.decode(chat["tokens"]).startswith("<|im_start|>user\nhi")
+    assert httpx.post(server.url + "/detokenize", json={"tokens": [10**9]}).status_code == 400
+    assert httpx.post(server.url + "/tokenize", json={}).status_code == 400
+
+
+def _samples(server):
+    text = httpx.get(server.url + "/metrics").text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _total(samples, name):
+    return sum(v for (n, _), v in samples.items() if n == name)
+
+
+def test_metrics_parse_and_move(fake, oai, server):
+    before = _samples(server)
+    fake.reset(script=scripted(fake, "one two three"), send_stop_token=False)  # as the real engine
+    oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    oai.completions.create(model=MODEL, prompt="def f(", max_tokens=2)
+    after = _samples(server)
+    assert _total(after, "mlxd_requests_total") - _total(before, "mlxd_requests_total") == 2
+    assert _total(after, "mlxd_generation_tokens_total") - _total(before, "mlxd_generation_tokens_total") == 5
+    assert _total(after, "mlxd_prompt_tokens_total") > _total(before, "mlxd_prompt_tokens_total")
+    assert _total(after, "mlxd_time_to_first_token_seconds_count") - _total(before, "mlxd_time_to_first_token_seconds_count") == 2
+    assert _total(after, "mlxd_e2e_request_latency_seconds_count") >= 2
+    assert _total(after, "mlxd_inter_token_latency_seconds_count") > _total(before, "mlxd_inter_token_latency_seconds_count")
+    key = ("mlxd_http_requests_total", (("method", "POST"), ("route", "/v1/chat/completions"), ("status", "200")))
+    assert after[key] - before.get(key, 0) == 1
+    for name in ("mlxd_num_requests_running", "mlxd_num_requests_waiting", "mlxd_kv_cache_bytes"):
+        assert any(n == name for n, _ in after), name
+
+
+# -- API keys -------------------------------------------------------------------------------------
+
+PROTECTED = [
+    ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
+    ("GET", "/v1/models/tinycoder-16m"), ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
+    ("POST", "/v1/responses"), ("GET", "/v1/responses/resp_x"), ("POST", "/v1/responses/resp_x/cancel"),
+    ("DELETE", "/v1/responses/resp_x"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/metrics"),
+]
+
+
+def test_api_key_required_on_every_protected_route(fake):
+    with ServerThread(create_app(fake, ServerConfig(api_key="sk-right"))) as s:
+        http = httpx.Client(base_url=s.url)
+        for method, path in PROTECTED:
+            for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"x-api-key": "sk-wrong"},
+                            {"Authorization": "Basic sk-right"}):
+                r = http.request(method, path, headers=headers, json={})
+                assert r.status_code == 401, (method, path, headers, r.status_code)
+                if path.startswith("/v1/messages"):
+                    assert r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(s.url + "/health").status_code == 200
+        assert httpx.get(s.url + "/").status_code == 200  # the chat page is static and public
+        assert not fake.submits
+        # the right key, both ways, with the SDKs
+        fake.reset(script=scripted(fake, "ok"))
+        ok = openai.OpenAI(base_url=s.url + "/v1", api_key="sk-right", max_retries=0)
+        assert ok.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}]).choices
+        assert httpx.get(s.url + "/metrics", headers={"Authorization": "Bearer sk-right"}).status_code == 200
+        c = anthropic.Anthropic(base_url=s.url, api_key="sk-right", max_retries=0)  # sends x-api-key
+        assert c.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "x"}]).content
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
+
+
+def test_request_id_on_responses(fake, server):
+    r = httpx.post(server.url + "/v1/messages/count_tokens", json={"messages": [{"role": "user", "content": "x"}]},
+                   headers={"X-Request-ID": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123"
+    assert httpx.get(server.url + "/").headers["x-request-id"]
+
+
+def test_chat_page_is_served(server):
+    page = httpx.get(server.url + "/")
+    assert page.status_code == 200 and 'id="stop"' in page.text and "/static/chat.js" in page.text
+    js = httpx.get(server.url + "/static/chat.js")
+    assert js.status_code == 200 and "AbortController" in js.text
