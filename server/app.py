@@ -23,6 +23,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 
 from engine.api import EngineClient
+from server.agents import install as install_agents
 from server.config import ServerConfig
 from server.errors import APIError, install_error_handlers
 from server.middleware import RequestContextMiddleware
@@ -74,6 +75,7 @@ def create_app(client: EngineClient, config: ServerConfig | None = None) -> Fast
     install_error_handlers(app)
     auth = [Depends(require_api_key)]
     app.include_router(openai_router, dependencies=auth)
+    install_agents(app, auth)  # Anthropic, Responses, /metrics, /tokenize, chat page (server/agents.py)
 
     @app.get("/v1/models", dependencies=auth)
     async def list_models() -> dict[str, Any]:

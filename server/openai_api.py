@@ -212,6 +212,11 @@ async def chat_completions(request: Request) -> Response:
     model = st.model
     body: ChatCompletionRequest = ChatCompletionRequest.parse(await request.body())
     require_model_param(body, model.aliases, model.name)
+    from server.agent_chat import chat_completions_agent, wants_agent_path  # imports this module
+
+    if wants_agent_path(body, model):  # tools, response_format, reasoning: server/agent_chat.py
+        body.check_supported(agent=True)
+        return await chat_completions_agent(request, body, st)
     body.check_supported()
     text = render_chat(
         model,

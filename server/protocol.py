@@ -181,7 +181,7 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
-    # OpenAI fields we do not honour yet: rejected in check_supported() unless neutral
+    # tools / response_format: server/agent_chat.py; the rest rejected unless neutral
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
@@ -201,17 +201,10 @@ class ChatCompletionRequest(_SamplingRequest):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
-    def check_supported(self) -> None:
-        if self.tools and self.tool_choice != "none":
-            raise unsupported("tools", "tool calling is not implemented yet")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise unsupported("tool_choice", "tool calling is not implemented yet")
-        if self.functions or self.function_call not in (None, "none", "auto"):
-            raise unsupported("functions", "function calling is not implemented yet")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise unsupported(
-                "response_format", 'structured output is not implemented yet; only {"type": "text"}'
-            )
+    def check_supported(self, agent: bool = False) -> None:
+        """`agent`: tools and response_format are handled (server/agent_chat.py)."""
+        if not agent:
+            self._check_agent_fields()
         if self.audio or (self.modalities and any(m != "text" for m in self.modalities)):
             raise unsupported("modalities", "only text output")
         if self.prediction:
@@ -231,6 +224,13 @@ class ChatCompletionRequest(_SamplingRequest):
             raise bad_request(
                 "'continue_final_message' needs an assistant message last", "continue_final_message"
             )
+
+    def _check_agent_fields(self) -> None:
+        """On the plain path (no tools given): a tool choice that needs tools is a 400."""
+        if self.tool_choice not in (None, "none", "auto"):
+            raise bad_request("'tool_choice' requires 'tools'", "tool_choice")
+        if self.function_call not in (None, "none", "auto"):
+            raise bad_request("'function_call' requires 'functions'", "function_call")
 
     @property
     def requested_max_tokens(self) -> int | None:

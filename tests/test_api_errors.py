@@ -174,10 +174,6 @@ def test_bad_values_are_400(http, fake, path, body, param, code):
 
 
 UNSUPPORTED = [
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    (CHAT, chat(response_format={"type": "json_object"}), "response_format"),
-    (CHAT, chat(tool_choice="required"), "tool_choice"),
-    (CHAT, chat(functions=[{"name": "f"}]), "functions"),
     (CHAT, chat(modalities=["text", "audio"]), "modalities"),
     (CHAT, chat(prediction={"type": "content", "content": "x"}), "prediction"),
     (COMP, comp(suffix="pass"), "suffix"),
