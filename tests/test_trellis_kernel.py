@@ -122,3 +122,84 @@ def test_cuda_portable_variant_equals_reference():
     y = matvec._launch("cuda", "portable", x, w.packed, w.scales, 3, 16, block, "1mad")
     ref = reference(x, w)
     np.testing.assert_allclose(np.array(y), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+# ---- the CUDA and Metal sources parse as C++ under stub preludes (CPU CI) ----------------------
+
+_CUDA_STUBS = r"""
+#include <cstdint>
+#include <cstring>
+#define __device__
+#define __forceinline__ inline
+struct __half { unsigned short b; __half() {} __half(float) {} operator float() const { return 0.f; } };
+struct __nv_bfloat16 { unsigned short b; __nv_bfloat16() {} __nv_bfloat16(float) {} operator float() const { return 0.f; } };
+inline float __uint_as_float(unsigned int b) { float f; std::memcpy(&f, &b, 4); return f; }
+inline __half __ushort_as_half(unsigned short b) { __half h; h.b = b; return h; }
+inline float __half2float(__half h) { return (float)h; }
+inline unsigned int __dp4a(unsigned int, unsigned int, unsigned int c) { return c; }
+inline float __shfl_xor_sync(unsigned int, float v, int) { return v; }
+struct dim3_stub { unsigned int x, y, z; };
+static dim3_stub threadIdx, blockIdx;
+"""
+
+_METAL_STUBS = r"""
+#include <cstring>
+typedef unsigned int uint;
+typedef unsigned short ushort;
+struct half { ushort b; half() {} half(float) {} operator float() const { return 0.f; } };
+struct bfloat16_t { ushort b; bfloat16_t() {} bfloat16_t(float) {} operator float() const { return 0.f; } };
+template <class T, class U> T as_type(U u) { T t; std::memcpy(&t, &u, sizeof(T)); return t; }
+inline float simd_sum(float v) { return v; }
+struct uint3_stub { uint x, y, z; };
+"""
+
+
+def _syntax_check(tmp_path, text: str) -> None:
+    import subprocess
+
+    src = tmp_path / "k.cpp"
+    src.write_text(text)
+    proc = subprocess.run(
+        [matvec.cpu_compiler(), "-std=c++17", "-fsyntax-only", "-Wno-unknown-pragmas", str(src)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@needs_cxx
+@pytest.mark.parametrize("variant", ["dp4a", "portable"])
+@pytest.mark.parametrize("dtype", ["float", "__half", "__nv_bfloat16"])
+def test_cuda_source_parses(tmp_path, variant, dtype):
+    source, header = matvec.kernel_sources("cuda", variant)
+    consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in matvec.kernel_constants(37, 96, 3, 3, 16, 32, "1mad").items())
+    text = (
+        _CUDA_STUBS
+        + header
+        + "namespace mlx { namespace core { namespace cu {\n"
+        + f"void k(const uint32_t* packed, const __half* scales, const {dtype}* x, {dtype}* y) {{\n"
+        + consts
+        + f"  using DT = {dtype};\n"
+        + source
+        + "}\n}}}\n"
+    )
+    _syntax_check(tmp_path, text)
+
+
+@needs_cxx
+@pytest.mark.parametrize("dtype", ["float", "half", "bfloat16_t"])
+def test_metal_source_parses(tmp_path, dtype):
+    source, header = matvec.kernel_sources("metal", "portable")
+    consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in matvec.kernel_constants(37, 96, 3, 3, 16, 32, "3inst").items())
+    text = (
+        _METAL_STUBS
+        + header
+        + f"void k(const uint32_t* packed, const half* scales, const {dtype}* x, {dtype}* y,\n"
+        + "       uint thread_index_in_simdgroup, uint3_stub threadgroup_position_in_grid,\n"
+        + "       uint simdgroup_index_in_threadgroup) {\n"
+        + consts
+        + f"  using DT = {dtype};\n"
+        + source
+        + "}\n"
+    )
+    _syntax_check(tmp_path, text.replace("uint32_t", "uint"))

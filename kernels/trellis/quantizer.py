@@ -182,7 +182,8 @@ def row_rms(rows: mx.array) -> mx.array:
 
 def _quantize_rows_plain(weight, signs, cb, spec, block, progress, rows_per_step):
     n_out, n_in = weight.shape
-    rows_per_step = rows_per_step or max(1, (1 << 17) // n_in)
+    budget = (1 << 22) if mx.default_device() == mx.gpu else (1 << 17)  # weights per encode call
+    rows_per_step = rows_per_step or max(1, budget // n_in)
     packed_parts, scale_parts = [], []
     for lo in range(0, n_out, rows_per_step):
         rows = rotate(weight[lo : lo + rows_per_step], signs)

@@ -1,0 +1,182 @@
+"""Perplexity of tinycoder-16m under weight quantization: bf16, MLX affine 4/3-bit g64, trellis.
+
+    python bench/trellis_quality.py [--L 12] [--bits 4 3 2] [--modes plain ldlq] [--out FILE.json]
+
+Data split (documented in docs/trellis.md): records of tinycoder-dev.jsonl at odd positions form
+the evaluation stream; ``--windows`` windows of ``--length`` tokens at evenly spaced starts are
+scored for every variant (the same windows). Records at even positions are the calibration data
+for BlockLDLQ (mode "ldlq"); mode "plain" uses none. Affine and trellis quantize the same layers
+(every Linear; tinycoder ties its embedding, which stays bf16). Activations are float32 for every
+variant, so only the weights differ. Writes JSON (after every variant) and a PNG beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mlxd import blas  # noqa: E402
+
+blas.load()
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+from mlx_lm.utils import load_model, load_tokenizer  # noqa: E402
+
+from kernels import trellis as tr  # noqa: E402
+from kernels.trellis.calibration import (  # noqa: E402
+    collect_hessians,
+    even_windows,
+    read_records,
+    token_stream,
+)
+from kernels.trellis.linear import quantizable_linears  # noqa: E402
+from mlxd import DEFAULT_MODEL_DIR  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_DATA = REPO.parent / "shared" / "data" / "tinycoder-dev.jsonl"
+
+
+def perplexity(model: nn.Module, windows: mx.array) -> float:
+    total, count = 0.0, 0
+    for i in range(windows.shape[0]):
+        w = windows[i : i + 1]
+        logits = model(w[:, :-1]).astype(mx.float32)
+        nll = nn.losses.cross_entropy(logits, w[:, 1:], reduction="sum")
+        total += float(nll)
+        count += w.shape[1] - 1
+    return math.exp(total / count)
+
+
+def float32_model(path: Path) -> nn.Module:
+    model, _ = load_model(path)
+    model.set_dtype(mx.float32)  # bf16 weight values, float32 activations
+    return model
+
+
+def affine_bits_per_weight(bits: int, group: int) -> float:
+    return bits + 32 / group  # fp16 scale + fp16 bias per group
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    p.add_argument("--windows", type=int, default=24)
+    p.add_argument("--length", type=int, default=1024)
+    p.add_argument("--bits", type=int, nargs="+", default=[4, 3, 2])
+    p.add_argument("--L", type=int, nargs="+", default=[12])
+    p.add_argument("--modes", nargs="+", default=["ldlq", "plain"], choices=["ldlq", "plain"])
+    p.add_argument("--calib-windows", type=int, default=32)
+    p.add_argument("--calib-length", type=int, default=512)
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "trellis_quality.json")
+    args = p.parse_args(argv)
+
+    tokenizer = load_tokenizer(args.model)
+    records = read_records(args.data)
+    eval_windows = even_windows(token_stream(tokenizer, records[1::2]), args.windows, args.length + 1)
+    calib_windows = even_windows(token_stream(tokenizer, records[0::2]), args.calib_windows, args.calib_length)
+
+    result = {
+        "model": args.model.name,
+        "data": args.data.name,
+        "eval": {"records": "odd positions", "windows": args.windows, "tokens_per_window": args.length},
+        "calibration": {"records": "even positions", "windows": args.calib_windows, "length": args.calib_length},
+        "device": str(mx.default_device()),
+        "machine": platform.machine(),
+        "activations": "float32",
+        "variants": [],
+    }
+
+    def record(name: str, kind: str, bpw: float, ppl: float, **extra) -> None:
+        row = {"name": name, "kind": kind, "bits_per_weight": round(bpw, 3), "perplexity": round(ppl, 4), **extra}
+        result["variants"].append(row)
+        print(json.dumps(row), flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+    t0 = time.perf_counter()
+    base = float32_model(args.model)
+    record("bf16", "float", 16.0, perplexity(base, eval_windows), seconds=round(time.perf_counter() - t0, 1))
+
+    for bits in (4, 3):
+        t0 = time.perf_counter()
+        model = float32_model(args.model)
+        nn.quantize(model, group_size=64, bits=bits, class_predicate=lambda _p, m: isinstance(m, nn.Linear))
+        record(
+            f"affine {bits}-bit g64",
+            "affine",
+            affine_bits_per_weight(bits, 64),
+            perplexity(model, eval_windows),
+            seconds=round(time.perf_counter() - t0, 1),
+        )
+
+    hessians = None
+    if "ldlq" in args.modes:
+        t0 = time.perf_counter()
+        spec = tr.TrellisSpec(bits=4, L=args.L[0])
+        paths = [p for p, _ in quantizable_linears(base, spec)]
+        hessians = collect_hessians(base, calib_windows, paths)
+        mx.eval(hessians)
+        result["calibration"]["seconds"] = round(time.perf_counter() - t0, 1)
+    del base
+
+    for L in args.L:
+        for mode in args.modes:
+            for bits in args.bits:
+                model, _ = load_model(args.model)  # quantize from the stored bf16 weights
+                t0 = time.perf_counter()
+                tr.quantize_model(model, bits, L, hessians=hessians if mode == "ldlq" else None)
+                mx.eval(model.parameters())
+                seconds = time.perf_counter() - t0
+                num = sum(m.input_dims * m.output_dims for _, m in tr.trellis_layers(model))
+                bpw = tr.bits_per_weight(model)
+                model.set_dtype(mx.float32)
+                record(
+                    f"trellis {bits}-bit L={L} {mode}",
+                    "trellis",
+                    bpw,
+                    perplexity(model, eval_windows),
+                    bits=bits,
+                    L=L,
+                    mode=mode,
+                    quantize_seconds=round(seconds, 1),
+                    weights_per_second=round(num / seconds),
+                )
+    plot(result, args.out.with_suffix(".png"))
+    return 0
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    styles = {"float": ("k", "*"), "affine": ("#1f77b4", "s"), "trellis": ("#d62728", "o")}
+    for row in result["variants"]:
+        color, marker = styles[row["kind"]]
+        if row["kind"] == "trellis" and row.get("mode") == "plain":
+            color = "#ff9896"
+        ax.scatter(row["bits_per_weight"], row["perplexity"], c=color, marker=marker, s=50)
+        ax.annotate(row["name"], (row["bits_per_weight"], row["perplexity"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("stored bits per quantized weight (scales included)")
+    ax.set_ylabel("perplexity (lower is better)")
+    ax.set_title(f"{result['model']}: perplexity on {result['eval']['windows']} x {result['eval']['tokens_per_window']} dev tokens ({result['device']})")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
