@@ -1,0 +1,107 @@
+"""PNG plots of a serve-sweep result (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+COLORS = ["#1f77b4", "#d62728", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b"]
+
+
+def _series(result: dict[str, Any], server: str, key: str, sub: str | None = None):
+    xs, ys = [], []
+    for lvl in result["levels"]:
+        s = lvl["results"].get(server)
+        if not s or not s.get("num_completed"):
+            continue
+        v = s[key] if sub is None else s[key].get(sub)
+        if v is None:
+            continue
+        xs.append(lvl["concurrency"])
+        ys.append(v)
+    return xs, ys
+
+
+def plot_sweep(result: dict[str, Any], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    servers = list(result["servers"])
+    mine = result.get("baseline", servers[0])
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9.5))
+    ax_tp, ax_ttft, ax_itl, ax_fail = axes.flat
+    levels = [lvl["concurrency"] for lvl in result["levels"]]
+
+    for i, name in enumerate(servers):
+        color = COLORS[i % len(COLORS)]
+        label = result["servers"][name].get("label", name)
+        xs, ys = _series(result, name, "output_tok_s")
+        ax_tp.plot(xs, ys, "o-", color=color, label=label)
+        for q, style in (("p50", "--"), ("p99", "-")):
+            xs, ys = _series(result, name, "ttft_s", q)
+            ax_ttft.plot(xs, ys, "o" + style, color=color, label=f"{label} {q}")
+            xs, ys = _series(result, name, "itl_s", q)
+            ax_itl.plot(xs, [y * 1000 for y in ys], "o" + style, color=color, label=f"{label} {q}")
+
+    # ratio annotations: mlxd / peer throughput at each level
+    for lvl in result["levels"]:
+        s = lvl["results"].get(mine)
+        if not s:
+            continue
+        lines = []
+        for peer, rat in lvl.get("ratios", {}).items():
+            if rat.get("output_tok_s") is not None:
+                lines.append(f"{rat['output_tok_s']:.1f}x {result['servers'][peer]['label']}")
+        if lines:
+            ax_tp.annotate("\n".join(lines), (lvl["concurrency"], s["output_tok_s"]),
+                           textcoords="offset points", xytext=(6, 6), fontsize=7)
+        lines = []
+        for rat in lvl.get("ratios", {}).values():
+            if rat.get("ttft_p99") is not None:
+                lines.append(f"{rat['ttft_p99']:.2f}x")
+        if lines and s["ttft_s"]["p99"] is not None:
+            ax_ttft.annotate("/".join(lines), (lvl["concurrency"], s["ttft_s"]["p99"]),
+                             textcoords="offset points", xytext=(6, -12), fontsize=7)
+
+    width = 0.8 / max(1, len(servers))
+    for i, name in enumerate(servers):
+        fails = [lvl["results"].get(name, {}).get("num_failed", 0) for lvl in result["levels"]]
+        ax_fail.bar([j + i * width for j in range(len(levels))], fails, width,
+                    color=COLORS[i % len(COLORS)], label=result["servers"][name].get("label", name))
+    ax_fail.set_xticks([j + width * (len(servers) - 1) / 2 for j in range(len(levels))])
+    ax_fail.set_xticklabels([str(c) for c in levels])
+
+    for ax in (ax_tp, ax_ttft, ax_itl):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels)
+        ax.set_xticklabels([str(c) for c in levels])
+        ax.grid(True, which="both", alpha=0.3)
+        ax.set_xlabel("concurrency")
+    ax_tp.set_ylabel("aggregate output tok/s")
+    ax_tp.set_title("throughput (annotated: mlxd / peer)")
+    ax_ttft.set_yscale("log")
+    ax_ttft.set_ylabel("TTFT (s)")
+    ax_ttft.set_title("time to first token, p50 dashed, p99 solid (annotated: p99 ratio)")
+    ax_itl.set_yscale("log")
+    ax_itl.set_ylabel("inter-token latency (ms)")
+    ax_itl.set_title("inter-token latency, p50 dashed, p99 solid")
+    ax_fail.set_ylim(bottom=0, top=max(1.0, ax_fail.get_ylim()[1]))
+    ax_fail.set_xlabel("concurrency")
+    ax_fail.set_ylabel("failed requests")
+    ax_fail.set_title("failed requests")
+    for ax in axes.flat:
+        ax.legend(fontsize=7)
+    cfg = result.get("config", {})
+    mach = result.get("machine", {})
+    fig.suptitle(
+        f"{result.get('name', '')}: {cfg.get('model_name', '')}, {cfg.get('prompt_tokens')}-token "
+        f"prompts, {cfg.get('output_tokens')} output tokens, streaming — {mach.get('summary', '')}",
+        fontsize=10,
+    )
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

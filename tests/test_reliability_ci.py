@@ -1,0 +1,117 @@
+"""CI-sized reliability suite against a real `mlxd serve` subprocess on the bundled model.
+
+The long runs (200-stream disconnect storm, 1,000-request overload at concurrency 256, 10-minute
+soak) are `python -m reliability --start`; see docs/reliability.md. Here: every bad-input case,
+a 20-stream disconnect storm and a 60-request overload against --max-queue 4.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench.servers import ServerProcess, mlxd_spec
+from reliability import bad_input, disconnect, overload
+from reliability.common import Target, still_serving
+
+pytestmark = pytest.mark.timeout(300)
+
+MAX_QUEUE = 4
+MAX_NUM_SEQS = 4
+
+# Server bugs found by this suite and reported; xfail (not strict) until they are fixed, so that
+# a fix shows up as XPASS. Keep the reason precise: request, response, expected.
+_EARLY_413 = (
+    "server bug: a body over --max-request-bytes gets its 413 before the body is read and the "
+    "connection is closed with unread data, so an async httpx client (the AsyncOpenAI SDK) sees "
+    "a ReadError instead of the 413 JSON error; drain (bounded) before answering"
+)
+_HUGE_MAX_TOKENS = (
+    "server bug: max_tokens=10**12 is accepted (200, generation runs to the context limit); "
+    "expected 400 'max_tokens exceeds the context length'"
+)
+KNOWN_SERVER_BUGS: dict[str, str] = {
+    "chat: json_schema without schema": (
+        "server bug: response_format={'type': 'json_schema'} with no json_schema object is "
+        "accepted (200, unconstrained output); expected 400 naming response_format.json_schema"
+    ),
+    "chat: 10 MB of garbage": _EARLY_413,
+    "completions: 10 MB of garbage": _EARLY_413,
+    "chat: 10 MB message": _EARLY_413,
+    "completions: 10 MB prompt": _EARLY_413,
+    "chat: max_tokens 10^12": _HUGE_MAX_TOKENS,
+    "completions: max_tokens 10^12": _HUGE_MAX_TOKENS,
+}
+
+
+@pytest.fixture(scope="module")
+def server(tinycoder_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    log_dir = tmp_path_factory.mktemp("mlxd-reliability")
+    spec = mlxd_spec(["--max-queue", str(MAX_QUEUE), "--max-num-seqs", str(MAX_NUM_SEQS)])
+    srv = ServerProcess(spec, str(tinycoder_path), log_dir, ready_timeout=120).start()
+    try:
+        yield srv
+    finally:
+        alive = srv.alive()
+        rc = srv.stop()
+        assert alive, f"mlxd died during the reliability tests (exit {rc}):\n{srv.log_tail(40)}"
+
+
+@pytest.fixture(scope="module")
+def target(server: ServerProcess) -> Target:
+    return Target(server.url, server.model_id or "default", pid=server.pid,
+                  max_queue=MAX_QUEUE, max_num_seqs=MAX_NUM_SEQS)
+
+
+def _case_params() -> list:
+    params = []
+    for case in bad_input.cases("MODEL"):
+        marks = []
+        if case.name in KNOWN_SERVER_BUGS:
+            marks.append(pytest.mark.xfail(reason=KNOWN_SERVER_BUGS[case.name], strict=False))
+        params.append(pytest.param(case.name, id=case.name, marks=marks))
+    return params
+
+
+@pytest.mark.parametrize("case_name", _case_params())
+def test_bad_input_case(target: Target, server: ServerProcess, case_name: str):
+    case = next(c for c in bad_input.cases(target.model) if c.name == case_name)
+
+    async def go() -> str | None:
+        # a known bug may be a request that runs on: do not let it hold CI for long
+        timeout = 5.0 if case_name in KNOWN_SERVER_BUGS else 15.0
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            try:
+                r = await client.request(case.method, target.url + case.path,
+                                         content=case.payload() or None, headers=case.headers)
+            except httpx.HTTPError as exc:
+                return f"{type(exc).__name__}: {exc}"
+            return bad_input.judge(case, r)
+
+    wrong = asyncio.run(go())
+    assert server.alive(), f"the server died on {case_name!r}:\n{server.log_tail(30)}"
+    assert wrong is None, f"{case_name}: {wrong}"
+
+
+def test_still_serving_after_bad_input(target: Target):
+    async def go() -> list[str]:
+        async with httpx.AsyncClient(timeout=60.0) as client:
+            return await still_serving(client, target)
+
+    assert asyncio.run(go()) == []
+
+
+def test_disconnect_storm_frees_rows(target: Target):
+    res = asyncio.run(disconnect.run(target, num_requests=20, concurrency=MAX_QUEUE,
+                                     idle_within_s=2.0, seed=1, time_limit_s=120))
+    assert res.ok, "\n".join([res.summary, *res.problems])
+
+
+def test_overload_bounded_queue(target: Target):
+    res = asyncio.run(overload.run(target, num_requests=60, concurrency=60, max_tokens=8,
+                                   time_limit_s=120))
+    assert res.ok, "\n".join([res.summary, *res.problems])
+    assert res.details["rejected"] > 0 and res.details["admitted"] > 0
