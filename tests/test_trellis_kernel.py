@@ -18,7 +18,16 @@ from kernels.trellis import matvec
 from kernels.trellis.quantizer import TrellisWeight, dequantize_rotated_ref
 
 # (n_out, n_in, block): odd row counts, row lengths that are 3/5/7 x a power of two.
-SHAPES = [(37, 96, 32), (131, 384, 128), (8, 160, 32), (300, 1024, 256), (5, 224, 32), (1, 512, 256)]
+SHAPES = [
+    (37, 96, 32),
+    (131, 384, 128),
+    (8, 160, 32),
+    (300, 1024, 256),
+    (5, 224, 32),
+    (1, 512, 256),
+    (19, 2560, 256),  # 80 groups: three 1024-column chunks, the last one partial
+    (64, 14336, 256),  # a Llama-3-8B down_proj row
+]
 
 
 def random_weight(n_out: int, n_in: int, bits: int, L: int, block: int, code: str, seed: int = 0) -> TrellisWeight:
@@ -46,6 +55,7 @@ CPU_CASES = [
     (2, 8, 4, 12, "1mad"),
     (4, 5, 3, 12, "1mad"),
     (3, 2, 2, 16, "3inst"),
+    (6, 4, 3, 16, "1mad"),
 ]
 
 
@@ -82,6 +92,8 @@ GPU_CASES = (
        for i, dt in itertools.product(range(len(SHAPES)), (mx.float16, mx.bfloat16, mx.float32))]
     # both codes, all bit widths
     + [(1, 4, k, 16, code, mx.bfloat16) for k, code in itertools.product((2, 3, 4), ("1mad", "3inst"))]
+    # batch 8 over several chunks
+    + [(7, 8, 3, 16, "1mad", mx.bfloat16), (6, 8, 4, 12, "3inst", mx.float16)]
 )
 TOL = {mx.float32: 1e-4, mx.float16: 4e-3, mx.bfloat16: 2e-2}
 
@@ -131,6 +143,8 @@ _CUDA_STUBS = r"""
 #include <cstring>
 #define __device__
 #define __forceinline__ inline
+#define __shared__
+inline void __syncthreads() {}
 struct __half { unsigned short b; __half() {} __half(float) {} operator float() const { return 0.f; } };
 struct __nv_bfloat16 { unsigned short b; __nv_bfloat16() {} __nv_bfloat16(float) {} operator float() const { return 0.f; } };
 inline float __uint_as_float(unsigned int b) { float f; std::memcpy(&f, &b, 4); return f; }
@@ -150,6 +164,9 @@ struct half { ushort b; half() {} half(float) {} operator float() const { return
 struct bfloat16_t { ushort b; bfloat16_t() {} bfloat16_t(float) {} operator float() const { return 0.f; } };
 template <class T, class U> T as_type(U u) { T t; std::memcpy(&t, &u, sizeof(T)); return t; }
 inline float simd_sum(float v) { return v; }
+#define threadgroup
+namespace mem_flags { enum flags { mem_threadgroup }; }
+inline void threadgroup_barrier(mem_flags::flags) {}
 struct uint3_stub { uint x, y, z; };
 """
 
@@ -196,6 +213,7 @@ def test_metal_source_parses(tmp_path, dtype):
         + header
         + f"void k(const uint32_t* packed, const half* scales, const {dtype}* x, {dtype}* y,\n"
         + "       uint thread_index_in_simdgroup, uint3_stub threadgroup_position_in_grid,\n"
+        + "       uint3_stub thread_position_in_threadgroup,\n"
         + "       uint simdgroup_index_in_threadgroup) {\n"
         + consts
         + f"  using DT = {dtype};\n"

@@ -2,18 +2,22 @@
 
 y[b, r] = scale[r] * norm * sum_j code(state(r, j)) * x~[b, j], for up to 8 rows b of x~.
 
-Work split: one 32-lane SIMD group (a CUDA warp, a Metal simdgroup) per output row; lane l walks
-the row's 32-weight groups l, l+32, ... A group of 32 weights is exactly K packed words, plus the
-word after it for the windows that run over its end (the block's first word at a block end:
-tail-biting). With i and K compile-time constants the unrolled loop turns every window into a
-funnel shift, and a weight costs one multiply-add (the LCG), a byte sum, one or two float ops and
-BATCH fused multiply-adds. The lanes' partial sums are then reduced across the SIMD group.
+Work split: a threadgroup of ROWS SIMD groups (CUDA warps / Metal simdgroups) owns ROWS output
+rows, one row per SIMD group. The row is walked in chunks of 1024 columns = 32 groups of 32
+weights; lane l takes group l of the chunk. A group of 32 weights is exactly K packed words (a
+coalesced read across the lanes), plus the word after it for the windows that run over its end
+(the block's first word at a block end: tail-biting). The chunk of x is staged once per
+threadgroup in shared memory with one pad word per 32 floats, so the lanes (32 columns apart)
+read 32 different banks. With i and K compile-time constants the unrolled loop turns every window
+into a funnel shift, and a weight costs one integer multiply-add (the LCG), a byte sum, two float
+ops and BATCH fused multiply-adds. The lanes' partial sums are then reduced across the SIMD group.
 
 The body sees: inputs ``packed`` (uint32), ``scales`` (float16/float32), ``x`` (DT), output ``y``
 (DT); template constants K, L, TB (block length), N_IN, N_OUT, BATCH, CODE (0 = 1MAD, 1 = 3INST),
-ROWS (rows per threadgroup); and from the backend prologue ``lane`` and ``row``. Helpers from the
-backend prelude: TRELLIS_FN, TRELLIS_UNROLL, u32, trellis_as_float, trellis_half_bits,
-trellis_byte_sum. The epilogue reduces ``acc`` over the SIMD group and writes ``y``.
+ROWS (rows per threadgroup); from the backend prologue ``lane``, ``row``, ``stage_tid`` and
+``stage_threads``. Helpers from the backend prelude: TRELLIS_FN, TRELLIS_UNROLL, TRELLIS_SHARED,
+TRELLIS_BARRIER, u32, trellis_as_float, trellis_half_bits, trellis_byte_sum. The epilogue reduces
+``acc`` over the SIMD group and writes ``y``.
 
 Besides CUDA and Metal there is a C++ prelude (``cpu_harness_source``) that runs the same body
 one lane at a time, so CPU-only CI compiles and checks this exact text with g++.
@@ -39,28 +43,52 @@ TRELLIS_FN float trellis_3inst(u32 s) {
 }
 """
 
+XS_STRIDE = 1056  # floats per staged row of x: 1024 columns + one pad word per 32 (no bank conflicts)
+
 BODY = r"""
+    TRELLIS_SHARED float xs[BATCH * 1056];
     float acc[BATCH];
     TRELLIS_UNROLL
     for (int b = 0; b < BATCH; ++b) {
         acc[b] = 0.0f;
     }
-    if (row < (u32)N_OUT) {
-        const u32 words_per_row = (u32)(N_IN * K / 32);
-        const u32 words_per_block = (u32)(TB * K / 32);
-        const u32 groups_per_block = (u32)(TB / 32);
-        const u32 num_groups = (u32)(N_IN / 32);
-        for (u32 g = lane; g < num_groups; g += 32u) {
+    const u32 words_per_row = (u32)(N_IN * K / 32);
+    const u32 words_per_block = (u32)(TB * K / 32);
+    const u32 groups_per_block = (u32)(TB / 32);
+    const u32 num_groups = (u32)(N_IN / 32);
+    const u32 num_chunks = (num_groups + 31u) / 32u;
+    // A chunk is 32 groups (1024 columns): lane l of every row's SIMD group takes group l.
+    for (u32 chunk = 0; chunk < num_chunks; ++chunk) {
+        const u32 g = chunk * 32u + lane;
+        const bool active = row < (u32)N_OUT && g < num_groups;
+        u32 w[K + 1];
+        if (active) {
             const u32 blk = g / groups_per_block;
             const u32 gi = g - blk * groups_per_block;
             const u32 base = row * words_per_row + blk * words_per_block;
-            u32 w[K + 1];
             TRELLIS_UNROLL
             for (int k = 0; k < K; ++k) {
                 w[k] = packed[base + gi * (u32)K + (u32)k];
             }
+            // the word after the group; at a block's end, the block's first word (tail-biting)
             w[K] = packed[base + ((gi + 1u) * (u32)K) % words_per_block];
-            const u32 xo = g * 32u;
+        } else {
+            TRELLIS_UNROLL
+            for (int k = 0; k <= K; ++k) {
+                w[k] = 0u;
+            }
+        }
+        // Stage this chunk of x (every row uses it) in shared memory, padded: column j of the
+        // chunk lives at j + j/32, so the 32 lanes (32 columns apart) hit 32 different banks.
+        for (u32 idx = stage_tid; idx < (u32)(BATCH * 1024); idx += stage_threads) {
+            const u32 b = idx >> 10;
+            const u32 j = idx & 1023u;
+            const u32 col = chunk * 1024u + j;
+            xs[b * 1056u + j + (j >> 5)] = col < (u32)N_IN ? (float)x[b * (u32)N_IN + col] : 0.0f;
+        }
+        TRELLIS_BARRIER();
+        if (active) {
+            const u32 xb = lane * 33u;
             TRELLIS_UNROLL
             for (int i = 0; i < 32; ++i) {
                 const int p = i * K;
@@ -71,10 +99,11 @@ BODY = r"""
                 const float v = (CODE == 0) ? trellis_1mad(state) : trellis_3inst(state);
                 TRELLIS_UNROLL
                 for (int b = 0; b < BATCH; ++b) {
-                    acc[b] += v * (float)x[(u32)b * (u32)N_IN + xo + (u32)i];
+                    acc[b] += v * xs[(u32)b * 1056u + xb + (u32)i];
                 }
             }
         }
+        TRELLIS_BARRIER();
     }
     const float code_norm = (CODE == 0) ? (1.0f / 147.800537109375f) : 1.0f;
 """
@@ -85,6 +114,8 @@ CUDA_HEADER = (
 typedef unsigned int u32;
 #define TRELLIS_FN __device__ __forceinline__
 #define TRELLIS_UNROLL _Pragma("unroll")
+#define TRELLIS_SHARED __shared__
+#define TRELLIS_BARRIER() __syncthreads()
 TRELLIS_FN float trellis_as_float(u32 b) { return __uint_as_float(b); }
 TRELLIS_FN float trellis_half_bits(u32 h) { return __half2float(__ushort_as_half((unsigned short)h)); }
 """
@@ -107,6 +138,8 @@ def cuda_header(portable: bool = False) -> str:
 CUDA_PROLOGUE = r"""
     const u32 lane = threadIdx.x & 31u;
     const u32 row = blockIdx.x * (u32)ROWS + (threadIdx.x >> 5);
+    const u32 stage_tid = threadIdx.x;
+    const u32 stage_threads = 32u * (u32)ROWS;
 """
 
 CUDA_EPILOGUE = r"""
@@ -134,6 +167,8 @@ METAL_HEADER = (
 typedef uint u32;
 #define TRELLIS_FN inline
 #define TRELLIS_UNROLL _Pragma("clang loop unroll(full)")
+#define TRELLIS_SHARED threadgroup
+#define TRELLIS_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 TRELLIS_FN float trellis_as_float(u32 b) { return as_type<float>(b); }
 TRELLIS_FN float trellis_half_bits(u32 h) { return float(as_type<half>((ushort)h)); }
 TRELLIS_FN u32 trellis_byte_sum(u32 x) {
@@ -147,6 +182,8 @@ TRELLIS_FN u32 trellis_byte_sum(u32 x) {
 METAL_PROLOGUE = r"""
     const u32 lane = thread_index_in_simdgroup;
     const u32 row = threadgroup_position_in_grid.x * (u32)ROWS + simdgroup_index_in_threadgroup;
+    const u32 stage_tid = thread_position_in_threadgroup.x;
+    const u32 stage_threads = 32u * (u32)ROWS;
 """
 
 METAL_EPILOGUE = r"""
@@ -171,6 +208,8 @@ CPU_HEADER = (
 typedef uint32_t u32;
 #define TRELLIS_FN static inline
 #define TRELLIS_UNROLL
+#define TRELLIS_SHARED
+#define TRELLIS_BARRIER()
 static inline float trellis_as_float(u32 b) { float f; std::memcpy(&f, &b, 4); return f; }
 static inline float trellis_half_bits(u32 h) {
     // IEEE binary16 -> binary32 (normal, subnormal, zero; the codes never make inf/nan).
@@ -210,6 +249,8 @@ def cpu_harness_source(consts: dict[str, int]) -> str:
         + "    typedef float DT;\n"
         + "    for (u32 row = 0; row < (u32)N_OUT; ++row) {\n"
         + "    for (u32 lane = 0; lane < 32u; ++lane) {\n"
+        + "    // one lane at a time, so each lane stages the whole chunk of x itself\n"
+        + "    const u32 stage_tid = 0u, stage_threads = 1u;\n"
         + BODY
         + "    for (int b = 0; b < BATCH; ++b) {\n"
         + "        partial[((size_t)row * 32u + lane) * BATCH + b] = (DT)(acc[b] * scales[row] * code_norm);\n"

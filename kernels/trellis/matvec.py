@@ -24,7 +24,8 @@ from .codes import CODES
 from .quantizer import TrellisWeight, dequantize_rotated
 
 MAX_FUSED_BATCH = 8
-ROWS_PER_GROUP = 8  # SIMD groups (output rows) per threadgroup: 256 threads
+ROWS_PER_GROUP = 16  # SIMD groups (output rows) per threadgroup: 512 threads share a staged x
+METAL_MAX_BATCH = 7  # 8 staged rows of x (33.8 KB) exceed Metal's 32 KB of threadgroup memory
 
 
 def fused_backend() -> str | None:
@@ -109,6 +110,11 @@ def trellis_matvec(
     m = x_rot.shape[0]
     if not 1 <= m <= MAX_FUSED_BATCH:
         raise ValueError(f"fused kernel takes 1..{MAX_FUSED_BATCH} rows, got {m}")
+    if backend == "metal" and m > METAL_MAX_BATCH:
+        half = m // 2
+        parts = [x_rot[:half], x_rot[half:]]
+        variant = kernel_variant(backend)
+        return mx.concatenate([_launch(backend, variant, p, packed, scales, bits, L, block, code) for p in parts], axis=0)
     return _launch(backend, kernel_variant(backend), x_rot, packed, scales, bits, L, block, code)
 
 
