@@ -128,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         result["calibration"]["seconds"] = round(time.perf_counter() - t0, 1)
     del base
 
-    for L in args.L:
-        for mode in args.modes:
+    for mode in args.modes:
+        for L in args.L:
             for bits in args.bits:
                 model, _ = load_model(args.model)  # quantize from the stored bf16 weights
                 t0 = time.perf_counter()
