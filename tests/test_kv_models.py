@@ -268,3 +268,11 @@ def test_left_padded_group_prefill_equals_alone(arch):
         for o, t in zip(outs, nxt, strict=True):
             o.append(t)
     assert outs == want
+
+
+def test_docs_list_every_registered_architecture():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "kv-layouts.md").read_text()
+    for arch in ARCHS:
+        assert f"| `{arch}` |" in doc

@@ -33,6 +33,12 @@ positions `n[b]...`, and only real tokens advance `n[b]`, so pads never become v
 real query (pad queries see only real columns, to keep their outputs finite). `offset` is the
 RoPE position of the chunk's first column, `n[b] - left_padding[b]`.
 
+Worked example (full layout): rows A (n=5) and B (n=2) take a chunk of 3 columns with
+`prepare(left_padding=[0, 1], lengths=[3, 1])`. `offset` is [5, 1], so B's real token (input
+column 1) gets RoPE position 2. A writes positions 5, 6, 7 (columns 5..7). B's chunk is rotated
+to [real, pad, pad] and written at positions 2, 3, 4; only the real token counts, so n becomes
+[8, 3] and B's columns 3 and 4 are free again. B's real query sees columns 0..2 only.
+
 Speculation. `checkpoint()` records `n`; `rollback(accepted)` sets `n = n_ckpt + accepted`.
 Nothing is copied: rejected columns become free (full) or out-of-window (ring).
 """
