@@ -46,6 +46,7 @@ Nothing is copied: rejected columns become free (full) or out-of-window (ring).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -54,6 +55,31 @@ import numpy as np
 from engine.kv.codec import Codec, PlainCodec, QuantizedCodec
 
 UNBOUNDED = np.iinfo(np.int64).max // 4  # "no right padding announced"
+_NUMPY_MASK_MAX = 1 << 18  # masks up to this many entries are built on the host
+
+
+@dataclass(slots=True)
+class _Step:
+    """Everything about the next update that depends only on the rows' lengths and padding.
+
+    Every layer of one kind shares these lengths, so a step is computed once per forward and
+    reused by all of them (`_STEPS`), keeping the per-layer host work small.
+    """
+
+    direct: bool  # write in place (else: attend over [ring, chunk] and fold the chunk in)
+    skip: np.ndarray  # left pads in this chunk, per row
+    real: np.ndarray  # real tokens in this chunk, per row
+    cap: int  # columns needed after the update
+    num_old: int  # old columns returned in front of the chunk (fold-in path)
+    width: int  # columns returned to attention
+    uniform: bool  # full layout, equal rows, no padding: mlx-lm's own masks apply
+    roll: mx.array | None  # gather index that moves left pads to the end
+    write_start: int | None  # every row writes columns [write_start, write_start + S)
+    write_idx: mx.array | None  # else: scatter index [B, 1, S, 1]
+
+
+_STEPS: dict[tuple, _Step] = {}
+_OFFSETS: dict[tuple, mx.array] = {}
 
 
 def _round_up(x: int, step: int) -> int:
@@ -141,37 +167,70 @@ class KVLayout:
         ring = self.window + self.slack - self.keep
         return ring_positions(xp, cols, ends, self.keep, ring)
 
-    def _plan(self, num_new: int) -> dict[str, Any]:
-        """Deterministic plan for the next `update_and_fetch` of `num_new` columns."""
+    def _step(self, num_new: int) -> _Step:
+        """The plan for the next `update_and_fetch` of `num_new` columns (deterministic, so
+        `make_mask` and every layer's update agree)."""
+        key = (
+            num_new,
+            self.window,
+            self.keep,
+            self.slack,
+            self.capacity,
+            self._n.tobytes(),
+            self._skip.tobytes(),
+            self._remaining.tobytes(),
+        )
+        step = _STEPS.get(key)
+        if step is None:
+            if len(_STEPS) > 512:
+                _STEPS.clear()
+            step = _STEPS[key] = self._make_step(num_new)
+        return step
+
+    def _make_step(self, num_new: int) -> _Step:
+        n = self._n
         skip = np.minimum(self._skip, num_new)
         real = np.clip(np.minimum(num_new - skip, self._remaining), 0, None)
-        top = int(self._n.max()) if self.num_rows else 0
+        top = int(n.max()) if self.num_rows else 0
         R = self.ring_size
+        roll = None
+        if skip.any():
+            idx = (np.arange(num_new)[None] + skip[:, None]) % num_new
+            roll = mx.array(idx, dtype=mx.int32)[:, None, :, None]
+        uniform = (
+            R is None
+            and self.num_rows > 0
+            and bool((real == num_new).all())
+            and bool((n == n[0]).all())
+        )
         if R is None or num_new <= self.slack + 1:
             # write all columns in place (pads included: they land on free/out-of-window slots)
             cap = top + num_new if R is None else min(R, top + num_new)
-            return dict(direct=True, skip=skip, real=real, cap=cap, num_old=0, width=cap)
+            cols = self.col_of(n[:, None] + np.arange(num_new)[None])
+            write_start, write_idx = None, None
+            c0 = int(cols[0, 0]) if cols.size else 0
+            if cols.size and bool((cols == c0 + np.arange(num_new)[None]).all()):
+                write_start = c0
+            elif cols.size:
+                write_idx = mx.array(cols, dtype=mx.int32)[:, None, :, None]
+            return _Step(True, skip, real, cap, 0, cap, uniform, roll, write_start, write_idx)
         # chunk wider than the slack: attend over [ring, new chunk], then fold the chunk in
         num_old = min(R, top, self.capacity)
-        cap = min(R, int((self._n + real).max()) if self.num_rows else 0)
-        return dict(
-            direct=False, skip=skip, real=real, cap=cap, num_old=num_old, width=num_old + num_new
-        )
-
-    def _uniform(self, plan: dict[str, Any], num_new: int) -> bool:
-        return (
-            self.window is None
-            and self.num_rows > 0
-            and bool((plan["real"] == num_new).all())
-            and bool((self._n == self._n[0]).all())
-        )
+        cap = min(R, int((n + real).max()) if self.num_rows else 0)
+        return _Step(False, skip, real, cap, num_old, num_old + num_new, uniform, roll, None, None)
 
     # ---------------------------------------------------------------- model side
 
     @property
     def offset(self) -> mx.array:
         """Per-row RoPE position of the next chunk's first column, `[B]` int32."""
-        return mx.array(self._n - self._skip, dtype=mx.int32)
+        key = (self._n.tobytes(), self._skip.tobytes())
+        off = _OFFSETS.get(key)
+        if off is None:
+            if len(_OFFSETS) > 512:
+                _OFFSETS.clear()
+            off = _OFFSETS[key] = mx.array(self._n - self._skip, dtype=mx.int32)
+        return off
 
     def make_mask(
         self, N: int, window_size: int | None = None, return_array: bool = False, **_: Any
@@ -182,9 +241,9 @@ class KVLayout:
         padding return mlx-lm's own forms ("causal" / None / `[N, K]`), so a lone row matches
         mlx-lm bit for bit.
         """
-        plan = self._plan(N)
+        step = self._step(N)
         span = window_size if window_size is not None else self.window
-        if self._uniform(plan, N):
+        if step.uniform:
             n0 = int(self._n[0])
             if span is None and not return_array:
                 return "causal" if N > 1 else None
@@ -194,56 +253,57 @@ class KVLayout:
             if span is not None:
                 mask = mask & (linds < rinds + span)
             return mask
-        n = mx.array(self._n, dtype=mx.int32)[:, None]
-        if plan["direct"]:
-            pos = self._positions(mx, mx.arange(plan["width"])[None], n + N)
+        n = self._n[:, None]
+        if step.direct:
+            pos = self._positions(np, np.arange(step.width)[None], n + N)
         else:
-            old = self._positions(mx, mx.arange(plan["num_old"])[None], n)
-            pos = mx.concatenate([old, n + mx.arange(N)[None]], axis=1)
-        skip = mx.array(plan["skip"], dtype=mx.int32)[:, None]
-        q = mx.maximum(n - skip + mx.arange(N)[None], n)  # pad queries look at real columns only
+            old = self._positions(np, np.arange(step.num_old)[None], n)
+            pos = np.concatenate([old, n + np.arange(N)[None]], axis=1)
+        q = np.maximum(n - step.skip[:, None] + np.arange(N)[None], n)  # pads see real columns
+        xp: Any = np if pos.shape[0] * N * pos.shape[1] <= _NUMPY_MASK_MAX else mx
+        if xp is mx:
+            pos, q = mx.array(pos, dtype=mx.int32), mx.array(q, dtype=mx.int32)
         pos, q = pos[:, None, :], q[:, :, None]
         mask = (pos >= 0) & (pos <= q)
         if span is not None:
             mask = mask & ((pos > q - (span - self.keep)) | (pos < self.keep))
-        return mask[:, None]
+        return mx.array(mask[:, None]) if xp is np else mask[:, None]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
         num_new = keys.shape[2]
-        plan = self._plan(num_new)
+        step = self._step(num_new)
         new = self.codec.encode(keys, values)
-        if plan["skip"].any():
-            idx = (np.arange(num_new)[None] + plan["skip"][:, None]) % num_new
-            idx_mx = mx.array(idx, dtype=mx.int32)[:, None, :, None]
-            new = [mx.take_along_axis(b, idx_mx, axis=2) for b in new]
+        if step.roll is not None:
+            new = [mx.take_along_axis(b, step.roll, axis=2) for b in new]
         if self._bufs is None:
             self._bufs = [mx.zeros((*b.shape[:2], 0, b.shape[3]), b.dtype) for b in new]
-        if plan["direct"]:
-            self._ensure_capacity(plan["cap"])
-            cols = self.col_of(self._n[:, None] + np.arange(num_new)[None])
-            self._write(new, cols)
-            width = plan["width"]
+        if step.direct:
+            self._ensure_capacity(step.cap)
+            self._write(new, step)
+            width = step.width
             out = [b if b.shape[2] == width else b[..., :width, :] for b in self._bufs]
             written = self._n + num_new
         else:
             out = [
-                mx.concatenate([b[..., : plan["num_old"], :], nb], axis=2)
+                mx.concatenate([b[..., : step.num_old, :], nb], axis=2)
                 for b, nb in zip(self._bufs, new, strict=True)
             ]
-            self._ensure_capacity(plan["cap"])
-            self._fold_in(new, plan["real"])
-            written = self._n + plan["real"]
-        self._advance(plan, written)
+            self._ensure_capacity(step.cap)
+            self._fold_in(new, step.real)
+            written = self._n + step.real
+        self._advance(step, written)
         return self.codec.fetch(out)
 
-    def _advance(self, plan: dict[str, Any], written: np.ndarray) -> None:
+    def _advance(self, step: _Step, written: np.ndarray) -> None:
         if self._high is not None:
             self._high = np.maximum(self._high, written)
-        self._n = self._n + plan["real"]
-        self._skip = self._skip - plan["skip"]
-        self._remaining = np.where(
-            self._remaining >= UNBOUNDED, UNBOUNDED, self._remaining - plan["real"]
-        )
+        self._n = self._n + step.real
+        if step.skip.any():
+            self._skip = self._skip - step.skip
+        if (self._remaining < UNBOUNDED).any():
+            self._remaining = np.where(
+                self._remaining >= UNBOUNDED, UNBOUNDED, self._remaining - step.real
+            )
 
     def _ensure_capacity(self, cap: int) -> None:
         assert self._bufs is not None
@@ -260,21 +320,18 @@ class KVLayout:
             for b in self._bufs
         ]
 
-    def _write(self, new: list[mx.array], cols: np.ndarray) -> None:
-        """Write column j of row b at `cols[b, j]` (distinct within a row)."""
+    def _write(self, new: list[mx.array], step: _Step) -> None:
+        """Write the chunk's column j of row b at `col(n[b] + j)`."""
         assert self._bufs is not None
-        num_new = cols.shape[1]
-        c0 = int(cols[0, 0]) if cols.size else 0
-        if cols.size == 0:
-            return
-        if bool((cols == c0 + np.arange(num_new)[None]).all()):
+        if step.write_start is not None:
+            c0, c1 = step.write_start, step.write_start + new[0].shape[2]
             for b, nb in zip(self._bufs, new, strict=True):
-                b[..., c0 : c0 + num_new, :] = nb
-            return
-        idx = mx.array(cols, dtype=mx.int32)[:, None, :, None]
-        self._bufs = [
-            mx.put_along_axis(b, idx, nb, axis=2) for b, nb in zip(self._bufs, new, strict=True)
-        ]
+                b[..., c0:c1, :] = nb
+        elif step.write_idx is not None:
+            idx = step.write_idx
+            self._bufs = [
+                mx.put_along_axis(b, idx, nb, axis=2) for b, nb in zip(self._bufs, new, strict=True)
+            ]
 
     def _fold_in(self, new: list[mx.array], real: np.ndarray) -> None:
         """Ring only: after a wide chunk, each ring column takes the chunk's latest token for it."""
