@@ -191,6 +191,7 @@ class KVLayout:
         n = self._n
         skip = np.minimum(self._skip, num_new)
         real = np.clip(np.minimum(num_new - skip, self._remaining), 0, None)
+        skip.flags.writeable = real.flags.writeable = False  # shared by every layer
         top = int(n.max()) if self.num_rows else 0
         R = self.ring_size
         roll = None
