@@ -46,59 +46,21 @@ Nothing is copied: rejected columns become free (full) or out-of-window (ring).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from engine.kv.codec import Codec, PlainCodec, QuantizedCodec
-
-UNBOUNDED = np.iinfo(np.int64).max // 4  # "no right padding announced"
-_NUMPY_MASK_MAX = 1 << 18  # masks up to this many entries are built on the host
-
-
-@dataclass(slots=True)
-class _Step:
-    """Everything about the next update that depends only on the rows' lengths and padding.
-
-    Every layer of one kind shares these lengths, so a step is computed once per forward and
-    reused by all of them (`_STEPS`), keeping the per-layer host work small.
-    """
-
-    direct: bool  # write in place (else: attend over [ring, chunk] and fold the chunk in)
-    skip: np.ndarray  # left pads in this chunk, per row
-    real: np.ndarray  # real tokens in this chunk, per row
-    cap: int  # columns needed after the update
-    num_old: int  # old columns returned in front of the chunk (fold-in path)
-    width: int  # columns returned to attention
-    uniform: bool  # full layout, equal rows, no padding: mlx-lm's own masks apply
-    roll: mx.array | None  # gather index that moves left pads to the end
-    write_start: int | None  # every row writes columns [write_start, write_start + S)
-    write_idx: mx.array | None  # else: scatter index [B, 1, S, 1]
-
-
-_STEPS: dict[tuple, _Step] = {}
-_OFFSETS: dict[tuple, mx.array] = {}
-
-
-def _round_up(x: int, step: int) -> int:
-    return (x + step - 1) // step * step
-
-
-def ring_positions(xp: Any, cols: Any, ends: Any, keep: int, ring: int) -> Any:
-    """Position held by each column of a ring for rows that have written positions `< ends`.
-
-    `cols` is `[K]`, `ends` `[B, 1]`; returns `[B, K]` with -1 where the column holds nothing.
-    Works with numpy or mlx (`xp`).
-    """
-    sink = (cols < keep) & (cols < ends)
-    j = cols - keep
-    t = ends - 1 - keep - j
-    valid = (cols >= keep) & (t >= 0)
-    t = xp.maximum(t, 0)
-    recent = keep + j + ring * (t // ring)
-    return xp.where(sink, cols, xp.where(valid, recent, -1))
+from engine.kv.geometry import (
+    UNBOUNDED,
+    Geometry,
+    Step,
+    build_mask,
+    plan_step,
+    round_up,
+    row_offsets,
+)
 
 
 class KVLayout:
@@ -122,6 +84,7 @@ class KVLayout:
         self.window = window
         self.keep = keep if window is not None else 0
         self.slack = slack if window is not None else 0
+        self.geometry = Geometry(window, self.keep, self.slack)
         self._bufs: list[mx.array] | None = None
         self._n = np.zeros(num_rows, dtype=np.int64)
         self._skip = np.zeros(num_rows, dtype=np.int64)
@@ -138,7 +101,7 @@ class KVLayout:
     @property
     def ring_size(self) -> int | None:
         """Columns of a ring (`window + slack`), None for full layouts."""
-        return None if self.window is None else self.window + self.slack
+        return self.geometry.ring_size
 
     @property
     def num_rows(self) -> int:
@@ -154,84 +117,22 @@ class KVLayout:
         return 0 if self._bufs is None else int(self._bufs[0].shape[2])
 
     def col_of(self, positions: np.ndarray) -> np.ndarray:
-        if self.window is None:
-            return positions
-        ring = self.window + self.slack - self.keep
-        return np.where(
-            positions < self.keep, positions, self.keep + (positions - self.keep) % ring
-        )
+        return self.geometry.col_of(positions)
 
     def _positions(self, xp: Any, cols: Any, ends: Any) -> Any:
-        if self.window is None:
-            return xp.where(cols < ends, cols, -1)
-        ring = self.window + self.slack - self.keep
-        return ring_positions(xp, cols, ends, self.keep, ring)
+        return self.geometry.positions(xp, cols, ends)
 
-    def _step(self, num_new: int) -> _Step:
-        """The plan for the next `update_and_fetch` of `num_new` columns (deterministic, so
-        `make_mask` and every layer's update agree)."""
-        key = (
-            num_new,
-            self.window,
-            self.keep,
-            self.slack,
-            self.capacity,
-            self._n.tobytes(),
-            self._skip.tobytes(),
-            self._remaining.tobytes(),
+    def _step(self, num_new: int) -> Step:
+        return plan_step(
+            self.geometry, self._n, self._skip, self._remaining, self.capacity, num_new
         )
-        step = _STEPS.get(key)
-        if step is None:
-            if len(_STEPS) > 512:
-                _STEPS.clear()
-            step = _STEPS[key] = self._make_step(num_new)
-        return step
-
-    def _make_step(self, num_new: int) -> _Step:
-        n = self._n
-        skip = np.minimum(self._skip, num_new)
-        real = np.clip(np.minimum(num_new - skip, self._remaining), 0, None)
-        skip.flags.writeable = real.flags.writeable = False  # shared by every layer
-        top = int(n.max()) if self.num_rows else 0
-        R = self.ring_size
-        roll = None
-        if skip.any():
-            idx = (np.arange(num_new)[None] + skip[:, None]) % num_new
-            roll = mx.array(idx, dtype=mx.int32)[:, None, :, None]
-        uniform = (
-            R is None
-            and self.num_rows > 0
-            and bool((real == num_new).all())
-            and bool((n == n[0]).all())
-        )
-        if R is None or num_new <= self.slack + 1:
-            # write all columns in place (pads included: they land on free/out-of-window slots)
-            cap = top + num_new if R is None else min(R, top + num_new)
-            cols = self.col_of(n[:, None] + np.arange(num_new)[None])
-            write_start, write_idx = None, None
-            c0 = int(cols[0, 0]) if cols.size else 0
-            if cols.size and bool((cols == c0 + np.arange(num_new)[None]).all()):
-                write_start = c0
-            elif cols.size:
-                write_idx = mx.array(cols, dtype=mx.int32)[:, None, :, None]
-            return _Step(True, skip, real, cap, 0, cap, uniform, roll, write_start, write_idx)
-        # chunk wider than the slack: attend over [ring, new chunk], then fold the chunk in
-        num_old = min(R, top, self.capacity)
-        cap = min(R, int((n + real).max()) if self.num_rows else 0)
-        return _Step(False, skip, real, cap, num_old, num_old + num_new, uniform, roll, None, None)
 
     # ---------------------------------------------------------------- model side
 
     @property
     def offset(self) -> mx.array:
         """Per-row RoPE position of the next chunk's first column, `[B]` int32."""
-        key = (self._n.tobytes(), self._skip.tobytes())
-        off = _OFFSETS.get(key)
-        if off is None:
-            if len(_OFFSETS) > 512:
-                _OFFSETS.clear()
-            off = _OFFSETS[key] = mx.array(self._n - self._skip, dtype=mx.int32)
-        return off
+        return row_offsets(self._n, self._skip)
 
     def make_mask(
         self, N: int, window_size: int | None = None, return_array: bool = False, **_: Any
@@ -244,31 +145,7 @@ class KVLayout:
         """
         step = self._step(N)
         span = window_size if window_size is not None else self.window
-        if step.uniform:
-            n0 = int(self._n[0])
-            if span is None and not return_array:
-                return "causal" if N > 1 else None
-            rinds = mx.arange(n0 + N)[None]
-            linds = mx.arange(n0, n0 + N)[:, None]
-            mask = linds >= rinds
-            if span is not None:
-                mask = mask & (linds < rinds + span)
-            return mask
-        n = self._n[:, None]
-        if step.direct:
-            pos = self._positions(np, np.arange(step.width)[None], n + N)
-        else:
-            old = self._positions(np, np.arange(step.num_old)[None], n)
-            pos = np.concatenate([old, n + np.arange(N)[None]], axis=1)
-        q = np.maximum(n - step.skip[:, None] + np.arange(N)[None], n)  # pads see real columns
-        xp: Any = np if pos.shape[0] * N * pos.shape[1] <= _NUMPY_MASK_MAX else mx
-        if xp is mx:
-            pos, q = mx.array(pos, dtype=mx.int32), mx.array(q, dtype=mx.int32)
-        pos, q = pos[:, None, :], q[:, :, None]
-        mask = (pos >= 0) & (pos <= q)
-        if span is not None:
-            mask = mask & ((pos > q - (span - self.keep)) | (pos < self.keep))
-        return mx.array(mask[:, None]) if xp is np else mask[:, None]
+        return build_mask(self.geometry, self._n, step, N, span, return_array)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
         num_new = keys.shape[2]
@@ -295,7 +172,7 @@ class KVLayout:
         self._advance(step, written)
         return self.codec.fetch(out)
 
-    def _advance(self, step: _Step, written: np.ndarray) -> None:
+    def _advance(self, step: Step, written: np.ndarray) -> None:
         if self._high is not None:
             self._high = np.maximum(self._high, written)
         self._n = self._n + step.real
@@ -311,7 +188,7 @@ class KVLayout:
         have = self._bufs[0].shape[2]
         if cap <= have:
             return
-        new_cap = _round_up(cap, self.step)
+        new_cap = round_up(cap, self.step)
         if self.ring_size is not None:
             new_cap = min(new_cap, self.ring_size)
         self._bufs = [
@@ -321,7 +198,7 @@ class KVLayout:
             for b in self._bufs
         ]
 
-    def _write(self, new: list[mx.array], step: _Step) -> None:
+    def _write(self, new: list[mx.array], step: Step) -> None:
         """Write the chunk's column j of row b at `col(n[b] + j)`."""
         assert self._bufs is not None
         if step.write_start is not None:
@@ -450,7 +327,7 @@ class KVLayout:
         need = int(self._n.max()) if self.num_rows else 0
         if self.ring_size is not None:
             need = min(need, self.ring_size)
-        need = _round_up(max(need, 1), self.step)
+        need = round_up(max(need, 1), self.step)
         if self.capacity - need >= self.step:
             self._bufs = [b[..., :need, :] for b in self._bufs]
 

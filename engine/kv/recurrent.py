@@ -34,7 +34,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from engine.kv.attention import UNBOUNDED
+from engine.kv.geometry import UNBOUNDED
 
 
 class RecurrentLayout:
