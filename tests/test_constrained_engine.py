@@ -1,8 +1,8 @@
 """Constrained decoding in the engine: grammar masks on a shared batch, exactly.
 
 - constrained and free rows in one batch produce, row for row, what each produces alone;
-- a strict json_schema answer from the bundled tinycoder parses and validates over 20 seeds at
-  temperature 1 (a 16M-parameter code model never writes such JSON by itself);
+- a constrained row ends ("stop") when its grammar completes, and its text matches the grammar
+  (tests/test_agents_real.py checks 20 seeds of strict json_schema over HTTP);
 - a bad spec is refused by Engine.add with a 400 and a reason, before anything is queued.
 """
 
@@ -145,28 +145,5 @@ def test_constrained_and_free_rows_batched_equal_alone(tinycoder):
             else:
                 assert isinstance(json.loads(text), dict), text
         assert eng.stats().num_running == 0
-    finally:
-        eng.stop()
-
-
-def test_json_schema_validates_over_20_seeds(tinycoder):
-    eng = make_engine(tinycoder)
-    try:
-        prompt = _prompt(tinycoder, "<|im_start|>user\nDescribe a programmer as JSON.<|im_end|>\n"
-                                    "<|im_start|>assistant\n")
-        outs = [
-            submit(eng, Request(f"s{seed}", prompt, SamplingParams(
-                temperature=1.0, seed=seed, max_tokens=200,
-                constraint={"type": "json_schema", "schema": PERSON})))
-            for seed in range(20)
-        ]
-        texts = set()
-        for out in outs:
-            assert out.done.wait(120)
-            text = tinycoder.tokenizer.decode(out.tokens)
-            assert out.finish == "stop", text
-            jsonschema.validate(json.loads(text), PERSON)
-            texts.add(text)
-        assert len(texts) > 10  # sampled, not one forced answer
     finally:
         eng.stop()

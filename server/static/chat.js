@@ -26,13 +26,13 @@ function render(text) {
   const fence = /```([\w+-]*)[^\n]*\n?([\s\S]*?)(?:```|$)/g;
   let last = 0, m;
   while ((m = fence.exec(text)) !== null) {
-    out.push(inline(text.slice(last, m.index)));
+    out.push(inline(text.slice(last, m.index).replace(last ? /^\n/ : /^$/, "")));
     const lang = m[1] ? ` data-lang="${escapeHtml(m[1])}"` : "";
     out.push(`<pre${lang}><code>${escapeHtml(m[2])}</code></pre>`);
     last = fence.lastIndex;
     if (m[0].length === 0) fence.lastIndex++;
   }
-  out.push(inline(text.slice(last)));
+  out.push(inline(text.slice(last).replace(last ? /^\n/ : /^$/, "")));  // the newline after a fence
   return out.join("");
 }
 

@@ -1,0 +1,159 @@
+"""Cost of constrained decoding in the engine: per-token time at batch 1 and 16, constrained vs
+free, and aggregate throughput with half the rows constrained.
+
+Every row decodes exactly `--tokens` tokens (ignore_eos; the grammar is a JSON array of at least
+1,000 records, so it never completes early), from the same chat prompt, at temperature 1 with
+fixed seeds. Per-token time = (last token time - first token time) / (tokens - 1), averaged over
+the rows; aggregate throughput = all tokens / (last token - first token of the batch). Each case
+runs `--repeats` times and the median is reported (the machine may be shared).
+
+    python bench/constrained.py            # bench/results/constrained.{json,png}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import engine  # noqa: F401  (BLAS before mlx)
+from engine.api import Request, SamplingParams, TokenEvent
+from engine.core import Engine, EngineConfig
+from engine.scheduler import SchedulerConfig
+
+RECORD = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "id": {"type": "integer", "minimum": 0},
+        "language": {"enum": ["python", "rust", "go", "c"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "id", "language", "tags", "ok"],
+    "additionalProperties": False,
+}
+SCHEMA = {"type": "array", "items": RECORD, "minItems": 1000}
+PROMPT = "<|im_start|>user\nList the functions of this project as JSON records.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def run_batch(eng: Engine, prompt: list[int], batch: int, constrained: list[bool], tokens: int) -> dict[str, Any]:
+    times: dict[str, list[float]] = {}
+    done = threading.Event()
+    remaining = [batch]
+    lock = threading.Lock()
+
+    def sink(events: list[TokenEvent]) -> None:
+        now = time.perf_counter()
+        for ev in events:
+            if ev.token_ids:
+                times.setdefault(ev.req_id, []).extend([now] * len(ev.token_ids))
+            if ev.finish_reason is not None:
+                with lock:
+                    remaining[0] -= 1
+                    if remaining[0] == 0:
+                        done.set()
+
+    for i in range(batch):
+        spec = {"type": "json_schema", "schema": SCHEMA} if constrained[i] else None
+        params = SamplingParams(temperature=1.0, seed=1000 + i, max_tokens=tokens, ignore_eos=True, constraint=spec)
+        eng.add(Request(f"b{batch}-{i}-{time.monotonic_ns()}", list(prompt), params), sink)
+    assert done.wait(600), "batch did not finish"
+    per_token = {k: (v[-1] - v[0]) / (len(v) - 1) for k, v in times.items()}
+    assert all(len(v) == tokens for v in times.values()), "a row stopped early"
+    keys = sorted(times)
+    first = min(times[k][0] for k in keys)
+    last = max(times[k][-1] for k in keys)
+    con_keys = [k for k in keys if constrained[int(k.split("-")[1])]]
+    free_keys = [k for k in keys if not constrained[int(k.split("-")[1])]]
+    return {
+        "per_token_ms": statistics.fmean(per_token.values()) * 1e3,
+        "per_token_ms_constrained_rows": statistics.fmean(per_token[k] for k in con_keys) * 1e3 if con_keys else None,
+        "per_token_ms_free_rows": statistics.fmean(per_token[k] for k in free_keys) * 1e3 if free_keys else None,
+        "aggregate_tok_s": batch * (tokens - 1) / (last - first),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model dir (default: the bundled tinycoder-16m)")
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "constrained"))
+    args = ap.parse_args()
+
+    from engine.loader import load_model
+
+    lm = load_model(args.model, dtype=args.dtype)
+    eng = Engine(lm, EngineConfig(SchedulerConfig()))
+    eng.start()
+    prompt = lm.tokenizer.encode(PROMPT, add_special_tokens=False)
+    cases = [
+        ("b1_free", 1, [False]),
+        ("b1_constrained", 1, [True]),
+        ("b16_free", 16, [False] * 16),
+        ("b16_constrained", 16, [True] * 16),
+        ("b16_half", 16, [i % 2 == 0 for i in range(16)]),
+    ]
+    try:
+        run_batch(eng, prompt, 4, [True, False, True, False], 16)  # warm-up: compile, tokenizer table
+        raw: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in cases}
+        for _ in range(args.repeats):  # interleave the cases so load changes hit them alike
+            for name, batch, con in cases:
+                raw[name].append(run_batch(eng, prompt, batch, con, args.tokens))
+    finally:
+        eng.stop()
+
+    def med(name: str, key: str) -> float | None:
+        vals = [r[key] for r in raw[name] if r[key] is not None]
+        return statistics.median(vals) if vals else None
+
+    summary = {name: {k: med(name, k) for k in raw[name][0]} for name in raw}
+    ratios = {
+        "b1_constrained_over_free_per_token": summary["b1_constrained"]["per_token_ms"] / summary["b1_free"]["per_token_ms"],
+        "b16_constrained_over_free_per_token": summary["b16_constrained"]["per_token_ms"] / summary["b16_free"]["per_token_ms"],
+        "b16_half_over_free_throughput": summary["b16_half"]["aggregate_tok_s"] / summary["b16_free"]["aggregate_tok_s"],
+    }
+    result = {"model": lm.model_id, "dtype": lm.dtype, "tokens_per_row": args.tokens, "repeats": args.repeats,
+              "schema": SCHEMA, "summary": summary, "ratios": ratios, "raw": raw}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    for name, s in summary.items():
+        print(f"{name:16s} per-token {s['per_token_ms']:7.2f} ms   aggregate {s['aggregate_tok_s']:8.1f} tok/s")
+    for k, v in ratios.items():
+        print(f"{k}: {v:.3f}")
+    _plot(summary, ratios, out.with_suffix(".png"))
+
+
+def _plot(summary: dict[str, Any], ratios: dict[str, float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    names = ["b1_free", "b1_constrained", "b16_free", "b16_constrained", "b16_half"]
+    colors = ["C0", "C1", "C0", "C1", "C2"]
+    a.bar(names, [summary[n]["per_token_ms"] for n in names], color=colors)
+    a.set_ylabel("ms per token (per row)")
+    a.set_title("per-token decode time")
+    a.tick_params(axis="x", rotation=20)
+    b.bar(["b16_free", "b16_half", "b16_constrained"],
+          [summary[n]["aggregate_tok_s"] for n in ("b16_free", "b16_half", "b16_constrained")], color=["C0", "C2", "C1"])
+    b.set_ylabel("aggregate tok/s")
+    b.set_title("batch 16 throughput (half: 8 of 16 rows constrained)")
+    fig.suptitle("constrained decoding cost: b1 x{:.2f}, b16 x{:.2f} per token; half-constrained throughput x{:.2f}".format(
+        ratios["b1_constrained_over_free_per_token"], ratios["b16_constrained_over_free_per_token"],
+        ratios["b16_half_over_free_throughput"]))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
