@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -34,6 +34,7 @@ from engine.api import (
     TokenEvent,
 )
 from engine.batch import EventSink, RowMeta
+from engine.kvcache import KVConfig
 from engine.loader import LoadedModel
 from engine.runner import InFlight, Runner
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -44,6 +45,7 @@ log = logging.getLogger("mlxd.engine")
 @dataclass(slots=True)
 class EngineConfig:
     scheduler: SchedulerConfig
+    kv: KVConfig = field(default_factory=KVConfig)
     clear_cache_every: int = 256  # steps between mx.clear_cache() calls
 
 
@@ -53,7 +55,7 @@ class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
         self.loaded = loaded
         self.config = config or EngineConfig(SchedulerConfig())
-        self.runner = Runner(loaded.model)
+        self.runner = Runner(loaded.model, self.config.kv)
         self.scheduler = Scheduler(self.config.scheduler, self.runner.new_caches)
         self.scheduler.vocab_size = loaded.vocab_size
         self._sinks: dict[str, EventSink] = {}

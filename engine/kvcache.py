@@ -1,106 +1,88 @@
-"""The runner's view of batched KV: a list of per-layer batch caches behind four operations.
+"""The runner's view of batched KV: a list of per-layer layouts (engine/kv) behind a few calls.
 
-    caches = new_batch(model, num_rows)        # empty caches for a prefill group
-    extend(running, group)                     # admit the group's rows (left padding aligns them)
+    caches = new_batch(model, num_rows, cfg)   # empty layouts for a prefill group
+    prepare_right_padded(caches, lengths)      # rows of different lengths in one prefill forward
+    extend(running, group)                     # admit the group's rows
     filter_rows(running, keep)                 # drop finished rows
     nbytes(running) / bytes_by_layout(running)
 
-Each per-layer cache implements the model-side interface mlx-lm models call (`offset`,
-`update_and_fetch`, `make_mask`, `state`) and the batch side (`prepare`/`finalize` for
-right-padded prefill, `extend`, `filter`, `extract`). Today these are mlx-lm's batch caches;
-`engine/kv/` layouts plug in behind the same functions.
+Which layer gets which layout (plain, rotating, quantized, recurrent) is decided by the
+architecture registry in engine/models. Rows are not aligned with each other: each keeps its own
+length, so admitting a short row next to a long one costs no padding columns (docs/kv-layouts.md).
 
-Worked example (full-attention layer): running rows A (5 tokens) and B (3 tokens) are stored
-left-padded as [A A A A A] / [. . A B B B]-style columns with left_padding [0, 2]; a new row C
-with 7 tokens is extended in: the narrower side is padded on the left so every row ends at the
-same column, giving left_padding [2, 4, 0] and 7 columns.
+Worked example: running rows A (300 tokens) and B (20 tokens) on a sliding-window layer of
+window 256 hold min(n, ring) columns each; a new row C (7 tokens) is appended as a third row
+whose next RoPE position (`offset`) is 7 while A's is 300 — one decode step then writes A's
+column (300 mod ring), B's column 20 and C's column 7.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import mlx.core as mx
-from mlx_lm.models import cache as mlc
+from engine.kv import batch as kvb
+from engine.models import make_batch_layouts
 
 Caches = list[Any]
 
 
-def _batch_layer(layer_cache: Any, num_rows: int) -> Any:
-    pad = [0] * num_rows
-    if isinstance(layer_cache, mlc.RotatingKVCache):
-        if layer_cache.keep:
-            raise NotImplementedError("rotating caches with keep > 0 are not batched yet")
-        return mlc.BatchRotatingKVCache(layer_cache.max_size, pad)
-    if isinstance(layer_cache, mlc.KVCache):
-        return mlc.BatchKVCache(pad)
-    if isinstance(layer_cache, mlc.ArraysCache):
-        return mlc.ArraysCache(len(layer_cache.cache), left_padding=pad)
-    if isinstance(layer_cache, mlc.CacheList):
-        return mlc.CacheList(*(_batch_layer(c, num_rows) for c in layer_cache.caches))
-    raise NotImplementedError(f"no batched layout for {type(layer_cache).__name__}")
+@dataclass(slots=True)
+class KVConfig:
+    kv_bits: int = 16  # 16 = model dtype; 8 / 4 = MLX affine quantized KV
+    kv_group_size: int = 64
+    max_kv_size: int | None = None  # cap full-attention layers to a ring of this many tokens
+    max_draft: int = 0  # ring slack so speculative rounds can roll back across the wrap
 
 
-def new_batch(model: Any, num_rows: int) -> Caches:
-    """Empty batch caches for `num_rows` rows, one per layer, following the model's own layout."""
-    return [_batch_layer(c, num_rows) for c in mlc.make_prompt_cache(model)]
+def new_batch(model: Any, num_rows: int, cfg: KVConfig | None = None) -> Caches:
+    cfg = cfg or KVConfig()
+    return make_batch_layouts(
+        model,
+        num_rows,
+        kv_bits=cfg.kv_bits,
+        kv_group_size=cfg.kv_group_size,
+        max_kv_size=cfg.max_kv_size,
+        max_draft=cfg.max_draft,
+    )
 
 
 def prepare_right_padded(caches: Caches, lengths: Sequence[int]) -> bool:
     """Announce a right-padded prefill (rows of different lengths). Returns True if padded."""
-    width = max(lengths)
-    right = [width - n for n in lengths]
-    if max(right) == 0:
+    if min(lengths) == max(lengths):
         return False
-    for c in caches:
-        c.prepare(lengths=list(lengths), right_padding=right)
+    kvb.prepare(caches, lengths=list(lengths))
     return True
 
 
 def finalize(caches: Caches) -> None:
-    for c in caches:
-        c.finalize()
+    kvb.finalize(caches)
 
 
 def extend(running: Caches | None, group: Caches) -> Caches:
-    if running is None:
-        return group
-    for a, b in zip(running, group, strict=True):
-        a.extend(b)
-    return running
+    return kvb.extend(running, group)
 
 
 def filter_rows(caches: Caches, keep: list[int]) -> None:
-    for c in caches:
-        c.filter(keep)
+    kvb.filter_rows(caches, keep)
+
+
+def extract_row(caches: Caches, i: int) -> Caches:
+    return kvb.extract_row(caches, i)
 
 
 def state_arrays(caches: Caches) -> list[Any]:
     return [c.state for c in caches]
 
 
-def _layout_name(c: Any) -> str:
-    if isinstance(c, mlc.BatchRotatingKVCache):
-        return "rotating"
-    if isinstance(c, mlc.BatchKVCache):
-        return "plain"
-    if isinstance(c, mlc.ArraysCache):
-        return "recurrent"
-    return type(c).__name__
-
-
 def bytes_by_layout(caches: Caches | None) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for c in caches or []:
-        name = _layout_name(c)
-        out[name] = out.get(name, 0) + int(c.nbytes)
-    return out
+    return kvb.bytes_by_layout(caches)
 
 
 def nbytes(caches: Caches | None) -> int:
-    return sum(bytes_by_layout(caches).values())
+    return kvb.nbytes(caches)
 
 
 def eval_state(caches: Caches) -> None:
-    mx.eval([c.state for c in caches])
+    kvb.eval_state(caches)

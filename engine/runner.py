@@ -13,16 +13,19 @@ import mlx.core as mx
 
 from engine import constrain, kvcache
 from engine.batch import RowMeta, RunningBatch
+from engine.models import prepare_model
 from engine.sampling import SampleOutput, sample
 from engine.scheduler import Plan, StepResult
 
 
 class Runner:
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, kv: kvcache.KVConfig | None = None):
         self.model = model
+        self.kv = kv or kvcache.KVConfig()
+        prepare_model(model)  # once: recurrent mixers step through padding / rollback
 
     def new_caches(self, num_rows: int) -> kvcache.Caches:
-        return kvcache.new_batch(self.model, num_rows)
+        return kvcache.new_batch(self.model, num_rows, self.kv)
 
     def prefill(self, plan: Plan) -> None:
         group = plan.prefill
