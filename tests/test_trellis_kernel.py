@@ -221,3 +221,14 @@ def test_metal_source_parses(tmp_path, dtype):
         + "}\n"
     )
     _syntax_check(tmp_path, text.replace("uint32_t", "uint"))
+
+
+def test_launch_geometry_covers_every_row():
+    for n_out in (1, 15, 16, 17, 4096, 14336):
+        args = matvec._launch_args(n_out, 512, 3, 3, 16, 256, "1mad", mx.bfloat16)
+        threads = args["threadgroup"][0]
+        assert threads == 32 * matvec.ROWS_PER_GROUP and args["grid"][0] % threads == 0
+        rows_covered = args["grid"][0] // 32
+        assert n_out <= rows_covered < n_out + matvec.ROWS_PER_GROUP
+        assert args["output_shapes"] == [(3, n_out)] and args["template"][-1] == ("DT", mx.bfloat16)
+        assert dict(args["template"][:-1])["N_OUT"] == n_out

@@ -99,8 +99,15 @@ class TrellisLinear(nn.Module):
         """Keep the dequantized W~ when there is no fused kernel (CPU): speed over memory there."""
         return DENSE_CACHE and fused_backend() is None
 
+    def _signs_f32(self) -> mx.array:
+        cached = self.__dict__.get("_signs32")
+        if cached is None or cached[0] is not self.signs:
+            cached = (self.signs, self.signs.astype(mx.float32))
+            object.__setattr__(self, "_signs32", cached)
+        return cached[1]
+
     def __call__(self, x: mx.array) -> mx.array:
-        x_rot = rotate(x, self.signs)
+        x_rot = rotate(x, self._signs_f32())
         rows = x_rot.size // self.input_dims
         if fused_backend() is not None and rows <= MAX_FUSED_BATCH:
             y = matmul_rotated(x_rot, self.trellis_weight(), use_fused=True)

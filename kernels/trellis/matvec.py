@@ -118,19 +118,24 @@ def trellis_matvec(
     return _launch(backend, kernel_variant(backend), x_rot, packed, scales, bits, L, block, code)
 
 
-def _launch(backend, variant, x_rot, packed, scales, bits, L, block, code) -> mx.array:
-    m, n_in = x_rot.shape
-    n_out = packed.shape[0]
+@lru_cache(maxsize=1024)
+def _launch_args(n_out: int, n_in: int, m: int, bits: int, L: int, block: int, code: str, dtype: mx.Dtype) -> dict:
+    """Keyword arguments of one kernel call, built once per shape (dispatch is latency-bound)."""
     consts = kernel_constants(n_out, n_in, m, bits, L, block, code)
     groups = -(-n_out // ROWS_PER_GROUP)
-    (y,) = _kernel(backend, variant)(
-        inputs=[packed, scales, x_rot],
-        template=[*consts.items(), ("DT", x_rot.dtype)],
-        grid=(groups * 32 * ROWS_PER_GROUP, 1, 1),
-        threadgroup=(32 * ROWS_PER_GROUP, 1, 1),
-        output_shapes=[(m, n_out)],
-        output_dtypes=[x_rot.dtype],
-    )
+    return {
+        "template": [*consts.items(), ("DT", dtype)],
+        "grid": (groups * 32 * ROWS_PER_GROUP, 1, 1),
+        "threadgroup": (32 * ROWS_PER_GROUP, 1, 1),
+        "output_shapes": [(m, n_out)],
+        "output_dtypes": [dtype],
+    }
+
+
+def _launch(backend, variant, x_rot, packed, scales, bits, L, block, code) -> mx.array:
+    m, n_in = x_rot.shape
+    args = _launch_args(int(packed.shape[0]), n_in, m, bits, L, block, code, x_rot.dtype)
+    (y,) = _kernel(backend, variant)(inputs=[packed, scales, x_rot], **args)
     return y
 
 

@@ -110,7 +110,8 @@ def hadamard_matrix(n: int) -> mx.array:
 def rotate(x: mx.array, signs: mx.array) -> mx.array:
     """x~ = h(s * x) along the last axis, in float32."""
     n = x.shape[-1]
-    xs = x.astype(mx.float32) * signs.astype(mx.float32)
+    # float32 signs (TrellisLinear caches them) make this one op, which also promotes x
+    xs = x * signs if signs.dtype == mx.float32 else x.astype(mx.float32) * signs.astype(mx.float32)
     if _device_hadamard_ok():
         return mx.hadamard_transform(xs, 1.0 / math.sqrt(n))
     return xs @ hadamard_matrix(n)  # same map through a dense matmul where the op is missing
