@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--length", type=int, default=1024)
     p.add_argument("--bits", type=int, nargs="+", default=[4, 3, 2])
     p.add_argument("--L", type=int, nargs="+", default=[12])
-    p.add_argument("--modes", nargs="+", default=["ldlq", "plain"], choices=["ldlq", "plain"])
+    p.add_argument("--modes", nargs="*", default=["ldlq", "plain"], choices=["ldlq", "plain"])
+    p.add_argument("--dirs", type=Path, nargs="*", default=[], help="trellis model dirs (mlxd quantize) to score too")
+    p.add_argument("--skip-affine", action="store_true", help="no affine baselines (slow on a CPU)")
     p.add_argument("--calib-windows", type=int, default=32)
     p.add_argument("--calib-length", type=int, default=512)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "trellis_quality.json")
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     base = float32_model(args.model)
     record("bf16", "float", 16.0, perplexity(base, eval_windows), seconds=round(time.perf_counter() - t0, 1))
 
-    for bits in (4, 3):
+    for bits in () if args.skip_affine else (4, 3):
         t0 = time.perf_counter()
         model = float32_model(args.model)
         nn.quantize(model, group_size=64, bits=bits, class_predicate=lambda _p, m: isinstance(m, nn.Linear))
@@ -150,6 +152,21 @@ def main(argv: list[str] | None = None) -> int:
                     quantize_seconds=round(seconds, 1),
                     weights_per_second=round(num / seconds),
                 )
+    for d in args.dirs:
+        model, config = tr.load_model(d)
+        q = config["quantization"]
+        bpw = tr.bits_per_weight(model)  # before the cast: scales are stored as float16
+        model.set_dtype(mx.float32)
+        record(
+            f"trellis {q['bits']}-bit L={q['L']} {'ldlq' if q.get('ldlq') else 'plain'} ({d.name})",
+            "trellis",
+            bpw,
+            perplexity(model, eval_windows),
+            bits=q["bits"],
+            L=q["L"],
+            mode="ldlq" if q.get("ldlq") else "plain",
+            quantize_seconds=q.get("seconds"),
+        )
     plot(result, args.out.with_suffix(".png"))
     return 0
 
