@@ -16,9 +16,9 @@ import statistics
 import time
 from pathlib import Path
 
-import engine  # noqa: F401  (BLAS before mlx)
 import numpy as np
 
+import engine  # noqa: F401  (BLAS before mlx)
 from mlxd import DEFAULT_MODEL_DIR
 
 SCHEMA = {

@@ -32,7 +32,14 @@ from server.reasoning import model_thinks
 from server.sse import DONE, SSEResponse, run_until_disconnect, sse_event
 from server.structured import response_format_constraint
 from server.tools import CallArgs, CallStart, TextEvent, function_specs
-from server.turn import ReasoningEvent, TurnPlan, collect_turn, parse_tool_choice, plan_turn, turn_steps
+from server.turn import (
+    ReasoningEvent,
+    TurnPlan,
+    collect_turn,
+    parse_tool_choice,
+    plan_turn,
+    turn_steps,
+)
 
 
 def wants_agent_path(body: ChatCompletionRequest, model: ServedModel) -> bool:

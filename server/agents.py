@@ -17,7 +17,12 @@ from typing import Any
 from fastapi import FastAPI
 
 from server import anthropic_api, ops, responses_api, ui
-from server.metrics import InstrumentedClient, Metrics, ObservabilityMiddleware, install_log_request_ids
+from server.metrics import (
+    InstrumentedClient,
+    Metrics,
+    ObservabilityMiddleware,
+    install_log_request_ids,
+)
 
 
 def install(app: FastAPI, auth: Sequence[Any]) -> None:

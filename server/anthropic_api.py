@@ -32,7 +32,15 @@ from server.openai_api import app_state
 from server.prompts import ServedModel
 from server.sse import SSEResponse, run_until_disconnect
 from server.tools import CallArgs, CallEnd, CallStart, TextEvent
-from server.turn import ReasoningEvent, ToolChoice, TurnPlan, TurnResult, collect_turn, plan_turn, turn_steps
+from server.turn import (
+    ReasoningEvent,
+    ToolChoice,
+    TurnPlan,
+    TurnResult,
+    collect_turn,
+    plan_turn,
+    turn_steps,
+)
 
 log = logging.getLogger("mlxd.server")
 

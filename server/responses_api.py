@@ -39,7 +39,15 @@ from server.prompts import ServedModel, message_text
 from server.sse import SSEResponse, run_until_disconnect
 from server.structured import response_format_constraint
 from server.tools import CallArgs, CallEnd, CallStart, TextEvent, ToolCall, function_specs
-from server.turn import ReasoningEvent, TurnPlan, TurnResult, collect_turn, parse_tool_choice, plan_turn, turn_steps
+from server.turn import (
+    ReasoningEvent,
+    TurnPlan,
+    TurnResult,
+    collect_turn,
+    parse_tool_choice,
+    plan_turn,
+    turn_steps,
+)
 
 router = APIRouter()
 
