@@ -30,6 +30,7 @@ class RowMeta:
     num_cached_tokens: int = 0
     finished: bool = False  # set once its last event is out (in-flight results are then ignored)
     constraint: Any = None  # engine.constrain.Constraint: the row's grammar state, if any
+    output_ids: list[int] = field(default_factory=list)  # tokens emitted so far (drafters read)
 
     @property
     def req_id(self) -> str:
@@ -42,6 +43,7 @@ class RunningBatch:
     next_tokens: mx.array | None = None  # [B] int32: each row's next input token
     sampler: SamplerState | None = None
     caches: kvcache.Caches | None = None
+    spec: Any = None  # engine.spec.SpecRows: per-row speculation state (None: speculation off)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -58,6 +60,7 @@ class RunningBatch:
             return
         if not keep:
             self.rows, self.next_tokens, self.sampler, self.caches = [], None, None, None
+            self.spec = None
             return
         idx = mx.array(keep, dtype=mx.int32)
         self.rows = [self.rows[i] for i in keep]
@@ -65,6 +68,8 @@ class RunningBatch:
         self.next_tokens = self.next_tokens[idx]
         self.sampler = self.sampler.take(idx)
         kvcache.filter_rows(self.caches, keep)
+        if self.spec is not None:
+            self.spec.take(keep)
 
     def concat(self, other: RunningBatch) -> None:
         """Append `other`'s rows (their caches are extended in with aligned padding)."""
@@ -73,6 +78,7 @@ class RunningBatch:
         if not self.rows:
             self.rows, self.next_tokens = other.rows, other.next_tokens
             self.sampler, self.caches = other.sampler, other.caches
+            self.spec = other.spec
             return
         assert self.next_tokens is not None and other.next_tokens is not None
         assert self.sampler is not None and other.sampler is not None and other.caches
@@ -80,6 +86,8 @@ class RunningBatch:
         self.next_tokens = mx.concatenate([self.next_tokens, other.next_tokens])
         self.sampler = SamplerState.concat([self.sampler, other.sampler])
         self.caches = kvcache.extend(self.caches, other.caches)
+        if self.spec is not None and other.spec is not None:
+            self.spec.concat(other.spec)
 
     def constrained_rows(self) -> list[tuple[Any, int]]:
         """(constraint, row index) for every row decoding under a grammar."""
