@@ -34,7 +34,9 @@ from engine.api import (
     TokenEvent,
 )
 from engine.batch import EventSink, RowMeta
+from engine.admission import MemoryBudget
 from engine.kvcache import KVConfig
+from engine.prefix import PrefixIndex
 from engine.loader import LoadedModel
 from engine.runner import InFlight, Runner
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -46,6 +48,9 @@ log = logging.getLogger("mlxd.engine")
 class EngineConfig:
     scheduler: SchedulerConfig
     kv: KVConfig = field(default_factory=KVConfig)
+    prefix_cache_bytes: int = 1 << 30  # 0 = prefix cache off
+    prefix_block_size: int = 16
+    memory_budget: int | None = None  # None = 75 % of device memory
     clear_cache_every: int = 256  # steps between mx.clear_cache() calls
 
 
@@ -58,6 +63,18 @@ class Engine:
         self.runner = Runner(loaded.model, self.config.kv)
         self.scheduler = Scheduler(self.config.scheduler, self.runner.new_caches)
         self.scheduler.vocab_size = loaded.vocab_size
+        cfg = self.config
+        if cfg.prefix_cache_bytes > 0:
+            self.scheduler.prefix = PrefixIndex(
+                self.runner.new_caches, cfg.prefix_cache_bytes, cfg.prefix_block_size,
+                cfg.scheduler.prefill_chunk,
+            )
+        kv_kwargs = dict(kv_bits=cfg.kv.kv_bits, kv_group_size=cfg.kv.kv_group_size,
+                         max_kv_size=cfg.kv.max_kv_size, max_draft=cfg.kv.max_draft)
+        self.budget = MemoryBudget.for_model(
+            loaded.model, cfg.memory_budget, kv_kwargs, cfg.scheduler.prefill_chunk
+        )
+        self.scheduler.budget = self.budget
         self._sinks: dict[str, EventSink] = {}
         self._inbox: deque[tuple[str, Any]] = deque()
         self._wake = threading.Condition()
@@ -111,6 +128,14 @@ class Engine:
         s.kv_bytes_by_layout = by_layout
         s.kv_bytes = sum(by_layout.values())
         s.extra["active_requests"] = len(self._sinks)
+        prefix = sched.prefix
+        if prefix is not None:
+            ps = prefix.stats()
+            s.prefix_cache_bytes = prefix.nbytes
+            s.prefix_cache_hits, s.prefix_cache_queries = ps["hits"], ps["queries"]
+            s.extra["prefix_cache"] = ps
+        s.extra["memory_budget_bytes"] = self.budget.budget
+        s.extra["weights_bytes"] = self.budget.weights
         if self._last_error:
             s.extra["last_error"] = self._last_error
         return s
@@ -132,6 +157,17 @@ class Engine:
         if bad:
             raise EngineError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         params = request.params
+        max_new = max(1, min(params.max_tokens, ctx - n))
+        chunk = self.config.scheduler.prefill_chunk
+        if not self.budget.fits_alone(n, max_new, min(n, chunk)):
+            need = self.budget.weights + self.budget.row_bytes(n, max_new)
+            raise EngineError(
+                f"this request needs about {need / 2**20:.0f} MiB (weights + KV for {n} prompt "
+                f"and {max_new} new tokens), more than the memory budget of "
+                f"{self.budget.budget / 2**20:.0f} MiB; lower max_tokens or the prompt",
+                status=413,
+                code="memory_budget_exceeded",
+            )
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.loaded.eos_token_ids)

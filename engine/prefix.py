@@ -35,7 +35,7 @@ class PrefixIndex:
         chunk = min([prefill_chunk, *[r - block_size for r in rings]])
         self.chunk = max(block_size, chunk // block_size * block_size)
         self._make_caches = make_caches
-        self._hits: dict[str, PrefixHit] = {}
+        self._hits: dict[str, PrefixHit | None] = {}  # req_id -> hit (None: looked up, missed)
 
     @property
     def nbytes(self) -> int:
@@ -43,12 +43,12 @@ class PrefixIndex:
 
     def lookup(self, row: RowMeta) -> None:
         """Find the row's longest cached prefix (at most prompt - 1 tokens); once per row."""
-        if row.req_id in self._hits or row.num_cached_tokens:
+        if row.req_id in self._hits:
             return
         ids = row.request.prompt_ids
         hit = self.cache.lookup(ids, max_tokens=len(ids) - 1)
+        self._hits[row.req_id] = hit
         if hit is not None:
-            self._hits[row.req_id] = hit
             row.num_cached_tokens = hit.num_tokens
 
     def forget(self, row: RowMeta) -> None:

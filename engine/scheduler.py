@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 
@@ -59,11 +60,12 @@ class Plan:
 
 @dataclass(slots=True)
 class StepResult:
-    """Host-side outputs of a decode step, one entry per running row."""
+    """Host-side outputs of a decode step, one entry per running row (a list of entries per
+    row after a speculative step: engine.spec.SpecStepResult has that shape)."""
 
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
+    tokens: list[Any] = field(default_factory=list)
+    logprobs: list[Any] | None = None
+    top_logprobs: list[Any] | None = None
 
 
 class Scheduler:
@@ -73,6 +75,10 @@ class Scheduler:
         self.waiting: deque[RowMeta] = deque()
         self.prefill: PrefillGroup | None = None
         self.running = RunningBatch()
+        # rows leaving prefill -> their speculation state (engine.spec; None: speculation off)
+        self.admit_spec: Any = None
+        self.prefix: Any = None  # engine.prefix.PrefixIndex, or None (prefix cache off)
+        self.budget: Any = None  # engine.admission.MemoryBudget, or None (no admission control)
 
     # -- admission -------------------------------------------------------------------------
     def add(self, row: RowMeta) -> None:
@@ -87,6 +93,8 @@ class Scheduler:
             if row.req_id == req_id:
                 self.waiting.remove(row)
                 row.finished = True
+                if self.prefix is not None:
+                    self.prefix.forget(row)
                 return row
         group = self.prefill
         if group is not None:
@@ -124,18 +132,35 @@ class Scheduler:
         group = self.prefill
         if group is not None:
             plan.prefill = group
-            plan.prefill_end = min(group.width, group.done + self.config.prefill_chunk)
+            plan.prefill_end = min(group.width, group.done + self._chunk())
         return plan
+
+    def _chunk(self) -> int:
+        """Prefill columns per forward (smaller with a prefix cache over sliding layers)."""
+        return self.prefix.chunk if self.prefix is not None else self.config.prefill_chunk
+
+    def _reserved_bytes(self) -> int:
+        rows = self.running.rows + (self.prefill.rows if self.prefill is not None else [])
+        return sum(self.budget.row_bytes(r.num_prompt_tokens, r.max_new_tokens) for r in rows)
 
     def _form_group(self) -> PrefillGroup | None:
         cfg = self.config
         room = cfg.max_num_seqs - len(self.running)
+        chunk = self._chunk()
         rows: list[RowMeta] = []
         width = 0
+        reserved = self._reserved_bytes() if self.budget is not None else 0
         while self.waiting and len(rows) < room:
             row = self.waiting[0]
+            if self.prefix is not None:
+                self.prefix.lookup(row)
             need = row.num_prompt_tokens - 1 - row.num_cached_tokens
-            if need > cfg.prefill_chunk:
+            if self.budget is not None:
+                extra = self.budget.row_bytes(row.num_prompt_tokens, row.max_new_tokens)
+                if (rows or len(self.running)) and not self.budget.fits(reserved, extra, min(need, chunk)):
+                    break  # wait until running rows finish and release their reservation
+                reserved += extra
+            if need > chunk:
                 if rows:
                     break  # a long prompt goes alone, next time
                 rows.append(self.waiting.popleft())
@@ -147,9 +172,12 @@ class Scheduler:
             width = new_width
         if not rows:
             return None
-        token_lists = [r.request.prompt_ids[:-1] for r in rows]
-        group = PrefillGroup(rows, token_lists, self._make_caches(len(rows)))
-        return group
+        token_lists = [r.request.prompt_ids[r.num_cached_tokens : -1] for r in rows]
+        if self.prefix is not None:
+            caches = self.prefix.group_caches(rows)
+        else:
+            caches = self._make_caches(len(rows))
+        return PrefillGroup(rows, token_lists, caches)
 
     # -- results ---------------------------------------------------------------------------
     def finish_prefill_step(self, plan: Plan, first_tokens: mx.array | None) -> None:
@@ -158,6 +186,8 @@ class Scheduler:
         if group is None:
             return
         group.done = plan.prefill_end
+        if self.prefix is not None:
+            self.prefix.store(group.rows, group.caches)
         if not group.finished:
             return
         self.prefill = None
@@ -170,7 +200,8 @@ class Scheduler:
             self.vocab_size,
             [self._seed_of(r) for r in group.rows],
         )
-        self.running.concat(RunningBatch(group.rows, last, sampler, group.caches))
+        spec = self.admit_spec(group.rows) if self.admit_spec is not None else None
+        self.running.concat(RunningBatch(group.rows, last, sampler, group.caches, spec))
 
     vocab_size: int = 0
 
@@ -186,40 +217,57 @@ class Scheduler:
     def finish_decode_step(self, rows: list[RowMeta], result: StepResult) -> list[TokenEvent]:
         """Turn one decode step (covering `rows`, as launched) into events; rows that finish
         leave the running batch at once. Rows already finished (aborted, or finished by the
-        previous step while this one was in flight) are skipped."""
+        previous step while this one was in flight) are skipped.
+
+        A row's entry in `result.tokens` is one token, or a list of them (a speculative step:
+        accepted drafts, then the target's token); the list is cut at a stop token (not
+        emitted) or at the row's max_new_tokens, exactly as if they had come one per step.
+        """
         events: list[TokenEvent] = []
         for i, (row, token) in enumerate(zip(rows, result.tokens, strict=True)):
             if row.finished:
                 continue
-            params = row.request.params
-            finish = None
-            if token in row.stop_ids:
-                finish = FINISH_STOP
-                ids: list[int] = []
-            else:
-                ids = [token]
-                row.num_generated += 1
-                if row.num_generated >= row.max_new_tokens:
-                    finish = FINISH_LENGTH
-                if row.constraint is not None:
-                    finish = _advance_constraint(row, token) or finish
-            event = TokenEvent(
-                req_id=row.req_id,
-                token_ids=ids,
-                finish_reason=finish,
-                num_prompt_tokens=row.num_prompt_tokens,
-                num_cached_tokens=row.num_cached_tokens,
-            )
-            if params.logprobs and ids and result.logprobs is not None:
-                event.logprobs = [result.logprobs[i]]
-                if params.top_logprobs and result.top_logprobs is not None:
-                    event.top_logprobs = [result.top_logprobs[i][: params.top_logprobs]]
-            if finish == FINISH_ERROR:
-                event.error = f"constrained decoding failed: {row.constraint.error or 'token rejected'}"
+            event = self._row_event(row, result, i)
             events.append(event)
-            row.finished = finish is not None
+            row.finished = event.finish_reason is not None
         self.drop_finished()
         return events
+
+    def _row_event(self, row: RowMeta, result: StepResult, i: int) -> TokenEvent:
+        params = row.request.params
+        multi = isinstance(result.tokens[i], list)
+        tokens = result.tokens[i] if multi else [result.tokens[i]]
+        finish = None
+        ids: list[int] = []
+        for token in tokens:
+            if token in row.stop_ids:
+                finish = FINISH_STOP
+                break
+            ids.append(token)
+            row.output_ids.append(token)
+            row.num_generated += 1
+            if row.constraint is not None:
+                finish = _advance_constraint(row, token)
+            if row.num_generated >= row.max_new_tokens:
+                finish = finish or FINISH_LENGTH
+            if finish is not None:
+                break
+        event = TokenEvent(
+            req_id=row.req_id,
+            token_ids=ids,
+            finish_reason=finish,
+            num_prompt_tokens=row.num_prompt_tokens,
+            num_cached_tokens=row.num_cached_tokens,
+        )
+        if params.logprobs and ids and result.logprobs is not None:
+            lps = result.logprobs[i] if multi else [result.logprobs[i]]
+            event.logprobs = lps[: len(ids)]
+            if params.top_logprobs and result.top_logprobs is not None:
+                tops = result.top_logprobs[i] if multi else [result.top_logprobs[i]]
+                event.top_logprobs = [t[: params.top_logprobs] for t in tops[: len(ids)]]
+        if finish == FINISH_ERROR:
+            event.error = f"constrained decoding failed: {row.constraint.error or 'token rejected'}"
+        return event
 
     def drop_finished(self) -> None:
         running = self.running

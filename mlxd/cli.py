@@ -48,6 +48,18 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="rows x tokens of prefill work per engine step")
     g.add_argument("--max-queue", type=int, default=1024,
                    help="waiting requests before new ones get 429")
+    g = p.add_argument_group("KV cache")
+    g.add_argument("--kv-bits", type=int, default=16, choices=[16, 8, 4],
+                   help="KV precision: 16 = model dtype, 8 / 4 = MLX affine quantized")
+    g.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64],
+                   help="quantization group size for --kv-bits 8/4")
+    g.add_argument("--max-kv-size", type=int, default=None,
+                   help="cap full-attention layers to a ring of this many tokens (sinks kept)")
+    g.add_argument("--prefix-cache-bytes", type=str, default="1GiB",
+                   help="prefix cache budget (LRU), e.g. 512MiB; 0 disables it")
+    g.add_argument("--memory-budget", type=str, default=None,
+                   help="weights + KV + prefill budget for admission (default: 75%% of device "
+                        "memory); requests that cannot fit are queued or refused (413/503)")
     return p
 
 

@@ -16,6 +16,7 @@ def build_client(args: argparse.Namespace | None = None, **overrides: Any):
     import mlx.core as mx
 
     from engine.core import AsyncEngine, Engine, EngineConfig
+    from engine.kvcache import KVConfig
     from engine.loader import load_model
     from engine.scheduler import SchedulerConfig
 
@@ -31,7 +32,20 @@ def build_client(args: argparse.Namespace | None = None, **overrides: Any):
         prefill_budget=opts.get("prefill_budget", 2048),
         max_queue=opts.get("max_queue", 1024),
     )
-    client = AsyncEngine(Engine(loaded, EngineConfig(scheduler=sched)))
+    kv = KVConfig(
+        kv_bits=opts.get("kv_bits", 16),
+        kv_group_size=opts.get("kv_group_size", 64),
+        max_kv_size=opts.get("max_kv_size"),
+    )
+    from engine.admission import parse_bytes
+
+    config = EngineConfig(
+        scheduler=sched,
+        kv=kv,
+        prefix_cache_bytes=parse_bytes(opts.get("prefix_cache_bytes", "1GiB")) or 0,
+        memory_budget=parse_bytes(opts.get("memory_budget")),
+    )
+    client = AsyncEngine(Engine(loaded, config))
     if opts.get("served_model_name"):
         client.model.model_id = opts["served_model_name"]
     client.model.extra.update(
