@@ -24,6 +24,18 @@ if [ "$(uname -s)" = "Linux" ] && ! ls /usr/lib/*-linux-gnu/libopenblas.so.0 >/d
   fi
 fi
 
+# The test suite drives the chat page in a real headless browser (Debian's chromium).
+if [ -n "$extras" ] && [ "$(uname -s)" = "Linux" ] && ! command -v chromium >/dev/null 2>&1 \
+   && command -v apt-get >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" = "0" ] || SUDO="sudo -n"
+  if $SUDO true 2>/dev/null; then
+    echo "installing chromium + chromium-driver for the browser test"
+    $SUDO apt-get update -qq >/dev/null && \
+      DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium chromium-driver >/dev/null || \
+      echo "warning: could not install chromium; the browser test will be skipped"
+  fi
+fi
+
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q -e ".$extras"
