@@ -1,0 +1,101 @@
+"""Speculative decoding inside continuous batching (docs/speculative.md).
+
+    config = SpecConfig(method="ngram", num_draft_tokens=4)       # or method="draft", draft_model=
+    decoder = build_decoder(config, target_model, vocab_size)     # None when method == "none"
+
+Drafters register by name (engine.spec.base.register_drafter): "draft" (a small model with the
+same tokenizer, engine.spec.draft_model) and "ngram" (prompt lookup, engine.spec.ngram).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from engine.spec import draft_model as _draft_model  # noqa: F401  (registers "draft")
+from engine.spec import ngram as _ngram  # noqa: F401  (registers "ngram")
+from engine.spec.adaptive import Controller, ControllerConfig, StepCosts, expected_tokens
+from engine.spec.base import (
+    Drafter,
+    Proposal,
+    ProposeContext,
+    make_drafter,
+    register_drafter,
+    registered_drafters,
+)
+from engine.spec.decoder import SpecDecoder, SpecRows, SpecStepResult
+
+METHODS = ("none", "draft", "ngram")
+
+
+@dataclass(slots=True)
+class SpecConfig:
+    method: str = "none"  # none | draft | ngram (or any registered drafter)
+    draft_model: Any = None  # path of the draft model (method "draft"), or a loaded one
+    num_draft_tokens: int = 4  # the ceiling of the adaptive draft length
+    adaptive: bool = True  # False: always draft the ceiling (tests)
+    ngram_max: int = 4
+    ngram_min: int = 2
+    draft_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.method == "none" and self.draft_model:
+            self.method = "draft"  # --draft-model alone turns the draft model on
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("--spec draft needs --draft-model PATH")
+        if self.num_draft_tokens < 1:
+            raise ValueError("--num-draft-tokens must be at least 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+def build_decoder(
+    config: SpecConfig, target_model: Any, vocab_size: int, draft: Any = None
+) -> SpecDecoder | None:
+    """The engine's speculative decoder; `draft` is a loaded draft model (engine.loader)."""
+    if not config.enabled:
+        return None
+    kwargs: dict[str, Any] = dict(max_draft=config.num_draft_tokens, vocab_size=vocab_size)
+    if config.method == "draft":
+        draft = draft if draft is not None else config.draft_model
+        if isinstance(draft, str | os.PathLike):
+            from engine.loader import load_model
+
+            draft = load_model(str(draft), dtype=config.draft_dtype)
+        from engine.loader import LoadedModel
+
+        model = draft.model if isinstance(draft, LoadedModel) else draft
+        draft_vocab = draft.vocab_size if isinstance(draft, LoadedModel) else vocab_size
+        if abs(draft_vocab - vocab_size) > 128:
+            raise ValueError(
+                f"the draft model's vocabulary ({draft_vocab}) is not the target's ({vocab_size})"
+            )
+        kwargs["model"] = model
+    elif config.method == "ngram":
+        kwargs.update(max_ngram=config.ngram_max, min_ngram=config.ngram_min)
+    drafter = make_drafter(config.method, **kwargs)
+    ctl = ControllerConfig(max_draft=config.num_draft_tokens, adaptive=config.adaptive)
+    return SpecDecoder(target_model, drafter, ctl)
+
+
+__all__ = [
+    "METHODS",
+    "Controller",
+    "ControllerConfig",
+    "Drafter",
+    "Proposal",
+    "ProposeContext",
+    "SpecConfig",
+    "SpecDecoder",
+    "SpecRows",
+    "SpecStepResult",
+    "StepCosts",
+    "build_decoder",
+    "expected_tokens",
+    "make_drafter",
+    "register_drafter",
+    "registered_drafters",
+]

@@ -1,0 +1,241 @@
+"""When to speculate and how far: per-row draft lengths and a verify width chosen online.
+
+Expected tokens. Row b's drafts are accepted independently with probability `alpha[b]` (until
+the first rejection), so `k` drafts yield `E(alpha, k) = (1 - alpha**(k+1)) / (1 - alpha)`
+tokens (accepted drafts + the target's own token). `alpha[b]` is a decayed count per row:
+`(S + m * alpha0) / (T + m)` with S accepted drafts, T drafts judged (a rejection ends a
+round's judging), both decayed by `decay` each speculative step, `m` pseudo-counts of the
+drafter's pooled acceptance `alpha0`. A row's ceiling `cap[b]` is the longest draft whose last
+token still has a chance `alpha**k >= min_reach` of being reached and accepted (short drafts
+for rows with low acceptance, none below `alpha < min_reach`), and never more than the row
+has left to generate.
+
+Cost. `StepCosts` keeps an EMA of the engine step's wall time per (batch-size bucket, verify
+width W), W = 1 being plain pipelined decoding. A step is measured only when it is typical:
+no prefill in it, and the same mode as the step before (the first step after a switch drains
+or refills the pipeline). Unmeasured widths are estimated: from this bucket's W = 1 and the
+ratio measured at the nearest bucket; else by a straight line through this bucket's measured
+widths; else W = 2 alone is tried (`prior_slope`), never a wider one before it.
+
+Choice. For each W the expected rate is `sum_b E(alpha[b], min(W - 1, cap[b]))` tokens per
+`cost(W)` seconds; speculation must beat plain by `margin`. A mode not chosen for a while is
+probed again after `probe_every` steps (doubling after each probe that confirms the choice),
+two steps long so that the second is measured.
+
+Worked example: batch of 4 with alpha = 0.6, plain 10 ms, W = 3 measured at 13 ms:
+E(0.6, 2) = 1.96 tokens/row -> 7.84 tokens / 13 ms = 603 tok/s vs 400 tok/s plain: W = 3.
+At 16 rows, plain 20 ms and W = 3 at 45 ms: 31.4 / 45 ms = 697 vs 800 tok/s: plain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+def expected_tokens(alpha: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Tokens a row emits with k drafts accepted independently with prob alpha (plus one)."""
+    a = np.clip(alpha, 0.0, 0.999)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def bucket_of(num_rows: int) -> int:
+    """1, 2, 4, 8, ...: the power of two at or above num_rows."""
+    return 1 << max(0, int(num_rows - 1).bit_length())
+
+
+@dataclass(slots=True)
+class _Cell:
+    seconds: float
+    count: int
+    last_step: int
+
+
+class StepCosts:
+    """EMA of seconds per engine step, keyed by (bucket, width)."""
+
+    def __init__(self, ema: float = 0.2, prior_slope: float = 0.15) -> None:
+        self.ema = ema
+        self.prior_slope = prior_slope
+        self.cells: dict[tuple[int, int], _Cell] = {}
+
+    def observe(self, bucket: int, width: int, seconds: float, step: int) -> None:
+        cell = self.cells.get((bucket, width))
+        if cell is None:
+            self.cells[(bucket, width)] = _Cell(seconds, 1, step)
+            return
+        # a shared machine stalls now and then: one sample moves the estimate by at most 2x
+        seconds = min(max(seconds, 0.5 * cell.seconds), 2.0 * cell.seconds)
+        rate = max(self.ema, 1.0 / (cell.count + 1))
+        cell.seconds += rate * (seconds - cell.seconds)
+        cell.count += 1
+        cell.last_step = step
+
+    def measured(self, bucket: int, width: int) -> _Cell | None:
+        return self.cells.get((bucket, width))
+
+    def estimate(self, bucket: int, width: int) -> float | None:
+        """Seconds per step at this width (None: unknown, and not to be tried yet)."""
+        cell = self.cells.get((bucket, width))
+        if cell is not None:
+            return cell.seconds
+        plain = self.cells.get((bucket, 1))
+        if plain is None:
+            return None
+        ratio = self._neighbour_ratio(bucket, width)
+        if ratio is not None:
+            return plain.seconds * ratio
+        widths = sorted(w for (b, w) in self.cells if b == bucket and w > 1)
+        if widths:
+            w2 = widths[-1] if widths[-1] < width else widths[0]
+            slope = (self.cells[(bucket, w2)].seconds - plain.seconds) / (w2 - 1)
+            return plain.seconds + max(slope, 0.0) * (width - 1)
+        if width == 2:
+            return plain.seconds * (1.0 + self.prior_slope)
+        return None
+
+    def _neighbour_ratio(self, bucket: int, width: int) -> float | None:
+        best: tuple[int, float] | None = None
+        for (b, w), cell in self.cells.items():
+            if w != width or b == bucket or (b, 1) not in self.cells:
+                continue
+            dist = abs(int(np.log2(b)) - int(np.log2(bucket)))
+            ratio = cell.seconds / self.cells[(b, 1)].seconds
+            if bucket > b:  # more rows: verification is relatively dearer, never cheaper
+                ratio = max(ratio, 1.0)
+            if best is None or dist < best[0]:
+                best = (dist, ratio)
+        return None if best is None else best[1]
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            f"{b}x{w}": {"ms": round(c.seconds * 1e3, 3), "n": c.count}
+            for (b, w), c in sorted(self.cells.items())
+        }
+
+
+@dataclass(slots=True)
+class ControllerConfig:
+    max_draft: int = 4  # --num-draft-tokens: the ceiling
+    adaptive: bool = True  # False: always W = max_draft + 1 (tests, benchmarks of the raw path)
+    min_reach: float = 0.2
+    prior_alpha: float = 0.6
+    pseudo_count: float = 2.0
+    decay: float = 0.9
+    margin: float = 1.03  # speculation must beat plain by 3 %
+    probe_every: int = 64
+    max_probe_every: int = 4096
+
+
+@dataclass(slots=True)
+class Decision:
+    width: int  # 1 = plain decoding
+    caps: np.ndarray  # [B] per-row draft ceilings (0 = no speculation for the row)
+    probe: bool = False
+
+
+@dataclass
+class Controller:
+    config: ControllerConfig
+    costs: StepCosts = field(default_factory=StepCosts)
+    pooled_alpha: float = 0.0
+    step: int = 0
+    _last_width: int = 0  # width of the previous engine step (0: none yet)
+    _probe_left: int = 0  # further steps of the probe under way
+    _probe_width: int = 0
+    _next_probe: dict[int, int] = field(default_factory=dict)  # bucket -> step
+    _interval: dict[int, int] = field(default_factory=dict)  # bucket -> probe interval
+    _chosen_spec: dict[int, bool] = field(default_factory=dict)  # bucket -> last exploit choice
+
+    def __post_init__(self) -> None:
+        self.pooled_alpha = self.config.prior_alpha
+
+    # -- per-row acceptance ----------------------------------------------------------------
+    def alpha(self, accepted: np.ndarray, judged: np.ndarray) -> np.ndarray:
+        m = self.config.pseudo_count
+        return (accepted + m * self.pooled_alpha) / (judged + m)
+
+    def caps(self, alpha: np.ndarray, room: np.ndarray) -> np.ndarray:
+        """Per-row draft ceilings: alpha**k >= min_reach, within the tokens the row has left."""
+        K = self.config.max_draft
+        if not self.config.adaptive:
+            return np.clip(room, 0, K)
+        a = np.clip(alpha, 1e-6, 0.999)
+        k = np.floor(np.log(self.config.min_reach) / np.log(a)).astype(np.int64)
+        return np.clip(np.minimum(k, room), 0, K)
+
+    def learn(self, num_drafts: np.ndarray, num_accepted: np.ndarray) -> None:
+        judged = num_accepted + (num_accepted < num_drafts)
+        total = judged.sum()
+        if total > 0:
+            rate = num_accepted.sum() / total
+            self.pooled_alpha += 0.05 * (rate - self.pooled_alpha)
+
+    def warm(self, num_rows: int) -> bool:
+        """Whether speculation is on (or untested) for a batch of this size."""
+        return self._chosen_spec.get(bucket_of(max(num_rows, 1)), True)
+
+    # -- the verify width ------------------------------------------------------------------
+    def decide(self, alpha: np.ndarray, caps: np.ndarray) -> Decision:
+        """`caps` already include what the drafter can offer (n-gram: the match length)."""
+        cfg = self.config
+        B = len(caps)
+        if B == 0 or caps.max(initial=0) == 0:
+            return Decision(1, caps)
+        if not cfg.adaptive:
+            return Decision(int(caps.max()) + 1, caps)
+        if self._probe_left > 0:
+            self._probe_left -= 1
+            w = min(self._probe_width, int(caps.max()) + 1)
+            return Decision(w, np.minimum(caps, w - 1), probe=True)
+        bucket = bucket_of(B)
+        plain = self.costs.estimate(bucket, 1)
+        if plain is None:
+            return Decision(1, caps)  # measure plain decoding first
+        best_w, best_rate = 1, B / plain * cfg.margin
+        for w in range(2, int(caps.max()) + 2):
+            cost = self.costs.estimate(bucket, w)
+            if cost is None:
+                break
+            rate = float(expected_tokens(alpha, np.minimum(caps, w - 1)).sum()) / cost
+            if rate > best_rate:
+                best_w, best_rate = w, rate
+        return self._maybe_probe(bucket, best_w, caps)
+
+    def _maybe_probe(self, bucket: int, width: int, caps: np.ndarray) -> Decision:
+        """Now and then run the mode not chosen (two steps: the second is measured)."""
+        spec = width > 1
+        every = self.config.probe_every
+        if self._chosen_spec.get(bucket) != spec:  # the choice changed: probe soon again
+            self._chosen_spec[bucket] = spec
+            self._interval[bucket] = every
+            self._next_probe[bucket] = self.step + every
+        if self.step < self._next_probe.setdefault(bucket, self.step + every):
+            return Decision(width, caps)
+        interval = min(2 * self._interval.get(bucket, every), self.config.max_probe_every)
+        self._interval[bucket] = interval
+        self._next_probe[bucket] = self.step + interval
+        self._probe_width, self._probe_left = (2 if not spec else 1), 1
+        w = self._probe_width
+        return Decision(w, np.minimum(caps, w - 1), probe=True)
+
+    def record(self, num_rows: int, width: int, seconds: float, typical: bool) -> None:
+        """Wall time of the engine step just run (`typical`: no prefill, nothing unusual).
+
+        The first step after a switch between plain and speculative decoding drains or
+        refills the pipeline, so only a step in the same mode as the one before is measured.
+        """
+        same_mode = self._last_width > 0 and (self._last_width > 1) == (width > 1)
+        if typical and same_mode and num_rows > 0:
+            self.costs.observe(bucket_of(num_rows), width, seconds, self.step)
+        self._last_width = width
+        self.step += 1
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "pooled_acceptance": round(float(self.pooled_alpha), 4),
+            "speculating_by_bucket": {str(b): v for b, v in sorted(self._chosen_spec.items())},
+            "step_ms": self.costs.summary(),
+        }

@@ -1,0 +1,270 @@
+"""One speculative decode step for the whole running batch (synchronous), and its bookkeeping.
+
+    width = spec.decide(batch)            # 1: plain (pipelined) decoding this step
+    result = spec.step(batch, width)      # drafts -> one target forward over [B, width] -> accept
+    spec.record(num_rows, width, seconds, typical)
+
+Rows with and without speculation share the step: the verify input is
+`[next_token, d_1 .. d_{W-1}]` for every row, where a row with fewer drafts (none: n-gram found
+nothing, its acceptance is too low, it is under a grammar, or it is about to finish) is padded;
+its padding columns are never accepted and the layouts roll every row back to its own accepted
+length (`engine.kv.batch.rollback`, exact across a ring's wrap and for recurrent layers). A row
+with no drafts gets exactly the token plain decoding would have drawn (same column-0 logits,
+same counter RNG).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from engine.kv import batch as kvb
+from engine.spec.accept import column_states, record_ragged, verify
+from engine.spec.adaptive import Controller, ControllerConfig
+from engine.spec.base import Drafter, Proposal, ProposeContext
+
+
+class SpecRows:
+    """Per-row speculation state (struct of arrays), carried by `RunningBatch.spec`."""
+
+    __slots__ = ("accepted", "judged", "drafter_state")
+
+    def __init__(self, num_rows: int, drafter_state: Any) -> None:
+        self.accepted = np.zeros(num_rows)  # decayed count of accepted drafts
+        self.judged = np.zeros(num_rows)  # decayed count of drafts judged
+        self.drafter_state = drafter_state
+
+    def take(self, keep: list[int]) -> None:
+        idx = np.asarray(keep, dtype=np.int64)
+        self.accepted, self.judged = self.accepted[idx], self.judged[idx]
+        if self.drafter_state is not None:
+            self.drafter_state.take(keep)
+
+    def concat(self, other: SpecRows) -> None:
+        self.accepted = np.concatenate([self.accepted, other.accepted])
+        self.judged = np.concatenate([self.judged, other.judged])
+        if self.drafter_state is not None:
+            self.drafter_state.concat(other.drafter_state)
+
+
+@dataclass(slots=True)
+class SpecStepResult:
+    """Host outputs of a speculative step, per row (several tokens each)."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]] | None = None
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+
+
+@dataclass(slots=True)
+class _Totals:
+    spec_steps: int = 0
+    plain_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    row_rounds: int = 0  # (row, step) pairs with at least one draft
+    width_sum: int = 0
+    seconds_spec: float = 0.0
+
+
+class SpecDecoder:
+    def __init__(self, model: Any, drafter: Drafter, config: ControllerConfig) -> None:
+        self.model = model
+        self.drafter = drafter
+        self.controller = Controller(config)
+        if drafter.point_mass:
+            self.controller.pooled_alpha = min(self.controller.pooled_alpha, 0.5)
+        self.totals = _Totals()
+        self._catch_up = False
+
+    @property
+    def max_draft(self) -> int:
+        return self.controller.config.max_draft
+
+    # -- rows ------------------------------------------------------------------------------
+    def admit(self, rows: list[Any]) -> SpecRows:
+        """Spec state for rows leaving prefill (a draft model prefills them when warm)."""
+        warm = self.controller.warm(len(rows))
+        prompts = [r.request.prompt_ids for r in rows]
+        return SpecRows(len(rows), self.drafter.admit(prompts, warm))
+
+    # -- choosing --------------------------------------------------------------------------
+    def _caps(self, batch: Any) -> tuple[np.ndarray, np.ndarray]:
+        rows = batch.rows
+        spec: SpecRows = batch.spec
+        alpha = self.controller.alpha(spec.accepted, spec.judged)
+        room = np.array([r.max_new_tokens - r.num_generated - 1 for r in rows], np.int64)
+        caps = self.controller.caps(alpha, room)
+        for i, r in enumerate(rows):
+            if r.constraint is not None:  # a grammar mask needs each token consumed first
+                caps[i] = 0
+        return alpha, caps
+
+    def decide(self, batch: Any) -> int:
+        """Verify width for this step (1 = plain decoding)."""
+        if batch.spec is None or not len(batch):
+            return 1
+        alpha, caps = self._caps(batch)
+        if self.drafter.point_mass and caps.max(initial=0) > 0:
+            caps = np.minimum(caps, self._available(batch, caps))
+        return self.controller.decide(alpha, caps).width
+
+    def _available(self, batch: Any, caps: np.ndarray) -> np.ndarray:
+        ctx = self._context(batch, caps)
+        return self.drafter.propose(ctx).num_drafts
+
+    def _context(self, batch: Any, caps: np.ndarray) -> ProposeContext:
+        contexts = [r.request.prompt_ids + r.output_ids for r in batch.rows]
+        return ProposeContext(
+            contexts, caps, batch.next_tokens, batch.sampler, batch.spec.drafter_state
+        )
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self, batch: Any, width: int) -> SpecStepResult:
+        """Draft, verify and accept for every row; the batch (caches, sampler, next tokens,
+        drafter state) ends the step as if the accepted tokens had been decoded plainly."""
+        t0 = time.perf_counter()
+        alpha, caps = self._caps(batch)
+        ctx = self._context(batch, np.minimum(caps, width - 1))
+        proposal = self._propose(ctx)
+        K = int(proposal.tokens.shape[1])
+        W = K + 1
+        states = proposal.column_states or column_states(batch.sampler, proposal.tokens, W)
+        while len(states) < W:
+            states.append(states[-1].record(proposal.tokens[:, len(states) - 1]))
+        num_drafts = mx.array(proposal.num_drafts.astype(np.int32))
+        caches = batch.caches
+        kvb.checkpoint(caches)
+        inp = mx.concatenate([batch.next_tokens[:, None], proposal.tokens.astype(mx.int32)], axis=1)
+        logits = self.model(inp, cache=caches)
+        constrained = batch.constrained_rows()
+        if constrained:
+            from engine.runner import _mask_logits
+
+            first = _mask_logits(logits[:, 0, :], constrained)
+            logits = mx.concatenate([first[:, None], logits[:, 1:]], axis=1)
+        verdict = verify(logits, states, proposal.tokens, num_drafts, proposal.draft_logits)
+        extra = _logprobs(logits, verdict.tokens, batch.sampler)
+        mx.eval(verdict.num_accepted, verdict.tokens, *[x for x in extra if x is not None])
+        accepted = np.array(verdict.num_accepted).astype(np.int64)
+        kvb.rollback(caches, accepted + 1)
+        if K:
+            self.drafter.observe(ctx, proposal, accepted)
+        self._learn(batch.spec, proposal.num_drafts, accepted)
+        batch.sampler = record_ragged(batch.sampler, verdict.tokens, verdict.num_accepted + 1)
+        batch.next_tokens = verdict.last
+        mx.async_eval(batch.next_tokens, *batch.arrays(), *_state_arrays(batch.sampler))
+        self._catch_up = bool(getattr(self.drafter, "caught_up", False)) and K > 0
+        tot = self.totals
+        tot.spec_steps += 1
+        tot.width_sum += W
+        tot.seconds_spec += time.perf_counter() - t0
+        return _host_result(np.array(verdict.tokens), accepted, extra, batch.sampler)
+
+    def _propose(self, ctx: ProposeContext) -> Proposal:
+        B = len(ctx.contexts)
+        if ctx.max_drafts > 0:
+            proposal = self.drafter.propose(ctx)
+            K = int(proposal.num_drafts.max(initial=0))
+            if K == 0:
+                return _empty(B)
+            if K < proposal.tokens.shape[1]:  # trim columns nobody uses
+                proposal.tokens = proposal.tokens[:, :K]
+                if proposal.draft_logits is not None:
+                    proposal.draft_logits = proposal.draft_logits[:, :K]
+                if proposal.column_states is not None:
+                    proposal.column_states = proposal.column_states[: K + 1]
+            return proposal
+        return _empty(B)
+
+    def _learn(self, spec: SpecRows, num_drafts: np.ndarray, accepted: np.ndarray) -> None:
+        cfg = self.controller.config
+        judged = accepted + (accepted < num_drafts)
+        spec.accepted = cfg.decay * spec.accepted + accepted
+        spec.judged = cfg.decay * spec.judged + judged
+        self.controller.learn(num_drafts, accepted)
+        tot = self.totals
+        tot.drafted += int(num_drafts.sum())
+        tot.accepted += int(accepted.sum())
+        tot.emitted += int((accepted + 1).sum())
+        tot.row_rounds += int((num_drafts > 0).sum())
+
+    # -- timing and stats ------------------------------------------------------------------
+    def record(self, num_rows: int, width: int, seconds: float, typical: bool) -> None:
+        if width <= 1:
+            self.totals.plain_steps += 1
+        typical = typical and not (width > 1 and self._catch_up)
+        self._catch_up = False
+        self.controller.record(num_rows, width, seconds, typical)
+
+    def stats(self) -> dict[str, Any]:
+        tot = self.totals
+        out: dict[str, Any] = {
+            "num_draft_tokens": self.max_draft,
+            "spec_steps": tot.spec_steps,
+            "plain_steps": tot.plain_steps,
+            "drafted_tokens": tot.drafted,
+            "accepted_tokens": tot.accepted,
+            "acceptance_rate": round(tot.accepted / tot.drafted, 4) if tot.drafted else None,
+            "mean_verify_width": round(tot.width_sum / tot.spec_steps, 3)
+            if tot.spec_steps
+            else None,
+            "tokens_per_row_round": (
+                round((tot.accepted + tot.row_rounds) / tot.row_rounds, 3)
+                if tot.row_rounds
+                else None
+            ),
+        }
+        out.update(self.controller.summary())
+        out.update(self.drafter.stats())
+        return {self.drafter.name: out}
+
+
+def _empty(B: int) -> Proposal:
+    return Proposal(tokens=mx.zeros((B, 0), mx.int32), num_drafts=np.zeros(B, np.int64))
+
+
+def _state_arrays(state: Any) -> list[mx.array]:
+    return [v for v in (getattr(state, f) for f in state.__slots__) if isinstance(v, mx.array)]
+
+
+def _logprobs(
+    logits: mx.array, tokens: mx.array, sampler: Any
+) -> tuple[mx.array | None, mx.array | None, mx.array | None]:
+    """Model logprobs (raw log-softmax) of each column's emitted token, and the top-K."""
+    if not sampler.want_logprobs:
+        return None, None, None
+    raw = logits.astype(mx.float32)
+    log_norm = mx.logsumexp(raw, axis=-1, keepdims=True)
+    chosen = (mx.take_along_axis(raw, tokens[..., None], axis=-1) - log_norm)[..., 0]
+    K = sampler.num_top_logprobs
+    if K == 0:
+        return chosen, None, None
+    cand = mx.argpartition(-raw, K - 1, axis=-1)[..., :K]
+    cand_lp = mx.take_along_axis(raw, cand, axis=-1) - log_norm
+    order = mx.argsort(-cand_lp, axis=-1)
+    top_ids = mx.take_along_axis(cand, order, axis=-1).astype(mx.int32)
+    return chosen, top_ids, mx.take_along_axis(cand_lp, order, axis=-1)
+
+
+def _host_result(
+    tokens: np.ndarray, accepted: np.ndarray, extra: tuple[Any, Any, Any], sampler: Any
+) -> SpecStepResult:
+    counts = (accepted + 1).tolist()
+    result = SpecStepResult(tokens=[tokens[b, :n].tolist() for b, n in enumerate(counts)])
+    chosen, top_ids, top_lps = extra
+    if chosen is not None:
+        lp = np.array(chosen)
+        result.logprobs = [lp[b, :n].tolist() for b, n in enumerate(counts)]
+    if top_ids is not None and top_lps is not None:
+        ids, lps = np.array(top_ids), np.array(top_lps)
+        result.top_logprobs = [
+            [list(zip(ids[b, j].tolist(), lps[b, j].tolist(), strict=True)) for j in range(n)]
+            for b, n in enumerate(counts)
+        ]
+    return result

@@ -1,0 +1,169 @@
+"""A small draft model (same tokenizer) proposes k tokens per row, k batched one-token steps.
+
+The draft keeps its own batched KV (our engine/kv layouts, one list per model, built by
+`engine.models.make_batch_layouts`), carried by the running batch so it follows the target's
+rows through merge/extend and filter, and rolled back per row after verification.
+
+Invariant: the draft's KV holds a prefix of each row's context; `pending = context[n_draft:]`
+(at least the next input token) is fed at the start of the next proposal. After a round in
+which row b accepted `a` of its drafts, the draft keeps the pending tokens plus
+`min(a, K - 1)` drafts (it never fed its own last draft d_K), so the next round's pending is
+at most 2 tokens (`d_K`, bonus) and goes in as a right-padded first step. More pending tokens
+(the row was decoding plainly while speculation was off, or its draft prefill was deferred)
+are caught up first, outside the checkpoint, in one right-padded forward (chunked).
+
+Worked example (K = 3): context ends with next input x; the draft holds everything before x.
+Round: feed [x] -> d1, feed [d1] -> d2, feed [d2] -> d3; the draft now holds x d1 d2 (3 new
+columns). The target accepts 1 draft and emits d1 then t: keep 1 + min(1, 2) = 2 columns
+(x d1); pending for the next round = [t]. Had it accepted all 3 (emitting d1 d2 d3 b), keep
+1 + 2 = 3 columns (x d1 d2); pending = [d3 b].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from engine.kv import batch as kvb
+from engine.kv.recurrent import RecurrentLayout
+from engine.models import make_batch_layouts, prepare_model
+from engine.sampling import process_logits
+from engine.spec.accept import STREAM_DRAFT, draw_stream
+from engine.spec.base import Proposal, ProposeContext, register_drafter
+
+
+class DraftKV:
+    """The draft model's batched layouts for the running rows (moved with them)."""
+
+    __slots__ = ("layouts",)
+
+    def __init__(self, layouts: list[Any]) -> None:
+        self.layouts = layouts
+
+    def take(self, keep: Sequence[int]) -> None:
+        kvb.filter_rows(self.layouts, list(keep))
+
+    def concat(self, other: DraftKV) -> None:
+        self.layouts = kvb.extend(self.layouts, other.layouts)
+
+    @property
+    def nbytes(self) -> int:
+        return kvb.nbytes(self.layouts)
+
+
+@register_drafter("draft")
+class DraftModelDrafter:
+    name = "draft"
+    point_mass = False
+
+    def __init__(
+        self,
+        model: Any,
+        max_draft: int,
+        vocab_size: int | None = None,
+        prefill_chunk: int = 512,
+        **_: Any,
+    ) -> None:
+        self.model = model
+        self.max_draft = max_draft
+        self.vocab_size = vocab_size
+        self.prefill_chunk = prefill_chunk
+        prepare_model(model)
+        self.has_recurrent = any(isinstance(x, RecurrentLayout) for x in self._layouts(0))
+        self.num_catch_up_tokens = 0
+        self.caught_up = False  # the last propose() had to catch up (the step is not typical)
+
+    def _layouts(self, num_rows: int) -> list[Any]:
+        # ring slack: a round writes up to 2 pending + K - 1 draft columns past the checkpoint
+        return make_batch_layouts(self.model, num_rows, max_draft=self.max_draft + 2)
+
+    # -- rows ------------------------------------------------------------------------------
+    def admit(self, contexts: Sequence[Sequence[int]], warm: bool) -> DraftKV:
+        state = DraftKV(self._layouts(len(contexts)))
+        if warm:  # prefill now; otherwise the first proposal catches the rows up
+            self._feed(state.layouts, [list(c[:-1]) for c in contexts])
+        return state
+
+    def _feed(self, layouts: list[Any], token_lists: list[list[int]]) -> None:
+        """Append each row's tokens (right-padded, in chunks); outputs are not needed."""
+        lengths = [len(t) for t in token_lists]
+        width = max(lengths, default=0)
+        if width == 0:
+            return
+        self.num_catch_up_tokens += sum(lengths)
+        kvb.prepare(layouts, lengths=lengths)
+        for start in range(0, width, self.prefill_chunk):
+            end = min(width, start + self.prefill_chunk)
+            rows = [t[start:end] + [0] * (end - start - len(t[start:end])) for t in token_lists]
+            self.model(mx.array(rows, dtype=mx.int32), cache=layouts)
+            kvb.eval_state(layouts)
+        kvb.finalize(layouts)
+
+    # -- rounds ----------------------------------------------------------------------------
+    def propose(self, ctx: ProposeContext) -> Proposal:
+        layouts = ctx.state.layouts
+        K = ctx.max_drafts
+        n_draft = kvb.num_tokens(layouts)
+        pending = [c[n:] for c, n in zip(ctx.contexts, n_draft, strict=True)]
+        lengths = np.array([len(p) for p in pending], np.int64)
+        if lengths.min(initial=1) < 1:
+            raise RuntimeError("draft KV is ahead of its row's context")
+        self.caught_up = bool(lengths.max(initial=1) > (1 if self.has_recurrent else 2))
+        if self.caught_up:
+            self._feed(layouts, [p[:-1] for p in pending])
+            pending = [p[-1:] for p in pending]
+            lengths[:] = 1
+        kvb.checkpoint(layouts)
+        logits = self._first_logits(layouts, pending, lengths, ctx.next_tokens)
+        V = ctx.sampler.vocab_size
+        states = [ctx.sampler]
+        drafts: list[mx.array] = []
+        qs: list[mx.array] = []
+        for j in range(K):
+            if j:
+                states.append(states[-1].record(drafts[-1]))
+                logits = self.model(drafts[-1][:, None], cache=layouts)[:, -1, :]
+            processed = process_logits(_fit_vocab(logits, V), states[j])
+            drafts.append(draw_stream(processed, states[j], STREAM_DRAFT))
+            qs.append(processed)
+        return Proposal(
+            tokens=mx.stack(drafts, axis=1),
+            num_drafts=ctx.num_drafts.copy(),
+            draft_logits=mx.stack(qs, axis=1),
+            column_states=states,
+            drafter_info=(lengths, K),
+        )
+
+    def _first_logits(
+        self, layouts: list[Any], pending: list[list[int]], lengths: np.ndarray, nxt: mx.array
+    ) -> mx.array:
+        if lengths.max() == 1:
+            return self.model(nxt[:, None], cache=layouts)[:, -1, :]
+        width = int(lengths.max())
+        kvb.prepare(layouts, lengths=lengths.tolist())
+        rows = [p + [0] * (width - len(p)) for p in pending]
+        out = self.model(mx.array(rows, dtype=mx.int32), cache=layouts)
+        kvb.finalize(layouts)
+        last = mx.array(lengths - 1, dtype=mx.int32)[:, None, None]
+        return mx.take_along_axis(out, last, axis=1)[:, 0, :]
+
+    def observe(self, ctx: ProposeContext, proposal: Proposal, num_accepted: np.ndarray) -> None:
+        lengths, K = proposal.drafter_info
+        kvb.rollback(ctx.state.layouts, lengths + np.minimum(num_accepted, K - 1))
+
+    def stats(self) -> dict[str, Any]:
+        return {"catch_up_tokens": self.num_catch_up_tokens}
+
+
+def _fit_vocab(logits: mx.array, vocab_size: int) -> mx.array:
+    """The draft's logits over the target's vocabulary (same tokenizer, maybe padded apart)."""
+    V = logits.shape[-1]
+    if V == vocab_size or vocab_size == 0:
+        return logits
+    if V > vocab_size:
+        return logits[:, :vocab_size]
+    pad = mx.full((logits.shape[0], vocab_size - V), float("-inf"), logits.dtype)
+    return mx.concatenate([logits, pad], axis=1)

@@ -1,0 +1,111 @@
+"""N-gram prompt lookup: continue a row's last tokens from where they occurred before.
+
+For each row, find the longest suffix of its context (`max_ngram` down to `min_ngram` tokens)
+that also ends at an earlier position `e`, taking the most recent such `e`, and propose the
+tokens that followed it: `context[e + 1 : e + 1 + k]`. No model runs; proposals are point
+masses (the verifier accepts a draft iff the target's own draw equals it), so the output
+distribution is exactly the target's.
+
+The search is O(1) per row per step: each row keeps a dict from n-gram to the last position
+where it ended, updated incrementally with the tokens added since the previous call (prompt
+tokens on the first call, then one or a few generated tokens per step).
+
+Worked example (max_ngram 3): context `[5 6 7 8 | 9 5 6 7]` (the last token, 7, is the next
+input). The suffix `5 6 7` ended before at position 2, so the proposal is `8 9 5 ...`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from engine.spec.base import Proposal, ProposeContext, register_drafter
+
+
+class NGramIndex:
+    """Last end position of every n-gram (n in [min_n, max_n]) of a token list's prefix."""
+
+    __slots__ = ("min_n", "max_n", "ends", "num_indexed")
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.ends: dict[tuple[int, ...], int] = {}
+        self.num_indexed = 0  # n-grams ending before this position are in `ends`
+
+    def extend(self, tokens: Sequence[int], upto: int) -> None:
+        """Index n-grams ending at positions [num_indexed, upto)."""
+        ends = self.ends
+        for e in range(self.num_indexed, upto):
+            for n in range(self.min_n, min(self.max_n, e + 1) + 1):
+                ends[tuple(tokens[e - n + 1 : e + 1])] = e
+        self.num_indexed = max(self.num_indexed, upto)
+
+    def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens that followed the longest earlier occurrence of the context's suffix."""
+        last = len(tokens) - 1
+        self.extend(tokens, last)  # never the suffix itself
+        for n in range(min(self.max_n, last), self.min_n - 1, -1):
+            e = self.ends.get(tuple(tokens[last - n + 1 :]))
+            if e is not None:
+                return list(tokens[e + 1 : e + 1 + k])
+        return []
+
+
+class NGramState:
+    """Per-row indexes (a Python list moved with the rows)."""
+
+    __slots__ = ("indexes",)
+
+    def __init__(self, indexes: list[NGramIndex]) -> None:
+        self.indexes = indexes
+
+    def take(self, keep: Sequence[int]) -> None:
+        self.indexes = [self.indexes[i] for i in keep]
+
+    def concat(self, other: NGramState) -> None:
+        self.indexes = self.indexes + other.indexes
+
+
+@register_drafter("ngram")
+class NGramDrafter:
+    name = "ngram"
+    point_mass = True
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 2, **_: Any) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._num_found = 0
+        self._num_asked = 0
+
+    def admit(self, contexts: Sequence[Sequence[int]], warm: bool) -> NGramState:
+        del warm  # indexing is lazy (first propose) and cheap
+        return NGramState([NGramIndex(self.min_ngram, self.max_ngram) for _ in contexts])
+
+    def propose(self, ctx: ProposeContext) -> Proposal:
+        state: NGramState = ctx.state
+        K = ctx.max_drafts
+        B = len(ctx.contexts)
+        drafts = np.zeros((B, K), np.int32)
+        num = np.zeros(B, np.int64)
+        for b in np.flatnonzero(ctx.num_drafts > 0):  # short per-row lists; dict lookups
+            found = state.indexes[b].lookup(ctx.contexts[b], int(ctx.num_drafts[b]))
+            self._num_asked += 1
+            if found:
+                self._num_found += 1
+                drafts[b, : len(found)] = found
+                num[b] = len(found)
+        return Proposal(tokens=mx.array(drafts), num_drafts=num)
+
+    def observe(self, ctx: ProposeContext, proposal: Proposal, num_accepted: np.ndarray) -> None:
+        del ctx, proposal, num_accepted  # nothing to learn beyond the controller's statistics
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "lookup_hit_rate": self._num_found / self._num_asked if self._num_asked else None,
+            "max_ngram": self.max_ngram,
+            "min_ngram": self.min_ngram,
+        }
