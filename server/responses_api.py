@@ -397,6 +397,16 @@ class _Events:
 
 
 async def _stream(p: _Prepared, resp: dict[str, Any], stored: Stored) -> AsyncIterator[bytes]:
+    try:
+        async with contextlib.aclosing(_stream_events(p, resp, stored)) as events:
+            async for chunk in events:
+                yield chunk
+    finally:
+        if resp["status"] == "in_progress":  # the client left mid-stream
+            resp["status"] = "cancelled"
+
+
+async def _stream_events(p: _Prepared, resp: dict[str, Any], stored: Stored) -> AsyncIterator[bytes]:
     ev = _Events()
     yield ev("response.created", response=dict(resp))
     yield ev("response.in_progress", response=dict(resp))

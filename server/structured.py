@@ -10,8 +10,9 @@ turn into their own 400 shape. Here we only check the request's shape.
     {"type": "json_schema", "name", "schema", "strict"}                   (Responses' text.format)
                                                                → {"type": "json_schema", ...}
 
-`strict` (default true here, since constraining is cheap) rejects schema keywords the grammar
-engine cannot enforce; strict false ignores them (best effort, as OpenAI's non-strict mode).
+The schema is always enforced token by token. `strict: true` also rejects (400) keywords the
+grammar engine cannot enforce; without it (OpenAI's default, false) they are ignored. A schema
+that is invalid (bad type, bad regex, dangling $ref) is a 400 either way.
 """
 
 from __future__ import annotations
@@ -40,8 +41,7 @@ def response_format_constraint(rf: Any, param: str = "response_format") -> dict[
             schema = {}
         if not isinstance(schema, (dict, bool)):
             raise bad_request(f"'{param}' schema must be a JSON Schema object", f"{param}.json_schema.schema")
-        strict = inner.get("strict")
-        return {"type": "json_schema", "schema": schema, "strict": True if strict is None else bool(strict)}
+        return {"type": "json_schema", "schema": schema, "strict": bool(inner.get("strict"))}
     if kind == "regex":  # extension
         pattern = rf.get("pattern")
         if not isinstance(pattern, str):

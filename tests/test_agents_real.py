@@ -172,14 +172,15 @@ def test_anthropic_forced_tool_use_validates(server):
     ({"type": "string", "format": "made-up-format"}, "made-up-format"),
 ])
 def test_uncompilable_schema_is_a_400_with_the_reason(server, schema, reason):
-    body = {"messages": MSGS, "max_tokens": 5,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    body = {"messages": MSGS, "max_tokens": 5, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}}
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert reason in r.json()["error"]["message"]
     # the same through Responses' text.format, and the server keeps serving
     r = httpx.post(server.url + "/v1/responses", timeout=60, json={
-        "input": "x", "max_output_tokens": 5, "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}})
+        "input": "x", "max_output_tokens": 5,
+        "text": {"format": {"type": "json_schema", "name": "x", "schema": schema, "strict": True}}})
     assert r.status_code == 400 and reason in r.json()["error"]["message"]
     ok = httpx.post(server.url + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 3}, timeout=60)
     assert ok.status_code == 200
