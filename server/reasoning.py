@@ -20,15 +20,21 @@ THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 
 
+_VOCAB_THINKS: dict[int, bool] = {}  # by id(tokenizer): the served tokenizer lives as long as we do
+
+
 def model_thinks(template: str | None, tokenizer: Any) -> bool:
     """Whether this model writes <think> reasoning (its template or vocabulary mentions it)."""
     if template and THINK_OPEN in template:
         return True
-    try:
-        vocab = tokenizer.get_vocab()
-    except Exception:
-        return False
-    return THINK_OPEN in vocab and THINK_CLOSE in vocab
+    key = id(tokenizer)
+    if key not in _VOCAB_THINKS:  # get_vocab() builds a dict of the whole vocabulary: once
+        try:
+            vocab = tokenizer.get_vocab()
+        except Exception:
+            vocab = {}
+        _VOCAB_THINKS[key] = THINK_OPEN in vocab and THINK_CLOSE in vocab
+    return _VOCAB_THINKS[key]
 
 
 def prompt_opens_thinking(prompt_text: str) -> bool:
