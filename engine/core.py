@@ -7,6 +7,10 @@ or an abort arrives: a new request joins at the next step, with no polling sleep
     plan = scheduler.schedule()
     runner.prefill(plan); result = runner.decode(batch)
     events = scheduler.finish_decode_step(...)   # finished rows leave the batch at once
+
+With speculation on (engine.spec), `spec.decide(batch)` picks a verify width per step; a width
+above 1 replaces the pipelined decode with one synchronous draft + verify step whose events
+carry several tokens per row.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class EngineConfig:
     prefix_block_size: int = 16
     memory_budget: int | None = None  # None = 75 % of device memory
     clear_cache_every: int = 256  # steps between mx.clear_cache() calls
+    spec: Any = None  # engine.spec.SpecConfig: speculative decoding (None: off)
 
 
 class Engine:
@@ -60,6 +65,9 @@ class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
         self.loaded = loaded
         self.config = config or EngineConfig(SchedulerConfig())
+        spec_cfg = self.config.spec
+        if spec_cfg is not None and spec_cfg.enabled:  # ring slack for rollback across the wrap
+            self.config.kv.max_draft = max(self.config.kv.max_draft, spec_cfg.num_draft_tokens)
         self.runner = Runner(loaded.model, self.config.kv)
         self.scheduler = Scheduler(self.config.scheduler, self.runner.new_caches)
         self.scheduler.vocab_size = loaded.vocab_size
@@ -75,6 +83,7 @@ class Engine:
             loaded.model, cfg.memory_budget, kv_kwargs, cfg.scheduler.prefill_chunk
         )
         self.scheduler.budget = self.budget
+        self.spec = self._build_spec()
         self._sinks: dict[str, EventSink] = {}
         self._inbox: deque[tuple[str, Any]] = deque()
         self._wake = threading.Condition()
@@ -83,6 +92,7 @@ class Engine:
         self._stats = EngineStats()
         self._last_error: str | None = None
         self._inflight: InFlight | None = None
+        self._pending_aborts = 0  # aborts in the inbox (they free queue places once drained)
 
     # -- thread-safe API -------------------------------------------------------------------
     def start(self) -> None:
@@ -101,7 +111,7 @@ class Engine:
     def add(self, request: Request, sink: EventSink) -> None:
         row = self._validate(request)
         with self._wake:
-            if len(self.scheduler.waiting) + len(self._inbox) >= self.config.scheduler.max_queue:
+            if self._num_queued() >= self.config.scheduler.max_queue:
                 raise EngineOverloaded(
                     f"the server is busy: {self.config.scheduler.max_queue} requests are already "
                     "waiting; retry shortly",
@@ -111,9 +121,23 @@ class Engine:
             self._wake.notify()
 
     def abort(self, req_id: str) -> None:
+        """Idempotent; safe for finished or unknown ids. A request still in the inbox is
+        dropped here and now, so disconnects never hold queue places until the next step."""
         with self._wake:
+            for item in self._inbox:
+                if item[0] == "add" and item[1][0].req_id == req_id:
+                    self._inbox.remove(item)
+                    row, sink = item[1]
+                    sink([self.scheduler.abort_event(row)])
+                    return
             self._inbox.append(("abort", req_id))
+            self._pending_aborts += 1
             self._wake.notify()
+
+    def _num_queued(self) -> int:
+        """Requests admitted but not started, less those whose abort is on its way."""
+        adds = sum(1 for kind, _ in self._inbox if kind == "add")
+        return len(self.scheduler.waiting) + adds - self._pending_aborts
 
     def stats(self) -> EngineStats:
         s = self._stats
@@ -128,6 +152,8 @@ class Engine:
         s.kv_bytes_by_layout = by_layout
         s.kv_bytes = sum(by_layout.values())
         s.extra["active_requests"] = len(self._sinks)
+        if self.spec is not None:
+            s.spec = self.spec.stats()
         prefix = sched.prefix
         if prefix is not None:
             ps = prefix.stats()
@@ -179,6 +205,17 @@ class Engine:
             constraint=self._compile_constraint(params.constraint),
         )
 
+    def _build_spec(self) -> Any:
+        cfg = self.config.spec
+        if cfg is None or not cfg.enabled:
+            return None
+        from engine.spec import build_decoder
+
+        decoder = build_decoder(cfg, self.loaded.model, self.loaded.vocab_size)
+        sched = self.scheduler
+        sched.admit_spec = lambda rows: decoder.admit(rows, len(sched.running) + len(rows))
+        return decoder
+
     def _compile_constraint(self, spec: Any) -> Any:
         """The row's grammar matcher (None when unconstrained); a bad spec is a 400 here,
         before anything is queued."""
@@ -227,34 +264,52 @@ class Engine:
                 self._sinks[row.req_id] = sink
                 self.scheduler.add(row)
             else:
+                with self._wake:
+                    self._pending_aborts -= 1
                 row = self.scheduler.abort(payload)
                 if row is not None:
                     self._emit([self.scheduler.abort_event(row)])
 
     def _step(self) -> None:
+        start = time.perf_counter()
         sched, runner = self.scheduler, self.runner
         plan = sched.schedule()
         if plan.prefill is not None:
             runner.prefill(plan)
             sched.finish_prefill_step(plan, None)
         events: list[TokenEvent] = []
-        if self._inflight is not None and sched.running.constrained_rows():
-            # a grammar mask needs the previous token consumed: no pipelining while constrained
-            events = self._collect(self._inflight)
-            self._inflight = None
-        launched = runner.launch_decode(sched.running) if len(sched.running) else None
-        if self._inflight is not None:  # read step t-1 while step t computes
-            events = self._collect(self._inflight)
-        self._inflight = launched
+        num_rows = len(sched.running)
+        width = self.spec.decide(sched.running) if self.spec is not None else 1
+        if width > 1:  # speculative: synchronous, several tokens per row
+            if self._inflight is not None:  # drain the pipeline first (not this step's cost)
+                events = self._collect(self._inflight)
+                self._inflight = None
+                start, num_rows = time.perf_counter(), len(sched.running)
+            if len(sched.running):
+                rows = list(sched.running.rows)
+                events += self._finish(rows, self.spec.step(sched.running, width))
+        else:
+            if self._inflight is not None and sched.running.constrained_rows():
+                # a grammar mask needs the previous token consumed: no pipelining while constrained
+                events = self._collect(self._inflight)
+                self._inflight = None
+            launched = runner.launch_decode(sched.running) if len(sched.running) else None
+            if self._inflight is not None:  # read step t-1 while step t computes
+                events = self._collect(self._inflight)
+            self._inflight = launched
         self._stats.num_steps += 1
         if self._stats.num_steps % self.config.clear_cache_every == 0:
             mx.clear_cache()
         if events:
             self._emit(events)
+        if self.spec is not None:  # the speculation controller learns what a step costs
+            self.spec.record(num_rows, width, time.perf_counter() - start, plan.prefill is None)
 
     def _collect(self, inflight: InFlight) -> list[TokenEvent]:
-        result = self.runner.collect(inflight)
-        events = self.scheduler.finish_decode_step(inflight.rows, result)
+        return self._finish(inflight.rows, self.runner.collect(inflight))
+
+    def _finish(self, rows: list[RowMeta], result: Any) -> list[TokenEvent]:
+        events = self.scheduler.finish_decode_step(rows, result)
         self._stats.num_generated_tokens += sum(len(e.token_ids) for e in events)
         return events
 

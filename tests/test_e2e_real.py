@@ -111,13 +111,14 @@ def test_disconnect_frees_row(real_server):
     body = {"model": MODEL, "prompt": "def long_function():", "max_tokens": 2000, "stream": True,
             "ignore_eos": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
-        seen = 0
+        lines = []
         for line in r.iter_lines():
             if line.startswith("data: "):
-                seen += 1
-            if seen >= 3:
+                lines.append(line)
+            if len(lines) >= 3:
                 break
-        running = httpx.get(url + "/health").json()["engine"]["num_running"]
-        assert running >= 1
+        assert all('"error"' not in x and "[DONE]" not in x for x in lines), lines
+        health = httpx.get(url + "/health").json()["engine"]
+        assert health["num_running"] + health["num_prefilling"] + health["num_waiting"] >= 1, health
     eng = _wait_idle(url)
     assert eng["num_running"] == 0 and eng["kv_bytes"] == 0
