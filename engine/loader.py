@@ -84,16 +84,6 @@ def _context_length(config: dict[str, Any], tokenizer: Any) -> int:
     return 4096
 
 
-def _apply_plugins(model: nn.Module, config: dict[str, Any], path: Path) -> nn.Module:
-    """Weight formats that mlx-lm does not know (e.g. trellis) hook in here after loading."""
-    quant = config.get("quantization") or {}
-    if isinstance(quant, dict) and quant.get("method") == "trellis":
-        from kernels.trellis import load_hook  # type: ignore[attr-defined]
-
-        model = load_hook(model, config, path)
-    return model
-
-
 def load_model(
     model: str | None = None,
     *,
@@ -108,12 +98,12 @@ def load_model(
     config = load_config(path)
     quant = config.get("quantization") or {}
     if isinstance(quant, dict) and quant.get("method") == "trellis":
-        from kernels.trellis import load_model as trellis_load  # type: ignore[attr-defined]
+        # a weight format mlx-lm does not know: the kernels plugin builds the model
+        from kernels.trellis import load_model as trellis_load
 
-        net = trellis_load(path, config)
+        net, config = trellis_load(path)
     else:
         net, config = mlx_load_model(path, lazy=False)
-        net = _apply_plugins(net, config, path)
     want = pick_dtype(dtype)
     if want is not None:
         net.set_dtype(want)
