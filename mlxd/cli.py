@@ -60,6 +60,14 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--memory-budget", type=str, default=None,
                    help="weights + KV + prefill budget for admission (default: 75%% of device "
                         "memory); requests that cannot fit are queued or refused (413/503)")
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--spec", default=None, choices=["none", "draft", "ngram"],
+                   help="drafter: a draft model (--draft-model) or n-gram prompt lookup "
+                        "(default: draft when --draft-model is given, else none)")
+    g.add_argument("--draft-model", default=None,
+                   help="draft model directory (same tokenizer as --model)")
+    g.add_argument("--num-draft-tokens", type=int, default=4,
+                   help="ceiling of the adaptive draft length per row")
     return p
 
 

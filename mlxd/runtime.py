@@ -44,6 +44,7 @@ def build_client(args: argparse.Namespace | None = None, **overrides: Any):
         kv=kv,
         prefix_cache_bytes=parse_bytes(opts.get("prefix_cache_bytes", "1GiB")) or 0,
         memory_budget=parse_bytes(opts.get("memory_budget")),
+        spec=_spec_config(opts),
     )
     client = AsyncEngine(Engine(loaded, config))
     if opts.get("served_model_name"):
@@ -54,3 +55,18 @@ def build_client(args: argparse.Namespace | None = None, **overrides: Any):
         mlx_version=mx.__version__,
     )
     return client
+
+
+def _spec_config(opts: dict[str, Any]) -> Any:
+    """--spec / --draft-model / --num-draft-tokens -> engine.spec.SpecConfig (None: off)."""
+    method = opts.get("spec") or ("draft" if opts.get("draft_model") else "none")
+    if method == "none":
+        return None
+    from engine.spec import SpecConfig
+
+    return SpecConfig(
+        method=method,
+        draft_model=opts.get("draft_model"),
+        num_draft_tokens=opts.get("num_draft_tokens") or 4,
+        draft_dtype=opts.get("dtype", "auto"),
+    )

@@ -87,9 +87,10 @@ class SpecDecoder:
         return self.controller.config.max_draft
 
     # -- rows ------------------------------------------------------------------------------
-    def admit(self, rows: list[Any]) -> SpecRows:
-        """Spec state for rows leaving prefill (a draft model prefills them when warm)."""
-        warm = self.controller.warm(len(rows))
+    def admit(self, rows: list[Any], batch_size: int = 0) -> SpecRows:
+        """Spec state for rows leaving prefill into a batch of `batch_size` rows (a draft model
+        prefills them now if speculation is on at that size, else on first use)."""
+        warm = self.controller.warm(max(batch_size, len(rows)))
         prompts = [r.request.prompt_ids for r in rows]
         return SpecRows(len(rows), self.drafter.admit(prompts, warm))
 

@@ -1,0 +1,366 @@
+"""Speculative decoding benchmark (a script, not a test): the engine with and without
+speculation, side by side in one run, on the same prompts.
+
+    python -m bench.spec                                    # CPU defaults, bench/results/spec-cpu
+    python -m bench.spec --out bench/results/spec-gpu --max-tokens 256 --requests-per-stream 4
+
+Workloads (prompts from ../shared/data/tinycoder-dev.jsonl):
+  * dev   — chat requests ("Write a Python function ...", ChatML) and code completions (a file's
+            first lines), alternating; tinycoder-16m target, tinycoder-draft-4m draft; at each
+            concurrency (closed loop: that many requests in flight, `--requests-per-stream` each);
+  * edit  — "Rewrite this function with the name `f_v2`" with the function in the prompt: the
+            answer mostly repeats the prompt, which is what n-gram prompt lookup is for.
+
+Modes: `plain` (no speculation, the peer), `draft` / `ngram` (adaptive: the engine decides per
+step whether and how far to speculate), `draft-k` / `ngram-k` (always the full
+`--num-draft-tokens`, to show what speculation costs or gains unguarded). Each mode runs in a
+fresh engine on the same loaded weights after a warm-up; `--repeats` alternates the order and
+keeps each mode's median. Reports tokens/s (generated tokens / wall time of the whole workload,
+prefill included), the ratio to plain, acceptance rates and verify widths. Greedy by default
+(`--temperature`), so every mode emits the same tokens.
+
+Writes DIR/spec.json and DIR/spec.png.
+"""
+
+from __future__ import annotations
+
+import engine  # noqa: F401  (BLAS before mlx)
+
+# isort: split
+
+import argparse
+import json
+import re
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from engine.api import Request, SamplingParams, TokenEvent
+from engine.core import Engine, EngineConfig
+from engine.loader import LoadedModel, load_model
+from engine.scheduler import SchedulerConfig
+from engine.spec import SpecConfig
+from mlxd import DEFAULT_MODEL_DIR
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+MODES = {
+    "plain": None,
+    "draft": ("draft", True),
+    "draft-k": ("draft", False),
+    "ngram": ("ngram", True),
+    "ngram-k": ("ngram", False),
+}
+
+
+# -- workloads ----------------------------------------------------------------------------------
+def _rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _spread(items: list[Any], n: int) -> list[Any]:
+    """n items evenly spaced through the list (deterministic)."""
+    if not items:
+        return []
+    return [items[(i * len(items)) // n % len(items)] for i in range(n)]
+
+
+def _code_prompt(text: str, tok: Any, max_tokens: int = 160) -> list[int]:
+    """A file's first lines, ending on a line's content (the tokenizer merges a newline with the
+    next line's indentation, so a prompt ending on a bare newline derails the model)."""
+    lines, out = text.splitlines(), []
+    for line in lines:
+        cand = "\n".join([*out, line])
+        if len(tok.encode(cand)) > max_tokens and out:
+            break
+        out.append(line)
+    while out and not out[-1].strip():
+        out.pop()
+    return tok.encode("\n".join(out))
+
+
+def dev_prompts(rows: list[dict[str, Any]], tok: Any, n: int) -> list[list[int]]:
+    chats = [r for r in rows if r["kind"] == "chat"]
+    codes = [r for r in rows if r["kind"] == "code"]
+    out = []
+    for i in range(n):
+        if i % 2 == 0 and chats:
+            r = chats[(i // 2 * 37) % len(chats)]
+            msgs = [r["messages"][0]]
+            text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            out.append(tok.encode(text))
+        else:
+            r = codes[(i // 2 * 13) % len(codes)]
+            out.append(_code_prompt(r["text"], tok))
+    return out
+
+
+def edit_prompts(rows: list[dict[str, Any]], tok: Any, n: int) -> list[tuple[list[int], int]]:
+    """(prompt, max_tokens): a function from the dev chats, asked back under a new name."""
+    funcs = []
+    for r in rows:
+        if r["kind"] != "chat":
+            continue
+        m = re.search(r"```python\n(.*?)```", r["messages"][1]["content"], re.S)
+        if m and 8 <= m.group(1).count("\n") <= 40:
+            funcs.append(m.group(1))
+    out = []
+    for f in _spread(funcs, n):
+        name = re.match(r"\s*(?:async\s+)?def (\w+)", f)
+        new = f"{name.group(1)}_v2" if name else "f_v2"
+        msg = f"Rewrite this function with the name `{new}`:\n```python\n{f}```"
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": msg}], add_generation_prompt=True, tokenize=False
+        )
+        out.append((tok.encode(text), min(len(tok.encode(f)) + 24, 512)))
+    return out
+
+
+# -- one measured run ---------------------------------------------------------------------------
+def run_workload(
+    lm: LoadedModel,
+    spec: SpecConfig | None,
+    prompts: list[tuple[list[int], int]],
+    concurrency: int,
+    temperature: float,
+) -> dict[str, Any]:
+    """Closed loop: keep `concurrency` requests in flight until all prompts are served."""
+    sched = SchedulerConfig(max_num_seqs=max(concurrency, 1), prefill_chunk=512)
+    eng = Engine(lm, EngineConfig(sched, prefix_cache_bytes=0, spec=spec))
+    eng.start()
+    lock = threading.Condition()
+    state = {"next": 0, "done": 0, "tokens": 0}
+    first_token: dict[str, float] = {}
+    submitted: dict[str, float] = {}
+
+    def submit_next() -> None:
+        i = state["next"]
+        if i >= len(prompts):
+            return
+        state["next"] += 1
+        ids, max_tokens = prompts[i]
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=1000 + i)
+        req = Request(f"r{i}", list(ids), params)
+        submitted[req.req_id] = time.perf_counter()
+        eng.add(req, sink)
+
+    def sink(events: list[TokenEvent]) -> None:  # engine thread
+        with lock:
+            for ev in events:
+                state["tokens"] += len(ev.token_ids)
+                if ev.token_ids and ev.req_id not in first_token:
+                    first_token[ev.req_id] = time.perf_counter()
+                if ev.finish_reason is not None:
+                    if ev.error:
+                        raise RuntimeError(ev.error)
+                    state["done"] += 1
+                    submit_next()
+            lock.notify_all()
+
+    try:
+        start = time.perf_counter()
+        with lock:
+            for _ in range(min(concurrency, len(prompts))):
+                submit_next()
+            while state["done"] < len(prompts):
+                lock.wait(1.0)
+        wall = time.perf_counter() - start
+        stats = eng.stats()
+    finally:
+        eng.stop()
+    ttft = [first_token[k] - submitted[k] for k in first_token]
+    out = {
+        "tokens": state["tokens"],
+        "wall_s": round(wall, 4),
+        "tokens_per_s": round(state["tokens"] / wall, 3),
+        "mean_ttft_s": round(statistics.mean(ttft), 4) if ttft else None,
+        "engine_steps": stats.num_steps,
+    }
+    if stats.spec:
+        ((_, st),) = stats.spec.items()
+        out["spec"] = st
+    return out
+
+
+def spec_config(
+    mode: str, args: argparse.Namespace, draft: LoadedModel | None
+) -> SpecConfig | None:
+    choice = MODES[mode]
+    if choice is None:
+        return None
+    method, adaptive = choice
+    return SpecConfig(
+        method=method,
+        draft_model=draft if method == "draft" else None,
+        num_draft_tokens=args.num_draft_tokens,
+        adaptive=adaptive,
+    )
+
+
+def compare(
+    lm: LoadedModel,
+    draft: LoadedModel | None,
+    args: argparse.Namespace,
+    prompts: list[tuple[list[int], int]],
+    concurrency: int,
+    modes: list[str],
+    label: str,
+) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    for rep in range(args.repeats):
+        order = modes if rep % 2 == 0 else list(reversed(modes))
+        for mode in order:
+            res = run_workload(
+                lm, spec_config(mode, args, draft), prompts, concurrency, args.temperature
+            )
+            runs[mode].append(res)
+            print(
+                f"[{label} c={concurrency}] {mode:8s} {res['tokens_per_s']:8.1f} tok/s "
+                f"({res['tokens']} tokens, {res['wall_s']:.1f} s)"
+                + (
+                    f", acceptance {res['spec'].get('acceptance_rate')}, "
+                    f"spec steps {res['spec'].get('spec_steps')}/{res['engine_steps']}"
+                    if "spec" in res
+                    else ""
+                ),
+                flush=True,
+            )
+    summary: dict[str, Any] = {}
+    for mode, rs in runs.items():
+        rs = sorted(rs, key=lambda r: r["tokens_per_s"])
+        summary[mode] = dict(rs[len(rs) // 2], repeats=[r["tokens_per_s"] for r in rs])
+    base = summary["plain"]["tokens_per_s"] if "plain" in summary else None
+    for res in summary.values():
+        if base:
+            res["ratio_vs_plain"] = round(res["tokens_per_s"] / base, 3)
+    return {
+        "workload": label,
+        "concurrency": concurrency,
+        "num_requests": len(prompts),
+        "modes": summary,
+    }
+
+
+# -- output -------------------------------------------------------------------------------------
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = result["results"]
+    modes = [m for m in MODES if any(m in g["modes"] for g in groups)]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    width = 0.8 / max(len(modes), 1)
+    labels = [f"{g['workload']}\nc={g['concurrency']}" for g in groups]
+    for j, mode in enumerate(modes):
+        xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(groups))]
+        tps = [g["modes"].get(mode, {}).get("tokens_per_s", 0) for g in groups]
+        ratio = [g["modes"].get(mode, {}).get("ratio_vs_plain", 0) for g in groups]
+        axes[0].bar(xs, tps, width, label=mode)
+        bars = axes[1].bar(xs, ratio, width, label=mode)
+        for b, g in zip(bars, groups, strict=True):
+            acc = g["modes"].get(mode, {}).get("spec", {}).get("acceptance_rate")
+            if acc is not None:
+                axes[1].annotate(
+                    f"{acc:.0%}",
+                    (b.get_x() + b.get_width() / 2, b.get_height()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=6,
+                )
+    for ax in axes:
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels(labels, fontsize=8)
+    axes[0].set_ylabel("generated tokens / s")
+    axes[0].set_title("throughput")
+    axes[1].axhline(1.0, color="black", lw=0.8)
+    axes[1].axhline(0.95, color="red", lw=0.8, ls="--")
+    axes[1].set_ylabel("ratio to plain decoding (labels: draft acceptance)")
+    axes[1].set_title("speculative / plain")
+    axes[0].legend(fontsize=8)
+    env = result["environment"]
+    fig.suptitle(
+        f"mlxd speculative decoding — {env['device']}, {result['config']['target']} + "
+        f"{result['config']['draft']}, k<={result['config']['num_draft_tokens']}, "
+        f"T={result['config']['temperature']}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    p.add_argument("--draft-model", default=str(SHARED / "models" / "tinycoder-draft-4m"))
+    p.add_argument("--data", default=str(SHARED / "data" / "tinycoder-dev.jsonl"))
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "spec-cpu"))
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--requests-per-stream", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--modes", default="plain,draft,draft-k,ngram")
+    p.add_argument("--edit-modes", default="plain,ngram,ngram-k,draft")
+    p.add_argument("--edit-requests", type=int, default=4)
+    p.add_argument("--edit-concurrency", default="1,4")
+    p.add_argument("--repeats", type=int, default=1)
+    args = p.parse_args(argv)
+
+    lm = load_model(args.model, dtype=args.dtype)
+    draft = load_model(args.draft_model, dtype=args.dtype)
+    tok = lm.tokenizer
+    rows = _rows(Path(args.data))
+    modes = [m for m in args.modes.split(",") if m]
+    results = []
+
+    # warm-up: every kernel shape once (not measured)
+    warm = [(ids, 16) for ids in dev_prompts(rows, tok, 4)]
+    for mode in ("plain", "draft-k", "ngram-k"):
+        run_workload(lm, spec_config(mode, args, draft), warm, 4, args.temperature)
+
+    for c in [int(x) for x in args.concurrency.split(",") if x]:
+        n = c * args.requests_per_stream
+        prompts = [(ids, args.max_tokens) for ids in dev_prompts(rows, tok, n)]
+        results.append(compare(lm, draft, args, prompts, c, modes, "dev"))
+    edit_modes = [m for m in args.edit_modes.split(",") if m]
+    for c in [int(x) for x in args.edit_concurrency.split(",") if x]:
+        prompts = edit_prompts(rows, tok, max(args.edit_requests, c))
+        results.append(compare(lm, draft, args, prompts, c, edit_modes, "edit"))
+
+    from mlxd import blas
+
+    result = {
+        "config": {
+            "target": Path(args.model).name,
+            "draft": Path(args.draft_model).name,
+            "dtype": lm.dtype,
+            "num_draft_tokens": args.num_draft_tokens,
+            "temperature": args.temperature,
+            "max_tokens": args.max_tokens,
+            "requests_per_stream": args.requests_per_stream,
+            "repeats": args.repeats,
+        },
+        "environment": {
+            "device": str(mx.default_device()),
+            "mlx": mx.__version__,
+            "blas": {"path": blas.info().path, "status": blas.info().reason},
+        },
+        "results": results,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "spec.json").write_text(json.dumps(result, indent=2))
+    plot(result, out / "spec.png")
+    print(f"wrote {out / 'spec.json'} and {out / 'spec.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,110 @@
+"""The adaptive controller on simulated step costs: it speculates where verification is cheap,
+stops where it is not (never below 0.95x plain), shrinks drafts for rows with low acceptance
+and as the batch grows; plus the n-gram index and the CLI -> SpecConfig mapping."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.spec import SpecConfig
+from engine.spec.adaptive import Controller, ControllerConfig, expected_tokens
+from engine.spec.ngram import NGramIndex
+
+
+def _simulate(cost, alphas: np.ndarray, steps: int = 3000, K: int = 4, seed: int = 0):
+    """Drive the controller like the engine does; returns (spec tokens/s) / (plain tokens/s)
+    and the fraction of steps that speculated. `cost(B, W)` gives seconds per step."""
+    rng = np.random.default_rng(seed)
+    ctl = Controller(ControllerConfig(max_draft=K))
+    B = len(alphas)
+    acc, judged = np.zeros(B), np.zeros(B)
+    tokens, seconds, spec_steps = 0, 0.0, 0
+    for _ in range(steps):
+        alpha = ctl.alpha(acc, judged)
+        caps = ctl.caps(alpha, np.full(B, 1000))
+        width = ctl.decide(alpha, caps).width
+        k = np.minimum(caps, width - 1)
+        # each draft accepted with the row's true probability, until the first rejection
+        run = (rng.random((B, max(K, 1))) < alphas[:, None]).cumprod(axis=1).sum(axis=1)
+        a = np.minimum(run, k)
+        if width > 1:
+            spec_steps += 1
+            acc = 0.9 * acc + a
+            judged = 0.9 * judged + a + (a < k)
+            ctl.learn(k, a)
+        else:
+            a[:] = 0
+        noisy = cost(B, width) * rng.uniform(0.8, 1.25)  # a shared machine's jitter
+        ctl.record(B, width, noisy, typical=True)
+        tokens += int((a + 1).sum())
+        seconds += cost(B, width)
+    plain_rate = B / cost(B, 1)
+    return tokens / seconds / plain_rate, spec_steps / steps
+
+
+def test_stops_speculating_when_verification_costs_a_step_per_token():
+    """Reference-BLAS CPU: W columns cost W plain steps; speculation cannot pay."""
+    ratio, frac = _simulate(lambda B, W: 0.010 * W, np.full(4, 0.6))
+    assert ratio >= 0.97, ratio
+    assert frac < 0.05, frac
+
+
+def test_speculates_when_verification_is_nearly_free():
+    """Memory-bound decoding (GPU, Apple silicon): wider verification costs a few percent."""
+    ratio, frac = _simulate(lambda B, W: 0.010 * (1 + 0.04 * (W - 1)), np.full(2, 0.7))
+    best = expected_tokens(np.array([0.7]), np.array([4]))[0] / 1.16
+    assert frac > 0.9, frac
+    assert ratio > 0.9 * best and ratio > 1.8, ratio
+
+
+@pytest.mark.parametrize(("batch", "should_speculate"), [(1, True), (16, False)])
+def test_large_batches_turn_speculation_off(batch, should_speculate):
+    """Per-row cost grows with the batch (compute-bound at 16 rows)."""
+
+    def cost(B, W):
+        return 0.010 * (1 + (0.05 if B <= 2 else 0.9) * (W - 1))
+
+    ratio, frac = _simulate(cost, np.full(batch, 0.6), steps=1500)
+    assert ratio >= 0.95, ratio
+    assert (frac > 0.8) if should_speculate else (frac < 0.06), frac
+
+
+def test_caps_shrink_with_acceptance_and_room():
+    ctl = Controller(ControllerConfig(max_draft=6))
+    caps = ctl.caps(np.array([0.05, 0.3, 0.6, 0.9, 0.9]), np.array([9, 9, 9, 9, 2]))
+    assert caps.tolist() == [0, 1, 3, 6, 2]
+    assert np.all(np.diff(caps[:4]) >= 0)
+
+
+def test_row_alpha_follows_its_own_history():
+    ctl = Controller(ControllerConfig(max_draft=4, prior_alpha=0.5))
+    alpha = ctl.alpha(np.array([0.0, 12.0, 0.0]), np.array([12.0, 12.0, 0.0]))
+    assert alpha[0] < 0.1 < 0.9 < alpha[1]
+    assert alpha[2] == pytest.approx(0.5)  # no history: the pooled prior
+
+
+def test_ngram_index_proposes_the_continuation_of_the_latest_longest_match():
+    idx = NGramIndex(min_n=2, max_n=3)
+    ctx = [5, 6, 7, 8, 9, 1, 6, 7, 2, 5, 6, 7]
+    # suffix (5 6 7) occurs at 0..2 -> continue with 8 9 1; (6 7) alone would say 2 5 6
+    assert idx.lookup(ctx, 3) == [8, 9, 1]
+    ctx += [4]  # (7 4) and (6 7 4) never occurred: nothing to propose
+    assert idx.lookup(ctx, 3) == []
+    ctx += [6, 7]  # (4 6 7) never, (6 7) latest at 10..11 -> continue with 4 6 7
+    assert idx.lookup(ctx, 5) == [4, 6, 7]
+    assert idx.num_indexed == len(ctx) - 1  # indexed incrementally, never the live suffix
+
+
+def test_cli_flags_map_to_spec_config():
+    from mlxd.runtime import _spec_config
+
+    assert _spec_config({}) is None
+    assert _spec_config({"spec": "none", "draft_model": None}) is None
+    cfg = _spec_config({"draft_model": "/m/draft", "num_draft_tokens": 3})
+    assert (cfg.method, cfg.draft_model, cfg.num_draft_tokens) == ("draft", "/m/draft", 3)
+    assert _spec_config({"spec": "ngram"}).method == "ngram"
+    with pytest.raises(ValueError, match="--draft-model"):
+        SpecConfig(method="draft")
+    with pytest.raises(ValueError, match="at least 1"):
+        SpecConfig(method="ngram", num_draft_tokens=0)

@@ -1,0 +1,264 @@
+"""Exact tier: greedy output with speculation equals greedy output without it, token for token.
+
+On tiny random models (sliding window 24, so short generations wrap the rings many times; a
+recurrent hybrid) and on the bundled tinycoder-16m with its draft model, for the draft-model
+and the n-gram drafter, one request alone and several batched (joining mid-decode, with and
+without speculation in the same batch), and 420-token generations far past the 256-token window.
+Speculation is forced on (`adaptive=False`: the ceiling every step) so every step verifies.
+"""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+
+from engine.api import Request, SamplingParams
+from engine.core import Engine, EngineConfig
+from engine.scheduler import SchedulerConfig
+from engine.spec import SpecConfig
+from tests.tiny_models import Collected, greedy, loaded, submit, tiny_model
+
+
+def _engine(lm, spec: SpecConfig | None, **sched) -> Engine:
+    eng = Engine(lm, EngineConfig(SchedulerConfig(**sched), spec=spec))
+    eng.start()
+    return eng
+
+
+def _run(eng: Engine, reqs: list[Request], stagger: bool) -> dict[str, Collected]:
+    """Submit `reqs`; with `stagger`, the second half joins while the first half decodes."""
+    half = len(reqs) // 2
+    first, rest = (reqs[:half], reqs[half:]) if stagger and half else (reqs, [])
+    outs = {r.req_id: submit(eng, r) for r in first}
+    for r in rest:
+        lead = outs[first[0].req_id]
+        for _ in range(400):
+            if len(lead.tokens) >= 4 or lead.done.is_set():
+                break
+            lead.done.wait(0.01)
+        outs[r.req_id] = submit(eng, r)
+    for r in reqs:
+        assert outs[r.req_id].done.wait(600), r.req_id
+    return outs
+
+
+def _outputs(lm, spec, reqs, stagger=True, **sched) -> tuple[dict[str, list[int]], dict]:
+    eng = _engine(lm, spec, **sched)
+    try:
+        outs = _run(eng, reqs, stagger)
+        stats = eng.stats()
+        assert stats.num_running == 0 and stats.kv_bytes == 0
+        return {k: v.tokens for k, v in outs.items()}, stats.spec
+    finally:
+        eng.stop()
+
+
+def _perturbed(model, cfg, scale: float, seed: int):
+    """A draft model: the target's weights plus noise (same vocabulary, imperfect agreement)."""
+    draft, _ = tiny_model(cfg["model_type"])
+    rng = np.random.default_rng(seed)
+    params = [
+        (k, v + mx.array(rng.normal(size=v.shape).astype(np.float32)) * scale * float(mx.std(v)))
+        for k, v in tree_flatten(model.parameters())
+    ]
+    draft.update(tree_unflatten(params))
+    mx.eval(draft.parameters())
+    return draft
+
+
+def _repetitive_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
+    """Prompts with repeated stretches, so n-gram lookup finds matches."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        motif = [rng.randrange(3, vocab) for _ in range(rng.randint(4, 9))]
+        noise = [rng.randrange(3, vocab) for _ in range(rng.randint(0, 12))]
+        out.append((motif * 3 + noise + motif)[: rng.randint(12, 40)])
+    return out
+
+
+def _check(lm, spec: SpecConfig, reqs: list[Request], want=None, min_accept=0.0, **sched):
+    """Speculative outputs == plain outputs (`want`, computed here if not given)."""
+    if want is None:
+        want, _ = _outputs(lm, None, reqs, **sched)
+    got, stats = _outputs(lm, spec, reqs, **sched)
+    for r in reqs:
+        assert got[r.req_id] == want[r.req_id], r.req_id
+        assert len(want[r.req_id]) == r.params.max_tokens
+    (st,) = stats.values()
+    assert st["spec_steps"] > 0 and st["drafted_tokens"] > 0
+    assert st["acceptance_rate"] >= min_accept, st
+    return st
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3"])
+def test_tiny_greedy_spec_equals_plain(arch):
+    model, cfg = tiny_model(arch)
+    lm = loaded(model, cfg)
+    prompts = _repetitive_prompts(cfg["vocab_size"], 6, seed=3)
+    reqs = [greedy(f"r{i}", p, max_tokens=20 + 9 * i) for i, p in enumerate(prompts)]
+    want, _ = _outputs(lm, None, reqs, prefill_chunk=32)
+    draft = _perturbed(model, cfg, 0.01, seed=1)
+    spec = SpecConfig("draft", draft_model=draft, num_draft_tokens=3, adaptive=False)
+    st = _check(lm, spec, reqs, want, min_accept=0.2, prefill_chunk=32)
+    assert st["tokens_per_row_round"] > 1.2
+    spec = SpecConfig("ngram", num_draft_tokens=4, adaptive=False)
+    _check(lm, spec, reqs, want, prefill_chunk=32)
+
+
+def test_tiny_spec_rows_with_and_without_drafts_share_a_batch():
+    """Sampled rows (seeded), greedy rows, a row under a repetition penalty and rows about to
+    finish (max_tokens 1-2: no room for drafts) decode together; n-gram verification emits
+    what the plain sampler would draw, so even the sampled rows match plain decoding."""
+    model, cfg = tiny_model("llama")
+    lm = loaded(model, cfg)
+    prompts = _repetitive_prompts(cfg["vocab_size"], 6, seed=5)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=60),
+        SamplingParams(temperature=1.0, seed=11, max_tokens=50),
+        SamplingParams(temperature=0.7, top_k=20, seed=12, max_tokens=45),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=40),
+        SamplingParams(temperature=0.0, max_tokens=1),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=13, max_tokens=2),
+    ]
+    reqs = [Request(f"r{i}", p, params[i]) for i, p in enumerate(prompts)]
+    _check(lm, SpecConfig("ngram", num_draft_tokens=4, adaptive=False), reqs, prefill_chunk=32)
+
+
+def test_tiny_recurrent_hybrid_spec_equals_plain():
+    """qwen3_next: gated-DeltaNet layers roll back to per-row snapshots."""
+    from engine.models.tiny import TINY_CONFIGS
+    from engine.models.tiny import tiny_model as registry_tiny
+
+    mx.disable_compile()  # compiled helpers JIT per shape on CPU (slow); same answers
+    try:
+        cfg = dict(TINY_CONFIGS["qwen3_next"])
+        model = registry_tiny("qwen3_next", seed=2)
+        lm = loaded(model, cfg)
+        prompts = _repetitive_prompts(cfg["vocab_size"], 3, seed=7)
+        reqs = [greedy(f"r{i}", p, max_tokens=24) for i, p in enumerate(prompts)]
+        spec = SpecConfig("ngram", num_draft_tokens=3, adaptive=False)
+        _check(lm, spec, reqs, prefill_chunk=32)
+    finally:
+        mx.enable_compile()
+
+
+def test_stop_token_and_max_tokens_cut_accepted_drafts():
+    """A stop id inside an accepted run ends the row there (not emitted); max_tokens is exact."""
+    model, cfg = tiny_model("llama")
+    lm = loaded(model, cfg)
+    prompt = _repetitive_prompts(cfg["vocab_size"], 1, seed=9)[0]
+    plain, _ = _outputs(lm, None, [greedy("a", prompt, max_tokens=80)])
+    ref = plain["a"]
+    stop = ref[37]
+    first = ref.index(stop)
+    spec = SpecConfig(
+        "draft",
+        draft_model=_perturbed(model, cfg, 0.02, seed=3),
+        num_draft_tokens=4,
+        adaptive=False,
+    )
+    reqs = [greedy("stop", prompt, 80, stop_token_ids=(stop,))] + [
+        greedy(f"len{n}", prompt, n) for n in (5, 13, 22)
+    ]
+    got, _ = _outputs(lm, spec, reqs, stagger=False)
+    assert got["stop"] == ref[:first]
+    for n in (5, 13, 22):
+        assert got[f"len{n}"] == ref[:n]
+
+
+# -- the bundled model with its draft model -------------------------------------------------
+
+LONG = 420  # far past the 256-token sliding window (mlx-lm 0.32.2 departs at ~261)
+JOIN_AT = 280  # the long row decodes alone past the window, then three rows join it
+
+
+@pytest.fixture(scope="module")
+def tinycoder(tinycoder_path):
+    from engine.loader import load_model
+
+    lm = load_model(str(tinycoder_path), dtype="float32")
+    lm.eos_token_ids = ()  # run every row to its max_tokens
+    return lm
+
+
+@pytest.fixture(scope="module")
+def tinycoder_requests(tinycoder):
+    tok = tinycoder.tokenizer
+    texts = [
+        "def parse_args(argv):",
+        "class Stack:\n    def __init__(self):",
+        "import os\n\ndef walk(root):",
+        "def fib(n):",
+    ]
+    lengths = [LONG, 70, 50, 40]
+    return [
+        greedy(f"t{i}", tok.encode(t), n)
+        for i, (t, n) in enumerate(zip(texts, lengths, strict=True))
+    ]
+
+
+def _alone_then_batched(lm, spec, reqs) -> tuple[dict[str, list[int]], dict]:
+    eng = _engine(lm, spec, prefill_chunk=128)
+    try:
+        outs = {reqs[0].req_id: submit(eng, reqs[0])}
+        lead = outs[reqs[0].req_id]
+        while len(lead.tokens) < JOIN_AT and not lead.done.is_set():
+            lead.done.wait(0.02)
+        for r in reqs[1:]:
+            outs[r.req_id] = submit(eng, r)
+        for r in reqs:
+            assert outs[r.req_id].done.wait(600), r.req_id
+        return {k: v.tokens for k, v in outs.items()}, eng.stats().spec
+    finally:
+        eng.stop()
+
+
+@pytest.fixture(scope="module")
+def tinycoder_plain(tinycoder, tinycoder_requests):
+    return _alone_then_batched(tinycoder, None, tinycoder_requests)[0]
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_tinycoder_spec_equals_plain_alone_and_batched(
+    method, tinycoder, tinycoder_requests, tinycoder_plain, request
+):
+    draft = str(request.getfixturevalue("draft_model_path")) if method == "draft" else None
+    spec = SpecConfig(method, draft_model=draft, num_draft_tokens=4, adaptive=False)
+    got, stats = _alone_then_batched(tinycoder, spec, tinycoder_requests)
+    for r in tinycoder_requests:
+        assert len(got[r.req_id]) == r.params.max_tokens
+        assert got[r.req_id] == tinycoder_plain[r.req_id], r.req_id
+    st = stats[method]
+    assert st["spec_steps"] > 0
+    if method == "draft":  # the draft model's tokens are mostly accepted on code
+        assert st["acceptance_rate"] > 0.4, st
+        assert st["tokens_per_row_round"] > 2.0, st
+
+
+def test_adaptive_switching_between_plain_and_spec_keeps_greedy_exact():
+    """The adaptive controller drains the pipeline into speculative steps and back (probes
+    every few steps here); draft state catches up after plain stretches. Output unchanged."""
+    model, cfg = tiny_model("llama")
+    lm = loaded(model, cfg)
+    prompts = _repetitive_prompts(cfg["vocab_size"], 4, seed=11)
+    reqs = [greedy(f"r{i}", p, max_tokens=40 + 10 * i) for i, p in enumerate(prompts)]
+    want, _ = _outputs(lm, None, reqs, prefill_chunk=32)
+    for method in ("draft", "ngram"):
+        draft = _perturbed(model, cfg, 0.01, seed=2) if method == "draft" else None
+        # unigram matches too, so that a random model's output finds proposals
+        spec = SpecConfig(method, draft_model=draft, num_draft_tokens=3, ngram_min=1)
+        eng = _engine(lm, spec, prefill_chunk=32)
+        eng.spec.controller.config.probe_every = 3
+        try:
+            outs = _run(eng, reqs, stagger=True)
+            st = eng.stats().spec[method]
+        finally:
+            eng.stop()
+        for r in reqs:
+            assert outs[r.req_id].tokens == want[r.req_id], (method, r.req_id)
+        assert st["spec_steps"] > 0 and st["plain_steps"] > 0, st
