@@ -171,10 +171,11 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 def cmd_plot(args: argparse.Namespace) -> int:
     from bench.plot import plot_sweep
-    from bench.sweep import table
+    from bench.sweep import enrich, table
 
     path = Path(args.results)
-    result = json.loads(path.read_text())
+    result = enrich(json.loads(path.read_text()))
+    path.write_text(json.dumps(result, indent=1))
     png = plot_sweep(result, path.with_name("sweep.png"))
     (path.with_name("table.md")).write_text(table(result) + "\n")
     print(table(result))

@@ -30,8 +30,9 @@ def plot_sweep(result: dict[str, Any], path: Path) -> Path:
 
     servers = list(result["servers"])
     mine = result.get("baseline", servers[0])
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9.5))
-    ax_tp, ax_ttft, ax_itl, ax_fail = axes.flat
+    fig, axes = plt.subplots(2, 3, figsize=(18, 9.5))
+    ax_tp, ax_ttft, ax_itl, ax_cpu, ax_fail, ax_blank = axes.flat
+    ax_blank.axis("off")
     levels = [lvl["concurrency"] for lvl in result["levels"]]
 
     for i, name in enumerate(servers):
@@ -39,6 +40,8 @@ def plot_sweep(result: dict[str, Any], path: Path) -> Path:
         label = result["servers"][name].get("label", name)
         xs, ys = _series(result, name, "output_tok_s")
         ax_tp.plot(xs, ys, "o-", color=color, label=label)
+        xs, ys = _series(result, name, "output_tok_per_cpu_s")
+        ax_cpu.plot(xs, ys, "o-", color=color, label=label)
         for q, style in (("p50", "--"), ("p99", "-")):
             xs, ys = _series(result, name, "ttft_s", q)
             ax_ttft.plot(xs, ys, "o" + style, color=color, label=f"{label} {q}")
@@ -73,12 +76,13 @@ def plot_sweep(result: dict[str, Any], path: Path) -> Path:
     ax_fail.set_xticks([j + width * (len(servers) - 1) / 2 for j in range(len(levels))])
     ax_fail.set_xticklabels([str(c) for c in levels])
 
-    for ax in (ax_tp, ax_ttft, ax_itl):
+    for ax in (ax_tp, ax_ttft, ax_itl, ax_cpu):
         ax.set_xscale("log", base=2)
         ax.set_xticks(levels)
         ax.set_xticklabels([str(c) for c in levels])
         ax.grid(True, which="both", alpha=0.3)
         ax.set_xlabel("concurrency")
+    ax_tp.margins(x=0.15, y=0.2)
     ax_tp.set_ylabel("aggregate output tok/s")
     ax_tp.set_title("throughput (annotated: mlxd / peer)")
     ax_ttft.set_yscale("log")
@@ -87,12 +91,17 @@ def plot_sweep(result: dict[str, Any], path: Path) -> Path:
     ax_itl.set_yscale("log")
     ax_itl.set_ylabel("inter-token latency (ms)")
     ax_itl.set_title("inter-token latency, p50 dashed, p99 solid")
+    ax_cpu.set_ylabel("output tokens per server CPU-second")
+    ax_cpu.set_title("CPU efficiency (steadier than wall clock on a shared machine)")
     ax_fail.set_ylim(bottom=0, top=max(1.0, ax_fail.get_ylim()[1]))
     ax_fail.set_xlabel("concurrency")
     ax_fail.set_ylabel("failed requests")
     ax_fail.set_title("failed requests")
-    for ax in axes.flat:
+    for ax in (ax_tp, ax_ttft, ax_itl, ax_cpu, ax_fail):
         ax.legend(fontsize=7)
+    notes = [f"{result['servers'][n].get('label', n)}: {result['servers'][n].get('note', '')}"
+             for n in servers]
+    ax_blank.text(0, 1, "\n\n".join(notes), va="top", fontsize=8, wrap=True)
     cfg = result.get("config", {})
     mach = result.get("machine", {})
     fig.suptitle(

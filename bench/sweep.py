@@ -171,6 +171,7 @@ def run_sweep(
             entry["ratios"] = {s.name: level_ratios(base, entry["results"][s.name])
                                for s in specs[1:]}
             result["levels"].append(entry)
+            enrich(result)
             _write(out_dir, result, raw)
     finally:
         for srv in servers.values():
@@ -179,6 +180,24 @@ def run_sweep(
                 result["servers"][srv.spec.name]["exit_code"] = rc
     result["machine"]["loadavg_end"] = list(os.getloadavg())
     _write(out_dir, result, raw)
+    return result
+
+
+def enrich(result: dict[str, Any]) -> dict[str, Any]:
+    """Add CPU efficiency: output tokens per CPU-second of the server, and its mlxd/peer ratio.
+
+    On a shared machine wall-clock throughput moves with other tenants' load; the CPU seconds a
+    server spends per token move much less, so this is the steadier engine-against-engine number.
+    """
+    base = result.get("baseline") or next(iter(result["servers"]))
+    for lvl in result["levels"]:
+        for s in lvl["results"].values():
+            cpu = s.get("server_cpu_s")
+            s["output_tok_per_cpu_s"] = (s["output_tokens"] / cpu) if cpu else None
+        mine = lvl["results"].get(base, {}).get("output_tok_per_cpu_s")
+        for peer, rat in lvl.get("ratios", {}).items():
+            theirs = lvl["results"].get(peer, {}).get("output_tok_per_cpu_s")
+            rat["output_tok_per_cpu_s"] = (mine / theirs) if mine and theirs else None
     return result
 
 
@@ -198,9 +217,9 @@ def _write(out_dir: Path, result: dict[str, Any], raw: dict[str, Any]) -> None:
 def table(result: dict[str, Any]) -> str:
     """A Markdown table of the sweep (one row per level and server)."""
     rows = ["| concurrency | server | output tok/s | req/s | TTFT p50 (s) | TTFT p99 (s) | "
-            "ITL p50 (ms) | ITL p99 (ms) | out tok/req | failed | mlxd/peer tok/s | "
-            "mlxd/peer TTFT p99 |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "ITL p50 (ms) | ITL p99 (ms) | out tok/req | failed | tok/CPU-s | mlxd/peer tok/s | "
+            "mlxd/peer TTFT p99 | mlxd/peer tok/CPU-s |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def f(v: float | None, nd: int = 2, scale: float = 1.0) -> str:
         return "–" if v is None else f"{v * scale:.{nd}f}"
@@ -217,8 +236,9 @@ def table(result: dict[str, Any]) -> str:
                 f"| {lvl['concurrency']} | {label} | {f(s['output_tok_s'], 1)} | "
                 f"{f(s['request_per_s'], 3)} | {f(s['ttft_s']['p50'])} | {f(s['ttft_s']['p99'])} | "
                 f"{f(s['itl_s']['p50'], 1, 1000)} | {f(s['itl_s']['p99'], 1, 1000)} | "
-                f"{f(tok['mean'], 1)} | {fails} | "
+                f"{f(tok['mean'], 1)} | {fails} | {f(s.get('output_tok_per_cpu_s'), 1)} | "
                 f"{f(rat.get('output_tok_s'), 2) + 'x' if rat.get('output_tok_s') else ''} | "
-                f"{f(rat.get('ttft_p99'), 2) + 'x' if rat.get('ttft_p99') else ''} |")
+                f"{f(rat.get('ttft_p99'), 2) + 'x' if rat.get('ttft_p99') else ''} | "
+                f"{f(rat.get('output_tok_per_cpu_s'), 2) + 'x' if rat.get('output_tok_per_cpu_s') else ''} |")
     return "\n".join(rows)
 

@@ -65,7 +65,7 @@ async def run(target: Target, *, num_requests: int = 200, concurrency: int = 32,
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=0)
     problems: list[str] = []
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(120.0, connect=10.0)) as client:
-        peak: dict[str, Any] = {"num_running": 0, "kv_bytes": 0}
+        peak: dict[str, Any] = {"num_running": 0, "num_waiting": 0, "kv_bytes": 0}
         stop_sampling = asyncio.Event()
 
         async def sample_peak() -> None:
@@ -120,7 +120,8 @@ async def run(target: Target, *, num_requests: int = 200, concurrency: int = 32,
         ok=not problems,
         summary=(f"{num_requests} streams cut ({', '.join(f'{k} {v}' for k, v in sorted(modes.items()))}"
                  + (f"; {rejected} turned away 429/503" if rejected else "") + "); "
-                 f"peak {peak['num_running']} rows / {peak['kv_bytes'] / 2**20:.1f} MiB KV; "
+                 f"peak {peak['num_running']} running, {peak['num_waiting']} waiting, "
+                 f"{peak['kv_bytes'] / 2**20:.1f} MiB KV; "
                  + (f"idle {took:.2f}s after the last cut" if idle else "NOT idle in time")),
         problems=problems,
         details={"modes": modes, "statuses": statuses, "errors": errors, "peak": peak,
