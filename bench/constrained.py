@@ -5,7 +5,9 @@ Every row decodes exactly `--tokens` tokens (ignore_eos; the grammar is a JSON a
 1,000 records, so it never completes early), from the same chat prompt, at temperature 1 with
 fixed seeds. Per-token time = (last token time - first token time) / (tokens - 1), averaged over
 the rows; aggregate throughput = all tokens / (last token - first token of the batch). Each case
-runs `--repeats` times and the median is reported (the machine may be shared).
+is measured `--repeats` times; each ratio comes from pairs (constrained, free) run back to back
+in random order, so both sides of a pair see the same load on a shared machine, and the median of
+the paired ratios is reported (with min and max).
 
     python bench/constrained.py            # bench/results/constrained.{json,png}
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import threading
 import time
@@ -41,7 +44,29 @@ SCHEMA = {"type": "array", "items": RECORD, "minItems": 1000}
 PROMPT = "<|im_start|>user\nList the functions of this project as JSON records.<|im_end|>\n<|im_start|>assistant\n"
 
 
+GRAMMAR_S = [0.0]  # time spent in the grammar engine (mask fill + consume), summed
+
+
+def _time_grammar_work() -> None:
+    """Wrap the two grammar calls the engine makes per step, to report their own cost."""
+    from engine import constrain
+    from engine.constrain import llg
+
+    def timed(fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                GRAMMAR_S[0] += time.perf_counter() - t0
+        return wrapper
+
+    constrain.fill_masks = timed(constrain.fill_masks)
+    llg.LLGConstraint.consume = timed(llg.LLGConstraint.consume)
+
+
 def run_batch(eng: Engine, prompt: list[int], batch: int, constrained: list[bool], tokens: int) -> dict[str, Any]:
+    GRAMMAR_S[0] = 0.0
     times: dict[str, list[float]] = {}
     done = threading.Event()
     remaining = [batch]
@@ -75,6 +100,7 @@ def run_batch(eng: Engine, prompt: list[int], batch: int, constrained: list[bool
         "per_token_ms_constrained_rows": statistics.fmean(per_token[k] for k in con_keys) * 1e3 if con_keys else None,
         "per_token_ms_free_rows": statistics.fmean(per_token[k] for k in free_keys) * 1e3 if free_keys else None,
         "aggregate_tok_s": batch * (tokens - 1) / (last - first),
+        "grammar_ms_per_step": GRAMMAR_S[0] * 1e3 / tokens,  # mask fill + consume, all rows
     }
 
 
@@ -89,45 +115,56 @@ def main() -> None:
 
     from engine.loader import load_model
 
+    _time_grammar_work()
     lm = load_model(args.model, dtype=args.dtype)
     eng = Engine(lm, EngineConfig(SchedulerConfig()))
     eng.start()
     prompt = lm.tokenizer.encode(PROMPT, add_special_tokens=False)
-    cases = [
-        ("b1_free", 1, [False]),
-        ("b1_constrained", 1, [True]),
-        ("b16_free", 16, [False] * 16),
-        ("b16_constrained", 16, [True] * 16),
-        ("b16_half", 16, [i % 2 == 0 for i in range(16)]),
-    ]
+    cases = {
+        "b1_free": (1, [False]),
+        "b1_constrained": (1, [True]),
+        "b16_free": (16, [False] * 16),
+        "b16_constrained": (16, [True] * 16),
+        "b16_half": (16, [i % 2 == 0 for i in range(16)]),
+    }
+    # each ratio is measured in pairs run back to back (in random order), so that both sides of a
+    # pair see the same load on a shared machine; the median of the paired ratios is reported
+    pairs = {
+        "b1_constrained_over_free_per_token": ("b1_constrained", "b1_free", "per_token_ms"),
+        "b16_constrained_over_free_per_token": ("b16_constrained", "b16_free", "per_token_ms"),
+        "b16_half_over_free_throughput": ("b16_half", "b16_free", "aggregate_tok_s"),
+    }
+    rng = random.Random(0)
+    raw: dict[str, list[dict[str, Any]]] = {name: [] for name in cases}
+    paired: dict[str, list[float]] = {name: [] for name in pairs}
     try:
         run_batch(eng, prompt, 4, [True, False, True, False], 16)  # warm-up: compile, tokenizer table
-        raw: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in cases}
-        for _ in range(args.repeats):  # interleave the cases so load changes hit them alike
-            for name, batch, con in cases:
-                raw[name].append(run_batch(eng, prompt, batch, con, args.tokens))
+        for _ in range(args.repeats):
+            for ratio, (a, b, key) in pairs.items():
+                order = [a, b] if rng.random() < 0.5 else [b, a]
+                got = {name: run_batch(eng, prompt, *cases[name], args.tokens) for name in order}
+                for name, r in got.items():
+                    raw[name].append(r)
+                paired[ratio].append(got[a][key] / got[b][key])
     finally:
         eng.stop()
 
-    def med(name: str, key: str) -> float | None:
-        vals = [r[key] for r in raw[name] if r[key] is not None]
-        return statistics.median(vals) if vals else None
-
-    summary = {name: {k: med(name, k) for k in raw[name][0]} for name in raw}
-    ratios = {
-        "b1_constrained_over_free_per_token": summary["b1_constrained"]["per_token_ms"] / summary["b1_free"]["per_token_ms"],
-        "b16_constrained_over_free_per_token": summary["b16_constrained"]["per_token_ms"] / summary["b16_free"]["per_token_ms"],
-        "b16_half_over_free_throughput": summary["b16_half"]["aggregate_tok_s"] / summary["b16_free"]["aggregate_tok_s"],
-    }
+    summary = {name: {k: statistics.median(r[k] for r in runs if r[k] is not None)
+                      if any(r[k] is not None for r in runs) else None for k in runs[0]}
+               for name, runs in raw.items()}
+    ratios = {k: statistics.median(v) for k, v in paired.items()}
+    spread = {k: [min(v), max(v)] for k, v in paired.items()}
     result = {"model": lm.model_id, "dtype": lm.dtype, "tokens_per_row": args.tokens, "repeats": args.repeats,
-              "schema": SCHEMA, "summary": summary, "ratios": ratios, "raw": raw}
+              "schema": SCHEMA, "summary_median": summary, "ratios_paired_median": ratios,
+              "ratios_paired_min_max": spread, "ratios_paired_all": paired, "raw": raw}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     for name, s in summary.items():
-        print(f"{name:16s} per-token {s['per_token_ms']:7.2f} ms   aggregate {s['aggregate_tok_s']:8.1f} tok/s")
+        print(f"{name:16s} per-token {s['per_token_ms']:7.2f} ms   aggregate {s['aggregate_tok_s']:8.1f} tok/s"
+              f"   grammar {s['grammar_ms_per_step']:.2f} ms/step")
     for k, v in ratios.items():
-        print(f"{k}: {v:.3f}")
+        print(f"{k}: paired median {v:.3f}  (min {spread[k][0]:.3f}, max {spread[k][1]:.3f})")
     _plot(summary, ratios, out.with_suffix(".png"))
 
 
@@ -140,15 +177,20 @@ def _plot(summary: dict[str, Any], ratios: dict[str, float], path: Path) -> None
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     names = ["b1_free", "b1_constrained", "b16_free", "b16_constrained", "b16_half"]
     colors = ["C0", "C1", "C0", "C1", "C2"]
-    a.bar(names, [summary[n]["per_token_ms"] for n in names], color=colors)
+    bars = a.bar(names, [summary[n]["per_token_ms"] for n in names], color=colors)
+    for bar, n in zip(bars, names, strict=True):
+        g = summary[n]["grammar_ms_per_step"]
+        if g:
+            a.annotate(f"grammar {g:.1f} ms", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                       ha="center", va="bottom", fontsize=8)
     a.set_ylabel("ms per token (per row)")
-    a.set_title("per-token decode time")
+    a.set_title("per-token decode time (medians; shared machine)")
     a.tick_params(axis="x", rotation=20)
     b.bar(["b16_free", "b16_half", "b16_constrained"],
           [summary[n]["aggregate_tok_s"] for n in ("b16_free", "b16_half", "b16_constrained")], color=["C0", "C2", "C1"])
     b.set_ylabel("aggregate tok/s")
     b.set_title("batch 16 throughput (half: 8 of 16 rows constrained)")
-    fig.suptitle("constrained decoding cost: b1 x{:.2f}, b16 x{:.2f} per token; half-constrained throughput x{:.2f}".format(
+    fig.suptitle("constrained / free (paired medians): b1 x{:.2f}, b16 x{:.2f} per token; half-constrained throughput x{:.2f}".format(
         ratios["b1_constrained_over_free_per_token"], ratios["b16_constrained_over_free_per_token"],
         ratios["b16_half_over_free_throughput"]))
     fig.tight_layout()
