@@ -147,3 +147,34 @@ def test_constrained_and_free_rows_batched_equal_alone(tinycoder):
         assert eng.stats().num_running == 0
     finally:
         eng.stop()
+
+
+def test_constrained_rows_are_masked_when_speculation_is_on(tinycoder):
+    """With speculation on, a constrained row drafts nothing and its verified position is
+    masked: its answer follows the schema while its free batch mates keep speculating."""
+    from engine.core import Engine, EngineConfig
+    from engine.scheduler import SchedulerConfig
+    from engine.spec import SpecConfig
+
+    eng = Engine(tinycoder, EngineConfig(SchedulerConfig(), spec=SpecConfig(method="ngram", adaptive=False)))
+    eng.start()
+    try:
+        prompt = _prompt(tinycoder, "x = [1, 2, 3]\n" * 6 + "x = [1,")  # repetitive: n-grams draft
+        free = submit(eng, Request("free", prompt, SamplingParams(temperature=0.0, max_tokens=60)))
+        assert free.done.wait(120)
+        steps_before = _spec_steps(eng.stats().spec)
+        free = submit(eng, Request("free2", prompt, SamplingParams(temperature=0.0, max_tokens=60)))
+        con = submit(eng, Request("con", prompt, SamplingParams(
+            temperature=1.0, seed=3, max_tokens=80, constraint={"type": "json_schema", "schema": PERSON})))
+        assert con.done.wait(120) and free.done.wait(120)
+        text = tinycoder.tokenizer.decode(con.tokens)
+        assert con.finish == "stop", (con.finish, text, con.events[-1].error)
+        jsonschema.validate(json.loads(text), PERSON)
+        assert free.finish in ("stop", "length") and free.tokens
+        assert _spec_steps(eng.stats().spec) > steps_before  # the free row speculated meanwhile
+    finally:
+        eng.stop()
+
+
+def _spec_steps(stats: dict) -> int:
+    return sum(v.get("spec_steps", 0) for v in stats.values() if isinstance(v, dict))
