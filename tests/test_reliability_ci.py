@@ -121,12 +121,8 @@ def test_disconnect_storm_frees_rows(storm):
     assert not problems, "\n".join([storm.summary, *problems])
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "engine bug: AsyncEngine.add counts every inbox entry, aborts included, against --max-queue "
-    "(engine/core.py: len(waiting) + len(_inbox) >= max_queue), and aborted waiting requests keep "
-    "their slot until the engine thread drains its inbox after the current step; so clients that "
-    "disconnect make later requests get 429 while fewer than --max-queue are really waiting"))
 def test_disconnect_storm_no_spurious_429(storm):
+    # cut requests must give their queue places back at once (fixed in 52360ad)
     problems = [p for p in storm.problems if "turned away" in p]
     assert not problems, "\n".join([storm.summary, *problems])
 
