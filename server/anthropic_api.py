@@ -283,12 +283,14 @@ def _tool_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-def _input_of(arguments: str) -> dict[str, Any]:
+def _input_of(arguments: str) -> dict[str, Any] | None:
+    """The call's input object; None when the arguments are not a JSON object (a call cut off by
+    max_tokens, or a malformed one from free decoding)."""
     try:
         value = json.loads(arguments) if arguments else {}
     except json.JSONDecodeError:
-        return {}
-    return value if isinstance(value, dict) else {}
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _stop(gen: Generation, finish: str | None) -> tuple[str, str | None]:
@@ -313,7 +315,9 @@ def _message(mid: str, model: ServedModel, r: TurnResult, gen: Generation) -> di
     if text:
         content.append({"type": "text", "text": text})
     for c in r.calls:
-        content.append({"type": "tool_use", "id": _tool_id(c.id), "name": c.name, "input": _input_of(c.arguments)})
+        args = _input_of(c.arguments)
+        if args is not None:  # an unusable call is left out rather than shown with a made-up input
+            content.append({"type": "tool_use", "id": _tool_id(c.id), "name": c.name, "input": args})
     stop_reason, stop_sequence = _stop(gen, r.finish_reason)
     return {"id": mid, "type": "message", "role": "assistant", "model": model.name, "content": content,
             "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": _usage(gen)}

@@ -192,8 +192,16 @@ def output_items(r: TurnResult, ids: dict[str, str]) -> list[dict[str, Any]]:
                       "content": [{"type": "output_text", "text": text, "annotations": []}]})
     for c in r.calls:
         items.append({"type": "function_call", "id": "fc_" + c.id.removeprefix("call_"), "call_id": c.id,
-                      "name": c.name, "arguments": c.arguments, "status": "completed"})
+                      "name": c.name, "arguments": c.arguments,
+                      "status": "completed" if _is_json_object(c.arguments) else "incomplete"})
     return items
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
 
 
 def _usage(gens: list[Generation], reasoning_tokens: int = 0) -> dict[str, Any]:
