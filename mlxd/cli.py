@@ -97,9 +97,12 @@ def main(argv: list[str] | None = None) -> int:
 def serve(args: argparse.Namespace) -> int:
     if args.blas:
         os.environ["MLXD_BLAS"] = args.blas
+    from server.metrics import install_log_request_ids
+
+    install_log_request_ids()  # every record gets request_id ("-" outside a request)
     logging.basicConfig(
         level=args.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s",
     )
     log = logging.getLogger("mlxd")
     from mlxd.runtime import build_client
