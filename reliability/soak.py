@@ -17,7 +17,15 @@ from typing import Any
 
 import httpx
 
-from reliability.common import CheckResult, Target, rss_bytes, still_serving, wait_idle
+from reliability.common import (
+    CheckResult,
+    Target,
+    engine_stats,
+    health,
+    rss_bytes,
+    still_serving,
+    wait_idle,
+)
 
 WORDS = ("value", "result", "index", "buffer", "config", "token", "stream", "cache", "row", "step")
 
@@ -95,6 +103,8 @@ async def run(target: Target, *, minutes: float = 10.0, concurrency: int = 8,
     tally: dict[str, Any] = {"statuses": {}, "kinds": {}, "transport_errors": {},
                              "good_not_200": {}, "bad_not_4xx": 0, "stream_errors": 0}
     samples: list[tuple[float, int]] = []
+    # engine memory next to RSS, to tell a leak from a cache filling up to its budget
+    engine_mem: list[tuple[float, int, int]] = []  # (t, kv_bytes, prefix_cache_bytes)
     counter = iter(range(max_requests))
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
     problems: list[str] = []
@@ -113,6 +123,10 @@ async def run(target: Target, *, minutes: float = 10.0, concurrency: int = 8,
                 rss = rss_bytes(target.pid)
                 if rss is not None:
                     samples.append((time.monotonic() - t0, rss))
+                st = engine_stats(await health(client, target))
+                if st:
+                    engine_mem.append((round(time.monotonic() - t0, 1), int(st.get("kv_bytes") or 0),
+                                       int(st.get("prefix_cache_bytes") or 0)))
                 await asyncio.sleep(sample_s)
 
         tasks = [asyncio.create_task(worker(w)) for w in range(concurrency)]
@@ -165,12 +179,15 @@ async def run(target: Target, *, minutes: float = 10.0, concurrency: int = 8,
         name="soak",
         ok=not problems,
         summary=(f"{minutes:g} min, {total} requests ({total / max(elapsed, 1e-9):.1f}/s), "
-                 f"{n5xx} 5xx, RSS "
+                 + (f"prefix cache {engine_mem[-1][2] / 2**20:.0f} MiB at the end, "
+                    if engine_mem else "")
+                 + f"{n5xx} 5xx, RSS "
                  + (f"{rss_info['after_warmup_mib']:.0f} → {rss_info['end_mib']:.0f} MiB "
                     f"({growth * 100:+.1f}% after warm-up)" if growth is not None
                     else "not measured")),
         problems=problems,
         details={"tally": tally, "rss": rss_info,
-                 "rss_samples": [(round(t, 1), r) for t, r in samples]},
+                 "rss_samples": [(round(t, 1), r) for t, r in samples],
+                 "engine_memory_samples": engine_mem},
         seconds=elapsed,
     )
