@@ -262,3 +262,30 @@ def test_adaptive_switching_between_plain_and_spec_keeps_greedy_exact():
         for r in reqs:
             assert outs[r.req_id].tokens == want[r.req_id], (method, r.req_id)
         assert st["spec_steps"] > 0 and st["plain_steps"] > 0, st
+
+
+def test_wide_kv_views_give_the_same_logits():
+    """`engine.spec.widekv` (used on CUDA so attention shapes repeat) widens keys and masks to
+    the allocated capacity: same logits as the layouts' own views, rows of different lengths,
+    sliding-window rings before and after they wrap."""
+    from engine.kv import batch as kvb
+    from engine.models import make_batch_layouts
+    from engine.spec.widekv import _Wide, wide
+
+    model, cfg = tiny_model("llama")
+    rng = np.random.default_rng(0)
+    lengths = [5, 30, 61]  # window 24: the second and third rows have wrapped
+    batches = []
+    for _ in range(2):
+        rows = [make_batch_layouts(model, 1, max_draft=4) for _ in lengths]
+        for row, n in zip(rows, lengths, strict=True):
+            model(mx.array([rng.integers(1, 500, n).tolist()]), cache=row)
+        batches.append(kvb.merge_rows(None, rows))
+        rng = np.random.default_rng(0)  # the same prompts for both copies
+    assert any(isinstance(c, _Wide) for c in wide(batches[1], force=True))
+    for width in (5, 1, 3):
+        tokens = mx.array(np.random.default_rng(width).integers(1, 500, (3, width)))
+        want = model(tokens, cache=batches[0])
+        got = model(tokens, cache=wide(batches[1], force=True))
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+        assert kvb.num_tokens(batches[0]) == kvb.num_tokens(batches[1])

@@ -10,17 +10,25 @@ token still has a chance `alpha**k >= min_reach` of being reached and accepted (
 for rows with low acceptance, none below `alpha < min_reach`), and never more than the row
 has left to generate.
 
-Cost. `StepCosts` keeps an EMA of the engine step's wall time per (batch-size bucket, verify
-width W), W = 1 being plain pipelined decoding. A step is measured only when it is typical:
-no prefill in it, and the same mode as the step before (the first step after a switch drains
-or refills the pipeline). Unmeasured widths are estimated: from this bucket's W = 1 and the
-ratio measured at the nearest bucket; else by a straight line through this bucket's measured
-widths; else W = 2 alone is tried (`prior_slope`), never a wider one before it.
+Cost. `StepCosts` keeps the engine step's wall time per (batch-size bucket, verify width W),
+W = 1 being plain pipelined decoding: the lower quartile of the last `window` samples, because
+on a shared machine other processes stall steps (noise that only ever adds time) and drift the
+level over time; both modes are read the same way, so their ratio stays fair. A step is
+measured only when it is typical: no prefill in it, and the same mode as the step before (the
+first step after a switch drains or refills the pipeline). Unmeasured widths are estimated:
+from this bucket's W = 1 and the ratio measured at the nearest bucket; else by a straight line
+through this bucket's measured widths; else W = 2 alone is tried (`prior_slope`), never a wider
+one before it.
 
 Choice. For each W the expected rate is `sum_b E(alpha[b], min(W - 1, cap[b]))` tokens per
-`cost(W)` seconds; speculation must beat plain by `margin`. A mode not chosen for a while is
-probed again after `probe_every` steps (doubling after each probe that confirms the choice),
-two steps long so that the second is measured.
+`cost(W) + overhead` seconds (`overhead`: an EMA, per speculative step, of the recurring
+drafter work no step measurement holds: a draft model's prefill of admitted rows); speculation
+must beat plain by `margin` (a wrong "speculate" costs more than a missed one, and what the
+cells still miss, such as pipeline drains, is all on the speculative side). Probes keep both sides' costs fresh, `probe_steps` steps each (all but
+the first are measured): while speculating, plain decoding after `plain_probe_every` steps
+(the interval doubling to `max_plain_probe_every`); while decoding plainly, speculation after
+`probe_every` steps (doubling to `max_probe_every`: a draft model's probe must first catch up
+on the tokens decoded plainly). A changed choice restarts the interval.
 
 Worked example: batch of 4 with alpha = 0.6, plain 10 ms, W = 3 measured at 13 ms:
 E(0.6, 2) = 1.96 tokens/row -> 7.84 tokens / 13 ms = 603 tok/s vs 400 tok/s plain: W = 3.
@@ -29,6 +37,7 @@ At 16 rows, plain 20 ms and W = 3 at 45 ms: 31.4 / 45 ms = 697 vs 800 tok/s: pla
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,28 +57,27 @@ def bucket_of(num_rows: int) -> int:
 
 @dataclass(slots=True)
 class _Cell:
-    seconds: float
+    samples: deque[float]
     count: int
     last_step: int
+    seconds: float = 0.0  # lower quartile of `samples`
 
 
 class StepCosts:
-    """EMA of seconds per engine step, keyed by (bucket, width)."""
+    """Seconds per engine step keyed by (bucket, width): lower quartile of recent samples."""
 
-    def __init__(self, ema: float = 0.2, prior_slope: float = 0.15) -> None:
-        self.ema = ema
+    def __init__(self, window: int = 9, prior_slope: float = 0.15) -> None:
+        self.window = window
         self.prior_slope = prior_slope
         self.cells: dict[tuple[int, int], _Cell] = {}
 
     def observe(self, bucket: int, width: int, seconds: float, step: int) -> None:
         cell = self.cells.get((bucket, width))
         if cell is None:
-            self.cells[(bucket, width)] = _Cell(seconds, 1, step)
-            return
-        # a shared machine stalls now and then: one sample moves the estimate by at most 2x
-        seconds = min(max(seconds, 0.5 * cell.seconds), 2.0 * cell.seconds)
-        rate = max(self.ema, 1.0 / (cell.count + 1))
-        cell.seconds += rate * (seconds - cell.seconds)
+            cell = self.cells[(bucket, width)] = _Cell(deque(maxlen=self.window), 0, step)
+        cell.samples.append(seconds)
+        ordered = sorted(cell.samples)
+        cell.seconds = ordered[(len(ordered) - 1) // 4]
         cell.count += 1
         cell.last_step = step
 
@@ -124,9 +132,12 @@ class ControllerConfig:
     prior_alpha: float = 0.6
     pseudo_count: float = 2.0
     decay: float = 0.9
-    margin: float = 1.03  # speculation must beat plain by 3 %
-    probe_every: int = 64
-    max_probe_every: int = 4096
+    margin: float = 1.08  # speculation must beat plain by 8 %
+    probe_every: int = 64  # plain decoding: try speculation again after this many steps
+    max_probe_every: int = 2048
+    plain_probe_every: int = 32  # speculating: re-measure plain decoding after this many steps
+    max_plain_probe_every: int = 256
+    probe_steps: int = 3  # a probe's length (its first step is not measured)
 
 
 @dataclass(slots=True)
@@ -148,6 +159,7 @@ class Controller:
     _next_probe: dict[int, int] = field(default_factory=dict)  # bucket -> step
     _interval: dict[int, int] = field(default_factory=dict)  # bucket -> probe interval
     _chosen_spec: dict[int, bool] = field(default_factory=dict)  # bucket -> last exploit choice
+    overhead: float = 0.0  # EMA of drafter seconds outside the measured steps, per spec step
 
     def __post_init__(self) -> None:
         self.pooled_alpha = self.config.prior_alpha
@@ -173,9 +185,15 @@ class Controller:
             rate = num_accepted.sum() / total
             self.pooled_alpha += 0.05 * (rate - self.pooled_alpha)
 
+    def add_overhead(self, seconds: float) -> None:
+        """Recurring drafter work since the previous speculative step that no step measurement
+        holds (a draft model's prefill of admitted rows): amortised over spec steps. One-off
+        catch-ups after plain stretches are not counted here; probes are kept rare instead."""
+        self.overhead += 0.1 * (seconds - self.overhead)
+
     def warm(self, num_rows: int) -> bool:
-        """Whether speculation is on (or untested) for a batch of this size."""
-        return self._chosen_spec.get(bucket_of(max(num_rows, 1)), True)
+        """Whether speculation is on for a batch of this size (untested: no)."""
+        return self._chosen_spec.get(bucket_of(max(num_rows, 1)), False)
 
     # -- the verify width ------------------------------------------------------------------
     def decide(self, alpha: np.ndarray, caps: np.ndarray) -> Decision:
@@ -199,25 +217,33 @@ class Controller:
             cost = self.costs.estimate(bucket, w)
             if cost is None:
                 break
+            cost += self.overhead
             rate = float(expected_tokens(alpha, np.minimum(caps, w - 1)).sum()) / cost
             if rate > best_rate:
                 best_w, best_rate = w, rate
         return self._maybe_probe(bucket, best_w, caps)
 
     def _maybe_probe(self, bucket: int, width: int, caps: np.ndarray) -> Decision:
-        """Now and then run the mode not chosen (two steps: the second is measured)."""
+        """Now and then run the mode not chosen for `probe_steps` steps (the first unmeasured);
+        the interval doubles while the choice stands and restarts when it changes."""
+        cfg = self.config
         spec = width > 1
-        every = self.config.probe_every
-        if self._chosen_spec.get(bucket) != spec:  # the choice changed: probe soon again
+        first, most = (
+            (cfg.plain_probe_every, cfg.max_plain_probe_every)
+            if spec
+            else (cfg.probe_every, cfg.max_probe_every)
+        )
+        if self._chosen_spec.get(bucket) != spec:
             self._chosen_spec[bucket] = spec
-            self._interval[bucket] = every
-            self._next_probe[bucket] = self.step + every
-        if self.step < self._next_probe.setdefault(bucket, self.step + every):
+            self._interval[bucket] = first
+            self._next_probe[bucket] = self.step + first
+        if self.step < self._next_probe.setdefault(bucket, self.step + first):
             return Decision(width, caps)
-        interval = min(2 * self._interval.get(bucket, every), self.config.max_probe_every)
+        interval = min(2 * self._interval.get(bucket, first), most)
         self._interval[bucket] = interval
         self._next_probe[bucket] = self.step + interval
-        self._probe_width, self._probe_left = (2 if not spec else 1), 1
+        self._probe_width = 1 if spec else 2
+        self._probe_left = cfg.probe_steps - 1
         w = self._probe_width
         return Decision(w, np.minimum(caps, w - 1), probe=True)
 
@@ -236,6 +262,7 @@ class Controller:
     def summary(self) -> dict[str, Any]:
         return {
             "pooled_acceptance": round(float(self.pooled_alpha), 4),
+            "overhead_ms_per_spec_step": round(self.overhead * 1e3, 3),
             "speculating_by_bucket": {str(b): v for b, v in sorted(self._chosen_spec.items())},
             "step_ms": self.costs.summary(),
         }

@@ -14,6 +14,7 @@ with the rows like every other per-row array.
     class MyDrafter:
         name = "mine"
         point_mass = True        # proposals are deterministic: q is one-hot at the draft
+        catches_up = False       # no state to bring up to date after plain decoding
         def admit(self, rows, token_lists): ...        # state for rows joining the batch
         def propose(self, ctx: ProposeContext) -> Proposal: ...
         def observe(self, ctx: ProposeContext, proposal, num_accepted): ...
@@ -69,6 +70,9 @@ class DrafterState(Protocol):
 class Drafter(Protocol):
     name: str
     point_mass: bool  # True: q is one-hot (accept iff the target's own draw equals the draft)
+    # True: rows decoded plainly must be caught up before the next proposal (a draft model's
+    # KV), so trying speculation again after plain stretches is dear
+    catches_up: bool
 
     def admit(self, contexts: Sequence[Sequence[int]], warm: bool) -> Any:
         """Per-row state for rows joining the batch (None if the drafter keeps none).

@@ -26,6 +26,7 @@ from engine.kv import batch as kvb
 from engine.spec.accept import column_states, record_ragged, verify
 from engine.spec.adaptive import Controller, ControllerConfig
 from engine.spec.base import Drafter, Proposal, ProposeContext
+from engine.spec.widekv import wide
 
 
 class SpecRows:
@@ -79,8 +80,11 @@ class SpecDecoder:
         self.controller = Controller(config)
         if drafter.point_mass:
             self.controller.pooled_alpha = min(self.controller.pooled_alpha, 0.5)
+        if getattr(drafter, "catches_up", False):  # a probe first catches rows up: probe rarely
+            config.probe_every = max(config.probe_every, 256)
         self.totals = _Totals()
         self._catch_up = False
+        self._overhead_seen = 0.0  # drafter seconds outside the measured steps, already counted
 
     @property
     def max_draft(self) -> int:
@@ -142,7 +146,7 @@ class SpecDecoder:
         caches = batch.caches
         kvb.checkpoint(caches)
         inp = mx.concatenate([batch.next_tokens[:, None], proposal.tokens.astype(mx.int32)], axis=1)
-        logits = self.model(inp, cache=caches)
+        logits = self.model(inp, cache=wide(caches))
         constrained = batch.constrained_rows()
         if constrained:
             from engine.runner import _mask_logits
@@ -202,6 +206,10 @@ class SpecDecoder:
         typical = typical and not (width > 1 and self._catch_up)
         self._catch_up = False
         self.controller.record(num_rows, width, seconds, typical)
+        if width > 1:  # draft prefill of rows admitted since the last speculative step
+            overhead = float(getattr(self.drafter, "prefill_seconds", 0.0))
+            self.controller.add_overhead(overhead - self._overhead_seen)
+            self._overhead_seen = overhead
 
     def stats(self) -> dict[str, Any]:
         tot = self.totals

@@ -8,9 +8,10 @@ Invariant: the draft's KV holds a prefix of each row's context; `pending = conte
 (at least the next input token) is fed at the start of the next proposal. After a round in
 which row b accepted `a` of its drafts, the draft keeps the pending tokens plus
 `min(a, K - 1)` drafts (it never fed its own last draft d_K), so the next round's pending is
-at most 2 tokens (`d_K`, bonus) and goes in as a right-padded first step. More pending tokens
-(the row was decoding plainly while speculation was off, or its draft prefill was deferred)
-are caught up first, outside the checkpoint, in one right-padded forward (chunked).
+at most 2 tokens (`d_K`, bonus) and goes in as a right-padded first step (up to `MAX_MERGED`
+tokens do, e.g. after a two-step plain probe). More pending tokens (the row decoded plainly
+while speculation was off, or its draft prefill was deferred) are caught up first, outside the
+checkpoint, in one right-padded forward (chunked).
 
 Worked example (K = 3): context ends with next input x; the draft holds everything before x.
 Round: feed [x] -> d1, feed [d1] -> d2, feed [d2] -> d3; the draft now holds x d1 d2 (3 new
@@ -21,6 +22,7 @@ columns). The target accepts 1 draft and emits d1 then t: keep 1 + min(1, 2) = 2
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +35,9 @@ from engine.models import make_batch_layouts, prepare_model
 from engine.sampling import process_logits
 from engine.spec.accept import STREAM_DRAFT, draw_stream
 from engine.spec.base import Proposal, ProposeContext, register_drafter
+from engine.spec.widekv import wide
+
+MAX_MERGED = 4  # pending tokens fed as the (right-padded) first draft step, not caught up apart
 
 
 class DraftKV:
@@ -58,6 +63,7 @@ class DraftKV:
 class DraftModelDrafter:
     name = "draft"
     point_mass = False
+    catches_up = True
 
     def __init__(
         self,
@@ -73,18 +79,23 @@ class DraftModelDrafter:
         self.prefill_chunk = prefill_chunk
         prepare_model(model)
         self.has_recurrent = any(isinstance(x, RecurrentLayout) for x in self._layouts(0))
-        self.num_catch_up_tokens = 0
+        self.num_fed_tokens = 0  # prompt and catch-up tokens fed outside proposals
+        self.prefill_seconds = 0.0  # prefill of admitted rows (recurring with admissions)
+        self.catch_up_seconds = 0.0  # catch-up after plain stretches (once per stretch)
         self.caught_up = False  # the last propose() had to catch up (the step is not typical)
 
     def _layouts(self, num_rows: int) -> list[Any]:
-        # ring slack: a round writes up to 2 pending + K - 1 draft columns past the checkpoint
-        return make_batch_layouts(self.model, num_rows, max_draft=self.max_draft + 2)
+        # ring slack: a round writes up to MAX_MERGED pending + K - 1 draft columns past the
+        # checkpoint and keeps at least one
+        return make_batch_layouts(self.model, num_rows, max_draft=self.max_draft + MAX_MERGED)
 
     # -- rows ------------------------------------------------------------------------------
     def admit(self, contexts: Sequence[Sequence[int]], warm: bool) -> DraftKV:
         state = DraftKV(self._layouts(len(contexts)))
         if warm:  # prefill now; otherwise the first proposal catches the rows up
+            t0 = time.perf_counter()
             self._feed(state.layouts, [list(c[:-1]) for c in contexts])
+            self.prefill_seconds += time.perf_counter() - t0
         return state
 
     def _feed(self, layouts: list[Any], token_lists: list[list[int]]) -> None:
@@ -93,7 +104,7 @@ class DraftModelDrafter:
         width = max(lengths, default=0)
         if width == 0:
             return
-        self.num_catch_up_tokens += sum(lengths)
+        self.num_fed_tokens += sum(lengths)
         kvb.prepare(layouts, lengths=lengths)
         for start in range(0, width, self.prefill_chunk):
             end = min(width, start + self.prefill_chunk)
@@ -101,6 +112,22 @@ class DraftModelDrafter:
             self.model(mx.array(rows, dtype=mx.int32), cache=layouts)
             kvb.eval_state(layouts)
         kvb.finalize(layouts)
+
+    def _catch_up(self, state: DraftKV, token_lists: list[list[int]]) -> None:
+        """`_feed`, but when a few rows need much more than the rest, only those rows go
+        through the forward (split out and merged back in order: a copy of the draft KV
+        instead of a forward over mostly padding)."""
+        lengths = np.array([len(t) for t in token_lists])
+        needy = np.flatnonzero(lengths > 0)
+        if len(needy) == len(lengths) or len(lengths) * lengths.max() <= 2 * lengths.sum():
+            self._feed(state.layouts, token_lists)
+            return
+        rows = [kvb.extract_row(state.layouts, i) for i in range(len(lengths))]
+        sub = kvb.merge_rows(None, [rows[i] for i in needy])
+        self._feed(sub, [token_lists[i] for i in needy])
+        for j, i in enumerate(needy):
+            rows[i] = kvb.extract_row(sub, j)
+        state.layouts = kvb.merge_rows(None, rows)
 
     # -- rounds ----------------------------------------------------------------------------
     def propose(self, ctx: ProposeContext) -> Proposal:
@@ -111,9 +138,13 @@ class DraftModelDrafter:
         lengths = np.array([len(p) for p in pending], np.int64)
         if lengths.min(initial=1) < 1:
             raise RuntimeError("draft KV is ahead of its row's context")
-        self.caught_up = bool(lengths.max(initial=1) > (1 if self.has_recurrent else 2))
+        merged = 1 if self.has_recurrent else MAX_MERGED
+        self.caught_up = bool(lengths.max(initial=1) > merged)
         if self.caught_up:
-            self._feed(layouts, [p[:-1] for p in pending])
+            t0 = time.perf_counter()
+            self._catch_up(ctx.state, [p[:-1] for p in pending])
+            self.catch_up_seconds += time.perf_counter() - t0
+            layouts = ctx.state.layouts
             pending = [p[-1:] for p in pending]
             lengths[:] = 1
         kvb.checkpoint(layouts)
@@ -129,6 +160,7 @@ class DraftModelDrafter:
             processed = process_logits(_fit_vocab(logits, V), states[j])
             drafts.append(draw_stream(processed, states[j], STREAM_DRAFT))
             qs.append(processed)
+            mx.async_eval(drafts[-1])  # compute while the next step's graph is built
         return Proposal(
             tokens=mx.stack(drafts, axis=1),
             num_drafts=ctx.num_drafts.copy(),
@@ -145,7 +177,7 @@ class DraftModelDrafter:
         width = int(lengths.max())
         kvb.prepare(layouts, lengths=lengths.tolist())
         rows = [p + [0] * (width - len(p)) for p in pending]
-        out = self.model(mx.array(rows, dtype=mx.int32), cache=layouts)
+        out = self.model(mx.array(rows, dtype=mx.int32), cache=wide(layouts))
         kvb.finalize(layouts)
         last = mx.array(lengths - 1, dtype=mx.int32)[:, None, None]
         return mx.take_along_axis(out, last, axis=1)[:, 0, :]
@@ -155,7 +187,11 @@ class DraftModelDrafter:
         kvb.rollback(ctx.state.layouts, lengths + np.minimum(num_accepted, K - 1))
 
     def stats(self) -> dict[str, Any]:
-        return {"catch_up_tokens": self.num_catch_up_tokens}
+        return {
+            "fed_tokens": self.num_fed_tokens,
+            "prefill_seconds": round(self.prefill_seconds, 3),
+            "catch_up_seconds": round(self.catch_up_seconds, 3),
+        }
 
 
 def _fit_vocab(logits: mx.array, vocab_size: int) -> mx.array:

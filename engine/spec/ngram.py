@@ -73,6 +73,7 @@ class NGramState:
 class NGramDrafter:
     name = "ngram"
     point_mass = True
+    catches_up = False  # the index extends lazily over whatever was generated
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2, **_: Any) -> None:
         if not 1 <= min_ngram <= max_ngram:
