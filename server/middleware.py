@@ -60,6 +60,9 @@ class RequestContextMiddleware:
         except ValueError:
             declared = 0
         if declared > limit:
+            # Read (and drop) the body first, bounded: closing a socket with unread data makes
+            # the kernel send a reset, and async clients then never see the 413.
+            await _drain(receive, max_bytes=8 * limit, max_seconds=10.0)
             for msg in _json_message(
                 413, too_large.body(), request_id, [(b"connection", b"close")]
             ):
@@ -105,3 +108,23 @@ class RequestContextMiddleware:
                         await send(msg)
                 except Exception:
                     pass
+
+
+async def _drain(receive: Receive, max_bytes: int, max_seconds: float) -> None:
+    """Consume the request body up to `max_bytes` / `max_seconds`, discarding it."""
+    import asyncio
+
+    async def loop() -> None:
+        seen = 0
+        while seen <= max_bytes:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            seen += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
+
+    try:
+        await asyncio.wait_for(loop(), max_seconds)
+    except (asyncio.TimeoutError, Exception):
+        pass

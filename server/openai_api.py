@@ -83,6 +83,14 @@ def sampling_params(
     requested = body.requested_max_tokens  # type: ignore[attr-defined]
     if requested is not None and requested < 1:
         raise bad_request("max_tokens must be at least 1", "max_tokens")
+    if requested is not None and requested > model.context_length:
+        # no prompt could leave that much room: refuse, as OpenAI does (smaller values that only
+        # overflow with this prompt are capped to the room left)
+        raise bad_request(
+            f"max_tokens is too large: {requested}. This model's maximum context length is "
+            f"{model.context_length} tokens.",
+            "max_tokens",
+        )
     room = model.context_length - num_prompt_tokens
     max_tokens = min(requested if requested is not None else config.default_max_tokens, room)
     temperature = body.temperature if body.temperature is not None else config.temperature

@@ -33,6 +33,9 @@ def response_format_constraint(rf: Any, param: str = "response_format") -> dict[
     if kind == "json_object":
         return {"type": "json_object"}
     if kind == "json_schema":
+        if "json_schema" not in rf and "schema" not in rf:
+            raise bad_request(f"'{param}' of type json_schema needs a 'json_schema' object",
+                              f"{param}.json_schema")
         inner = rf.get("json_schema", rf)  # chat nests it; Responses' text.format does not
         if not isinstance(inner, dict):
             raise bad_request(f"'{param}.json_schema' must be an object", f"{param}.json_schema")

@@ -332,9 +332,15 @@ def test_defaults_and_context_cap(client, fake):
     client.chat.completions.create(model=MODEL, messages=HI)
     p = fake.submits[0].params
     assert (p.max_tokens, p.temperature, p.top_p) == (512, 1.0, 1.0)
-    client.chat.completions.create(model=MODEL, messages=HI, max_tokens=100_000)
+    # fits the context alone but not next to this prompt: capped to the room left
+    ctx = fake.model.context_length
+    client.chat.completions.create(model=MODEL, messages=HI, max_tokens=ctx)
     n_prompt = len(fake.submits[1].prompt_ids)
-    assert fake.submits[1].params.max_tokens == fake.model.context_length - n_prompt
+    assert fake.submits[1].params.max_tokens == ctx - n_prompt
+    # larger than the whole context: refused (as OpenAI does), nothing submitted
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=HI, max_tokens=100_000)
+    assert err.value.body["param"] == "max_tokens" and len(fake.submits) == 2
 
 
 def test_model_field_optional_and_aliases(server, fake):

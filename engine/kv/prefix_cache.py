@@ -197,6 +197,7 @@ class PrefixCache:
             raise ValueError(f"row has {n} tokens but only {len(token_ids)} ids were given")
         positions = [None if isinstance(r, RecurrentLayout) else r.row_positions(0) for r in rows]
         node, created = self._root, 0
+        filled: list[mx.array] = []
         for block in self._blocks(token_ids, n):
             child = node.children.get(block)
             if child is None:
@@ -204,16 +205,22 @@ class PrefixCache:
                 node.children[block] = child
                 self._lru[id(child)] = child
                 created += 1
-            self._fill(child, rows, positions, n)
+            filled += self._fill(child, rows, positions, n)
             node = child
+        # Evaluate the stored blocks now: an unevaluated slice would keep its whole source
+        # buffer (the batch's KV) alive while the LRU counts only the block's bytes.
+        if filled:
+            mx.eval(filled)
         if node is not self._root:
             self._touch(node)
         self.stats.inserted_blocks += created
         self._evict()
         return created
 
-    def _fill(self, node: _Node, rows: list[Any], positions: list[Any], n: int) -> None:
+    def _fill(self, node: _Node, rows: list[Any], positions: list[Any], n: int) -> list[mx.array]:
+        """Store what `node`'s block needs from each layer; returns the new (lazy) arrays."""
         bs = self.block_size
+        new: list[mx.array] = []
         lo, hi = (node.depth - 1) * bs, node.depth * bs
         for li, r in enumerate(rows):
             if node.data[li] is not None:
@@ -235,9 +242,11 @@ class PrefixCache:
                     idx_mx = mx.array(idx, dtype=mx.int32)
                     node.data[li] = [mx.contiguous(b[:, :, idx_mx]) for b in r._bufs]
             if node.data[li] is not None:
+                new += [a for a in node.data[li] if a is not None]
                 added = _arrays_nbytes(node.data[li])
                 node.nbytes += added
                 self._nbytes += added
+        return new
 
     def _evict(self) -> None:
         while self._nbytes > self.max_bytes and self._lru:
