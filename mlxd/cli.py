@@ -80,6 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("rest", nargs=argparse.REMAINDER)
     b = sub.add_parser("bench", help="benchmark mlxd against peer servers", add_help=False)
     b.add_argument("rest", nargs=argparse.REMAINDER)
+    if argv and argv[0] == "quantize":  # their own parsers (argparse's REMAINDER drops --help)
+        from mlxd.quantize import main as quantize_main
+
+        return quantize_main(argv[1:])
+    if argv and argv[0] == "bench":
+        from bench.__main__ import main as bench_main
+
+        return bench_main(argv[1:])
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["serve", *argv]
     args = parser.parse_args(argv)
