@@ -248,14 +248,9 @@ async def chat_completions(request: Request) -> Response:
             _chat_stream(gens, model, cid, created, body, want_lp, k),
             on_close=lambda: _abort_all(gens),
         )
-    try:
-        results = await run_until_disconnect(request, lambda: collect_all(gens))
-    except GenerationError as exc:
-        return JSONResponse(error_body(str(exc), "server_error", None, "generation_failed"), 500)
-    finally:
-        _abort_all(gens)
-    if results is None:
-        return Response(status_code=499)
+    results = await _collect(request, gens)
+    if isinstance(results, Response):
+        return results
     choices = [
         {
             "index": r.index,
@@ -391,14 +386,9 @@ async def completions(request: Request) -> Response:
             _completion_stream(gens, model, cid, created, body, echo_of, k),
             on_close=lambda: _abort_all(gens),
         )
-    try:
-        results = await run_until_disconnect(request, lambda: collect_all(gens))
-    except GenerationError as exc:
-        return JSONResponse(error_body(str(exc), "server_error", None, "generation_failed"), 500)
-    finally:
-        _abort_all(gens)
-    if results is None:
-        return Response(status_code=499)
+    results = await _collect(request, gens)
+    if isinstance(results, Response):
+        return results
     choices = []
     for r in results:
         echo = echo_of[r.index]
@@ -524,3 +514,17 @@ async def _completion_stream(
     if include_usage:
         yield chunk([], usage_numbers(gens))
     yield sse_event(DONE)
+
+
+async def _collect(request: Request, gens: list) -> list | Response:
+    """Whole results of a non-streamed request, or the response to send instead (a failed
+    generation, or 499 when the client left); every row is aborted on the way out."""
+    try:
+        results = await run_until_disconnect(request, lambda: collect_all(gens))
+    except GenerationError as exc:
+        return JSONResponse(error_body(str(exc), "server_error", None, "generation_failed"), 500)
+    finally:
+        _abort_all(gens)
+    if results is None:
+        return Response(status_code=499)
+    return results
