@@ -14,10 +14,12 @@ Workloads (prompts from ../shared/data/tinycoder-dev.jsonl):
 Modes: `plain` (no speculation, the peer), `draft` / `ngram` (adaptive: the engine decides per
 step whether and how far to speculate), `draft-k` / `ngram-k` (always the full
 `--num-draft-tokens`, to show what speculation costs or gains unguarded). Each mode runs in a
-fresh engine on the same loaded weights after a warm-up; `--repeats` alternates the order and
-keeps each mode's median. Reports tokens/s (generated tokens / wall time of the whole workload,
-prefill included), the ratio to plain, acceptance rates and verify widths. Greedy by default
-(`--temperature`), so every mode emits the same tokens.
+fresh engine on the same loaded weights after a warm-up. `--repeats` runs rounds of every mode
+in alternating order; tokens/s is each mode's median round and the ratio to plain the median of
+per-round ratios (a mode against the plain run of its own round, since a shared machine's load
+drifts between rounds). Tokens/s = generated tokens / wall time of the whole workload (prefill
+included). Also reported: acceptance rates, verify widths, the share of speculative steps.
+Greedy by default (`--temperature`), so every mode emits the same tokens.
 
 Writes DIR/spec.json and DIR/spec.png.
 """
@@ -231,12 +233,17 @@ def compare(
             )
     summary: dict[str, Any] = {}
     for mode, rs in runs.items():
-        rs = sorted(rs, key=lambda r: r["tokens_per_s"])
-        summary[mode] = dict(rs[len(rs) // 2], repeats=[r["tokens_per_s"] for r in rs])
-    base = summary["plain"]["tokens_per_s"] if "plain" in summary else None
-    for res in summary.values():
-        if base:
-            res["ratio_vs_plain"] = round(res["tokens_per_s"] / base, 3)
+        # ratios are paired with the plain run of the same round (load drifts between rounds)
+        ratios = (
+            [r["tokens_per_s"] / p["tokens_per_s"] for r, p in zip(rs, runs["plain"], strict=True)]
+            if "plain" in runs
+            else []
+        )
+        order = sorted(range(len(rs)), key=lambda i: rs[i]["tokens_per_s"])
+        summary[mode] = dict(rs[order[len(rs) // 2]], repeats=[r["tokens_per_s"] for r in rs])
+        if ratios:
+            summary[mode]["ratio_vs_plain"] = round(float(statistics.median(ratios)), 3)
+            summary[mode]["ratios_by_round"] = [round(x, 3) for x in ratios]
     return {
         "workload": label,
         "concurrency": concurrency,

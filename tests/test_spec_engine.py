@@ -289,3 +289,78 @@ def test_wide_kv_views_give_the_same_logits():
         got = model(tokens, cache=wide(batches[1], force=True))
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
         assert kvb.num_tokens(batches[0]) == kvb.num_tokens(batches[1])
+
+
+def test_sampled_rows_with_a_draft_model_end_to_end():
+    """Temperature > 0 through the engine with a draft model (rejection sampling): filters,
+    penalties and logprobs per emitted token; a seeded request reproduces itself."""
+    model, cfg = tiny_model("llama")
+    lm = loaded(model, cfg)
+    draft = _perturbed(model, cfg, 0.05, seed=4)
+    prompt = _repetitive_prompts(cfg["vocab_size"], 1, seed=13)[0]
+    params = SamplingParams(
+        temperature=0.8,
+        top_k=40,
+        top_p=0.95,
+        repetition_penalty=1.1,
+        seed=7,
+        max_tokens=40,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    spec = SpecConfig("draft", draft_model=draft, num_draft_tokens=3, adaptive=False)
+    runs = []
+    for _ in range(2):
+        eng = _engine(lm, spec)
+        try:
+            out = _run(eng, [Request("s", list(prompt), params)], stagger=False)["s"]
+            st = eng.stats().spec["draft"]
+        finally:
+            eng.stop()
+        runs.append(out.tokens)
+        assert len(out.tokens) == 40 and st["spec_steps"] > 0 and st["accepted_tokens"] > 0
+        for ev in out.events:
+            assert len(ev.logprobs) == len(ev.token_ids) == len(ev.top_logprobs)
+            assert all(lp <= 0 for lp in ev.logprobs)
+            assert all(len(t) == 3 for t in ev.top_logprobs)
+        assert any(len(ev.token_ids) > 1 for ev in out.events)  # drafts were accepted
+    assert runs[0] == runs[1]
+
+
+def test_sampled_distribution_end_to_end_matches_the_model():
+    """T = 1 on an 8-token vocabulary: the first two tokens of 3,000 seeded requests decoded
+    with a (deliberately poor) draft model follow p(x0) p(x1 | x0) computed from the target's
+    own logits (chi-square over the 64 cells)."""
+    from scipy.stats import chisquare
+
+    model, cfg = tiny_model("llama", vocab_size=8)
+    lm = loaded(model, cfg)
+    draft = _perturbed(model, cfg, 0.5, seed=5)
+    prompt = [1, 5, 2, 7, 3, 1, 5]
+
+    def probs(ids: list[int]) -> np.ndarray:
+        logits = model(mx.array([ids]))[0, -1].astype(mx.float32)
+        return np.array(mx.softmax(logits))
+
+    p0 = probs(prompt)
+    want = np.stack([p0[a] * probs(prompt + [a]) for a in range(8)]).reshape(-1)
+    n = 3000
+    spec = SpecConfig("draft", draft_model=draft, num_draft_tokens=2, adaptive=False)
+    eng = _engine(lm, spec, max_num_seqs=256, max_queue=4096)
+    try:
+        reqs = [
+            Request(f"r{i}", list(prompt), SamplingParams(temperature=1.0, seed=i, max_tokens=2))
+            for i in range(n)
+        ]
+        outs = _run(eng, reqs, stagger=False)
+        st = eng.stats().spec["draft"]
+    finally:
+        eng.stop()
+    pairs = np.array([outs[r.req_id].tokens for r in reqs])
+    observed = np.bincount(pairs[:, 0] * 8 + pairs[:, 1], minlength=64)
+    keep = want * n >= 1
+    obs = observed[keep].astype(np.float64)
+    exp = want[keep].astype(np.float64)
+    stat, pvalue = chisquare(obs, exp / exp.sum() * obs.sum())
+    assert pvalue > 1e-3, (stat, pvalue)
+    assert 0.05 < st["acceptance_rate"] < 0.95, st  # both outcomes of the rule happened

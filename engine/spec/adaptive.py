@@ -192,8 +192,9 @@ class Controller:
         self.overhead += 0.1 * (seconds - self.overhead)
 
     def warm(self, num_rows: int) -> bool:
-        """Whether speculation is on for a batch of this size (untested: no)."""
-        return self._chosen_spec.get(bucket_of(max(num_rows, 1)), False)
+        """Whether speculation is on, or still untested, for a batch of this size (a draft
+        model prefills admitted rows when warm: cheaper than catching them all up later)."""
+        return self._chosen_spec.get(bucket_of(max(num_rows, 1)), True)
 
     # -- the verify width ------------------------------------------------------------------
     def decide(self, alpha: np.ndarray, caps: np.ndarray) -> Decision:
