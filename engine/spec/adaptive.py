@@ -11,9 +11,9 @@ for rows with low acceptance, none below `alpha < min_reach`), and never more th
 has left to generate.
 
 Cost. `StepCosts` keeps the engine step's wall time per (batch-size bucket, verify width W),
-W = 1 being plain pipelined decoding: the lower quartile of the last `window` samples, because
-on a shared machine other processes stall steps (noise that only ever adds time) and drift the
-level over time; both modes are read the same way, so their ratio stays fair. A step is
+W = 1 being plain pipelined decoding: the median of the last `window` samples, trusted from
+`min_samples` on (on a shared machine other processes stall steps and drift the level over
+time; a median of recent samples follows the level and ignores the stalls). A step is
 measured only when it is typical: no prefill in it, and the same mode as the step before (the
 first step after a switch drains or refills the pipeline). Unmeasured widths are estimated:
 from this bucket's W = 1 and the ratio measured at the nearest bucket; else by a straight line
@@ -60,14 +60,17 @@ class _Cell:
     samples: deque[float]
     count: int
     last_step: int
-    seconds: float = 0.0  # lower quartile of `samples`
+    seconds: float = 0.0  # median of `samples`
 
 
 class StepCosts:
-    """Seconds per engine step keyed by (bucket, width): lower quartile of recent samples."""
+    """Seconds per engine step keyed by (bucket, width): the median of recent samples, trusted
+    once a cell has `min_samples` (the median of one or two samples on a shared machine is a
+    coin toss, and the first cell measured must not decide on its own)."""
 
-    def __init__(self, window: int = 9, prior_slope: float = 0.15) -> None:
+    def __init__(self, window: int = 9, min_samples: int = 3, prior_slope: float = 0.15) -> None:
         self.window = window
+        self.min_samples = min_samples
         self.prior_slope = prior_slope
         self.cells: dict[tuple[int, int], _Cell] = {}
 
@@ -76,26 +79,27 @@ class StepCosts:
         if cell is None:
             cell = self.cells[(bucket, width)] = _Cell(deque(maxlen=self.window), 0, step)
         cell.samples.append(seconds)
-        ordered = sorted(cell.samples)
-        cell.seconds = ordered[(len(ordered) - 1) // 4]
+        cell.seconds = float(np.median(cell.samples))
         cell.count += 1
         cell.last_step = step
 
     def measured(self, bucket: int, width: int) -> _Cell | None:
-        return self.cells.get((bucket, width))
+        """The cell if it holds enough samples to be trusted."""
+        cell = self.cells.get((bucket, width))
+        return cell if cell is not None and cell.count >= self.min_samples else None
 
     def estimate(self, bucket: int, width: int) -> float | None:
         """Seconds per step at this width (None: unknown, and not to be tried yet)."""
-        cell = self.cells.get((bucket, width))
+        cell = self.measured(bucket, width)
         if cell is not None:
             return cell.seconds
-        plain = self.cells.get((bucket, 1))
+        plain = self.measured(bucket, 1)
         if plain is None:
             return None
         ratio = self._neighbour_ratio(bucket, width)
         if ratio is not None:
             return plain.seconds * ratio
-        widths = sorted(w for (b, w) in self.cells if b == bucket and w > 1)
+        widths = sorted(w for (b, w) in self.cells if b == bucket and w > 1 and self.measured(b, w))
         if widths:
             w2 = widths[-1] if widths[-1] < width else widths[0]
             slope = (self.cells[(bucket, w2)].seconds - plain.seconds) / (w2 - 1)
@@ -106,11 +110,12 @@ class StepCosts:
 
     def _neighbour_ratio(self, bucket: int, width: int) -> float | None:
         best: tuple[int, float] | None = None
-        for (b, w), cell in self.cells.items():
-            if w != width or b == bucket or (b, 1) not in self.cells:
+        for b, w in self.cells:
+            cell, plain = self.measured(b, w), self.measured(b, 1)
+            if w != width or b == bucket or cell is None or plain is None:
                 continue
             dist = abs(int(np.log2(b)) - int(np.log2(bucket)))
-            ratio = cell.seconds / self.cells[(b, 1)].seconds
+            ratio = cell.seconds / plain.seconds
             if bucket > b:  # more rows: verification is relatively dearer, never cheaper
                 ratio = max(ratio, 1.0)
             if best is None or dist < best[0]:
