@@ -21,8 +21,8 @@ through this bucket's measured widths; else W = 2 alone is tried (`prior_slope`)
 one before it.
 
 Choice. For each W the expected rate is `sum_b E(alpha[b], min(W - 1, cap[b]))` tokens per
-`cost(W) + overhead` seconds (`overhead`: an EMA, per speculative step, of the recurring
-drafter work no step measurement holds: a draft model's prefill of admitted rows); speculation
+`cost(W) + overhead` seconds (`overhead`: an EMA, per speculative step, of the drafter work
+no step measurement holds: a draft model's prefill of admitted rows and catch-up); speculation
 must beat plain by `margin` (a wrong "speculate" costs more than a missed one, and what the
 cells still miss, such as pipeline drains, is all on the speculative side). Probes keep both sides' costs fresh, `probe_steps` steps each (all but
 the first are measured): while speculating, plain decoding after `plain_probe_every` steps
@@ -191,15 +191,20 @@ class Controller:
             self.pooled_alpha += 0.05 * (rate - self.pooled_alpha)
 
     def add_overhead(self, seconds: float) -> None:
-        """Recurring drafter work since the previous speculative step that no step measurement
-        holds (a draft model's prefill of admitted rows): amortised over spec steps. One-off
-        catch-ups after plain stretches are not counted here; probes are kept rare instead."""
+        """Drafter work since the previous speculative step that no step measurement holds (a
+        draft model's prefill of admitted rows, its catch-up after plain stretches, which
+        recurs when the choice flips back and forth): amortised over speculative steps."""
         self.overhead += 0.1 * (seconds - self.overhead)
 
     def warm(self, num_rows: int) -> bool:
-        """Whether speculation is on, or still untested, for a batch of this size (a draft
-        model prefills admitted rows when warm: cheaper than catching them all up later)."""
-        return self._chosen_spec.get(bucket_of(max(num_rows, 1)), True)
+        """Whether speculation has been measured to pay for a batch of this size (a draft
+        model then prefills admitted rows; until then it explores with one row, see
+        `SpecDecoder._caps`)."""
+        b = bucket_of(max(num_rows, 1))
+        measured = any(
+            w > 1 and self.costs.measured(b, w) for (bb, w) in self.costs.cells if bb == b
+        )
+        return bool(self._chosen_spec.get(b, False)) and measured
 
     # -- the verify width ------------------------------------------------------------------
     def decide(self, alpha: np.ndarray, caps: np.ndarray) -> Decision:

@@ -99,7 +99,9 @@ class SpecDecoder:
         return SpecRows(len(rows), self.drafter.admit(prompts, warm))
 
     # -- choosing --------------------------------------------------------------------------
-    def _caps(self, batch: Any) -> tuple[np.ndarray, np.ndarray]:
+    def _caps(self, batch: Any, explore: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Per-row acceptance and draft ceilings. With `explore`, rows whose drafter lags far
+        behind sit out (bar one) until speculation is known to pay at this batch size."""
         rows = batch.rows
         spec: SpecRows = batch.spec
         alpha = self.controller.alpha(spec.accepted, spec.judged)
@@ -108,13 +110,25 @@ class SpecDecoder:
         for i, r in enumerate(rows):
             if r.constraint is not None:  # a grammar mask needs each token consumed first
                 caps[i] = 0
+        lag_of = getattr(self.drafter, "lag", None)
+        warm = self.controller.warm(len(rows))
+        if explore and lag_of is not None and caps.max(initial=0) > 0 and not warm:
+            # until speculation is known to pay here, rows whose drafter state lags far behind
+            # (admitted cold, or decoded plainly for long) sit out, bar one to measure with
+            lag = lag_of(
+                spec.drafter_state, [r.num_prompt_tokens + len(r.output_ids) for r in rows]
+            )
+            far = lag > self.drafter.max_merged
+            if far.all():
+                far[int(np.argmin(lag))] = False
+            caps[far] = 0
         return alpha, caps
 
     def decide(self, batch: Any) -> int:
         """Verify width for this step (1 = plain decoding)."""
         if batch.spec is None or not len(batch):
             return 1
-        alpha, caps = self._caps(batch)
+        alpha, caps = self._caps(batch, explore=False)  # what the batch would gain when warm
         if self.drafter.point_mass and caps.max(initial=0) > 0:
             caps = np.minimum(caps, self._available(batch, caps))
         return self.controller.decide(alpha, caps).width
@@ -206,8 +220,10 @@ class SpecDecoder:
         typical = typical and not (width > 1 and self._catch_up)
         self._catch_up = False
         self.controller.record(num_rows, width, seconds, typical)
-        if width > 1:  # draft prefill of rows admitted since the last speculative step
-            overhead = float(getattr(self.drafter, "prefill_seconds", 0.0))
+        if width > 1:  # draft prefill / catch-up since the last speculative step
+            overhead = float(getattr(self.drafter, "prefill_seconds", 0.0)) + float(
+                getattr(self.drafter, "catch_up_seconds", 0.0)
+            )
             self.controller.add_overhead(overhead - self._overhead_seen)
             self._overhead_seen = overhead
 

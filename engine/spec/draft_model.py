@@ -84,6 +84,14 @@ class DraftModelDrafter:
         self.catch_up_seconds = 0.0  # catch-up after plain stretches (once per stretch)
         self.caught_up = False  # the last propose() had to catch up (the step is not typical)
 
+    max_merged = MAX_MERGED
+
+    def lag(self, state: DraftKV, context_lengths: Sequence[int]) -> np.ndarray:
+        """[B] tokens each row's draft KV has not seen yet (1 = in step)."""
+        return np.asarray(context_lengths, np.int64) - np.asarray(
+            kvb.num_tokens(state.layouts), np.int64
+        )
+
     def _layouts(self, num_rows: int) -> list[Any]:
         # ring slack: a round writes up to MAX_MERGED pending + K - 1 draft columns past the
         # checkpoint and keeps at least one
@@ -134,9 +142,12 @@ class DraftModelDrafter:
         layouts = ctx.state.layouts
         K = ctx.max_drafts
         n_draft = kvb.num_tokens(layouts)
-        pending = [c[n:] for c, n in zip(ctx.contexts, n_draft, strict=True)]
+        active = ctx.num_drafts > 0  # rows without drafts feed nothing and keep nothing
+        pending = [
+            c[n:] if a else [] for c, n, a in zip(ctx.contexts, n_draft, active, strict=True)
+        ]
         lengths = np.array([len(p) for p in pending], np.int64)
-        if lengths.min(initial=1) < 1:
+        if (lengths[active] < 1).any():
             raise RuntimeError("draft KV is ahead of its row's context")
         merged = 1 if self.has_recurrent else MAX_MERGED
         self.caught_up = bool(lengths.max(initial=1) > merged)
@@ -146,7 +157,7 @@ class DraftModelDrafter:
             self.catch_up_seconds += time.perf_counter() - t0
             layouts = ctx.state.layouts
             pending = [p[-1:] for p in pending]
-            lengths[:] = 1
+            lengths = np.array([len(p) for p in pending], np.int64)
         kvb.checkpoint(layouts)
         logits = self._first_logits(layouts, pending, lengths, ctx.next_tokens)
         V = ctx.sampler.vocab_size
@@ -172,14 +183,14 @@ class DraftModelDrafter:
     def _first_logits(
         self, layouts: list[Any], pending: list[list[int]], lengths: np.ndarray, nxt: mx.array
     ) -> mx.array:
-        if lengths.max() == 1:
+        if lengths.min() == lengths.max() == 1:
             return self.model(nxt[:, None], cache=layouts)[:, -1, :]
         width = int(lengths.max())
         kvb.prepare(layouts, lengths=lengths.tolist())
         rows = [p + [0] * (width - len(p)) for p in pending]
         out = self.model(mx.array(rows, dtype=mx.int32), cache=wide(layouts))
         kvb.finalize(layouts)
-        last = mx.array(lengths - 1, dtype=mx.int32)[:, None, None]
+        last = mx.array(np.maximum(lengths - 1, 0), dtype=mx.int32)[:, None, None]
         return mx.take_along_axis(out, last, axis=1)[:, 0, :]
 
     def observe(self, ctx: ProposeContext, proposal: Proposal, num_accepted: np.ndarray) -> None:
