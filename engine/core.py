@@ -68,7 +68,9 @@ class Engine:
         spec_cfg = self.config.spec
         if spec_cfg is not None and spec_cfg.enabled:  # ring slack for rollback across the wrap
             self.config.kv.max_draft = max(self.config.kv.max_draft, spec_cfg.num_draft_tokens)
-        self.runner = Runner(loaded.model, self.config.kv)
+        self.runner = Runner(
+            loaded.model, self.config.kv, prefill_chunk=self.config.scheduler.prefill_chunk
+        )
         self.scheduler = Scheduler(self.config.scheduler, self.runner.new_caches)
         self.scheduler.vocab_size = loaded.vocab_size
         cfg = self.config

@@ -48,9 +48,10 @@ def new_batch(model: Any, num_rows: int, cfg: KVConfig | None = None) -> Caches:
     )
 
 
-def prepare_right_padded(caches: Caches, lengths: Sequence[int]) -> bool:
-    """Announce a right-padded prefill (rows of different lengths). Returns True if padded."""
-    if min(lengths) == max(lengths):
+def prepare_right_padded(caches: Caches, lengths: Sequence[int], force: bool = False) -> bool:
+    """Announce a right-padded prefill (rows of different lengths, or `force`: the forward may
+    carry more columns than the longest row). Returns True if announced."""
+    if not force and min(lengths) == max(lengths):
         return False
     kvb.prepare(caches, lengths=list(lengths))
     return True

@@ -16,13 +16,66 @@ from engine.batch import RowMeta, RunningBatch
 from engine.models import prepare_model
 from engine.sampling import SampleOutput, sample
 from engine.scheduler import Plan, StepResult
+from engine.spec.widekv import wide, wide_enabled
+
+MIN_BUCKET = 16
+
+
+def bucket_width(width: int, cap: int) -> int:
+    """The forward width a last prefill chunk of `width` columns is padded to: the next power of
+    two (at least MIN_BUCKET), never more than `cap` (the scheduler's chunk) nor less than width."""
+    b = MIN_BUCKET
+    while b < width:
+        b *= 2
+    return max(width, min(b, cap))
 
 
 class Runner:
-    def __init__(self, model: Any, kv: kvcache.KVConfig | None = None):
+    """Runs prefill chunks and decode steps.
+
+    Stable shapes (`stable_shapes`, on by default where MLX runs attention over several queries
+    through cuDNN, i.e. CUDA): a cuDNN graph is built per (rows, queries, keys) shape, tens of ms
+    each, so a prompt of a new length would pay that on its time to first token. The last chunk
+    of a prefill is right-padded to a power-of-two width (the layouts are told each row's real
+    length, so the pad columns are never kept) and the keys are widened to the layout's
+    allocated capacity (engine/spec/widekv.py), so prompts of any length reuse a few shapes;
+    `warmup()` builds those shapes at start-up.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        kv: kvcache.KVConfig | None = None,
+        stable_shapes: bool | None = None,
+        prefill_chunk: int = 512,
+    ):
         self.model = model
         self.kv = kv or kvcache.KVConfig()
         prepare_model(model)  # once: recurrent mixers step through padding / rollback
+        self.stable_shapes = wide_enabled() if stable_shapes is None else stable_shapes
+        self.prefill_chunk = prefill_chunk
+        self.warmup_seconds = self.warmup()
+
+    def warmup(self) -> float:
+        """Build the stable prefill shapes and a decode step once (CUDA's per-shape setup) before
+        the first request; returns the seconds it took (0 when shapes are not stabilised)."""
+        if not self.stable_shapes:
+            return 0.0
+        import time
+
+        t0 = time.perf_counter()
+        width = MIN_BUCKET
+        while True:
+            caches = self.new_caches(1)
+            kvcache.prepare_right_padded(caches, [width - 1], force=True)
+            self.model(mx.zeros((1, width), dtype=mx.int32), cache=wide(caches, force=True))
+            kvcache.finalize(caches)
+            logits = self.model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
+            mx.eval(logits)
+            if width >= self.prefill_chunk:
+                break
+            width = min(width * 2, self.prefill_chunk)
+        return time.perf_counter() - t0
 
     def new_caches(self, num_rows: int) -> kvcache.Caches:
         return kvcache.new_batch(self.model, num_rows, self.kv)
@@ -32,13 +85,17 @@ class Runner:
         if group is None or plan.prefill_end <= group.done:
             return
         start, end = group.done, plan.prefill_end
-        padded = False
-        if start == 0:
-            padded = kvcache.prepare_right_padded(group.caches, [len(t) for t in group.token_lists])
+        stable = self.stable_shapes
+        if start == 0:  # with stable shapes every group is announced: its last chunk is padded
+            lengths = [len(t) for t in group.token_lists]
+            kvcache.prepare_right_padded(group.caches, lengths, force=stable)
         width = end - start
+        if stable and end >= group.width:  # only the last chunk: pad columns lie past every row
+            width = bucket_width(width, plan.chunk or self.prefill_chunk)
         rows = [t[start:end] + [0] * (width - len(t[start:end])) for t in group.token_lists]
-        self.model(mx.array(rows, dtype=mx.int32), cache=group.caches)
-        if padded or end >= group.width:
+        caches = wide(group.caches, force=True) if stable else group.caches
+        self.model(mx.array(rows, dtype=mx.int32), cache=caches)
+        if end >= group.width:  # the lengths announced at start == 0 hold across chunks
             kvcache.finalize(group.caches)
         kvcache.eval_state(group.caches)
 

@@ -56,6 +56,7 @@ class Plan:
     prefill: PrefillGroup | None = None
     prefill_end: int = 0  # process columns [prefill.done, prefill_end)
     decode: bool = False
+    chunk: int = 0  # the widest prefill forward allowed now (a padded last chunk stays within)
 
 
 @dataclass(slots=True)
@@ -132,7 +133,8 @@ class Scheduler:
         group = self.prefill
         if group is not None:
             plan.prefill = group
-            plan.prefill_end = min(group.width, group.done + self._chunk())
+            plan.chunk = self._chunk()
+            plan.prefill_end = min(group.width, group.done + plan.chunk)
         return plan
 
     def _chunk(self) -> int:
