@@ -57,6 +57,8 @@ filters), as vLLM and OpenAI report them.
 
 from __future__ import annotations
 
+import copy
+
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -276,7 +278,11 @@ class SamplerState:
             counts = counts.at[rows, tokens].add(1)  # .at adds a repeated id twice
         if seen is not None:
             seen = mx.put_along_axis(seen, tokens, mx.array(True), axis=1)
-        return replace(self, steps=self.steps + tokens.shape[1], counts=counts, seen=seen)
+        # A copy, not `replace`: the host mirror and the flags derived from it do not change,
+        # and re-deriving them every decode step is host time the GPU waits for.
+        out = copy.copy(self)
+        out.steps, out.counts, out.seen = self.steps + tokens.shape[1], counts, seen
+        return out
 
 
 _ROW_FIELDS = (
