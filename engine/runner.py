@@ -6,6 +6,7 @@ values (token ids, logprobs) for the scheduler to turn into events.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +53,10 @@ class Runner:
         self.model = model
         self.kv = kv or kvcache.KVConfig()
         prepare_model(model)  # once: recurrent mixers step through padding / rollback
-        self.stable_shapes = wide_enabled() if stable_shapes is None else stable_shapes
+        if stable_shapes is None:  # MLXD_STABLE_SHAPES=0/1 overrides the per-backend default
+            env = os.environ.get("MLXD_STABLE_SHAPES", "")
+            stable_shapes = env == "1" if env in ("0", "1") else wide_enabled()
+        self.stable_shapes = stable_shapes
         self.prefill_chunk = prefill_chunk
         self.warmup_seconds = self.warmup()
 
