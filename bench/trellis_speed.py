@@ -36,6 +36,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kernels.trellis import matvec  # noqa: E402
+from kernels.trellis.linear import TrellisLinear  # noqa: E402
 from kernels.trellis.quantizer import TrellisSpec, TrellisWeight, quantize_weight, rotate  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,15 +55,18 @@ def timed(fn, repeats: int = 3) -> float:
     return best
 
 
-def per_call_and_stacked(make_weight, call, weight_bytes: int, x: mx.array, calls: int = 96) -> dict:
-    copies = max(2, min(64, math.ceil(WORKING_SET / weight_bytes)))
+def per_call_and_stacked(make_weight, call, weight_bytes: int, x: mx.array, calls: int = 96, module_call=None) -> dict:
+    """module_call(x, weights) -> list of per-copy callables, when a call is a module (TrellisLinear)."""
+    copies = max(2, min(128, math.ceil(WORKING_SET / weight_bytes)))
     weights = [make_weight(i) for i in range(copies)]
     mx.eval(weights)
+    fns = module_call(weights) if module_call else [lambda x, w=w: call(x, w) for w in weights]
 
     def run_calls():
-        mx.eval([call(x, weights[i % copies]) for i in range(calls)])
+        mx.eval([fns[i % copies](x) for i in range(calls)])
 
     per_call = timed(run_calls) / calls
+    fns = None
     if isinstance(weights[0], (tuple, list)):
         stacked_w = tuple(mx.concatenate(list(parts), axis=0) for parts in zip(*weights, strict=True))
     else:
@@ -120,26 +124,41 @@ def bench_shape(n_out: int, n_in: int, batch: int, bits_list: list[int]) -> list
 
     x_rot = rotate(x, mx.ones((n_in,), mx.int8))
     block = 256
+    backend = matvec.fused_backend()
     for bits in bits_list:
+        # the launch layout of the real shape (tuned table or heuristic), also for the stacked launch
+        cfg = matvec.default_config(n_out, n_in, batch, backend)
 
         def trellis(i, bits=bits):
             rng = np.random.default_rng(i)
-            packed = rng.integers(0, 2**32, size=(n_out, n_in * bits // 32), dtype=np.uint64).astype(np.uint32)
+            packed = rng.integers(0, 2**32, size=(n_out, n_in * bits // 32), dtype=np.uint32)
             return (mx.array(packed), mx.array(rng.uniform(0.5, 2, n_out).astype(np.float16)))
 
-        def call(x, w, bits=bits):
-            return matvec.trellis_matvec(x, w[0], w[1], bits=bits, L=16, block=block)
+        def call(x, w, bits=bits, cfg=cfg):
+            return matvec.trellis_matvec(x, w[0], w[1], bits=bits, L=16, block=block, config=cfg)
 
-        add(f"trellis {bits}-bit", per_call_and_stacked(trellis, call, n_out * n_in * bits // 8 + 2 * n_out, x_rot))
+        res = per_call_and_stacked(trellis, call, n_out * n_in * bits // 8 + 2 * n_out, x_rot)
+        add(f"trellis {bits}-bit", {**res, "layout": cfg.key()})
 
         if bits == 3:
+            signs = mx.ones((n_in,), mx.int8)
 
-            def full(x, w, bits=bits, signs=mx.ones((n_in,), mx.int8)):
-                tw = TrellisWeight(w[0], w[1], signs, bits, 16, block, "1mad")
-                y = matvec.matmul_rotated(rotate(x, signs), tw, use_fused=True)
-                return y.astype(x.dtype)
+            def full(x, w, bits=bits, cfg=cfg, signs32=signs.astype(mx.float32)):
+                # what TrellisLinear runs: sign flip + Hadamard, one kernel, output in x's dtype
+                return matvec.trellis_matvec(
+                    rotate(x, signs32), w[0], w[1], bits=bits, L=16, block=block, config=cfg, out_dtype=x.dtype
+                )
 
-            add("trellis 3-bit + rotate (TrellisLinear)", per_call_and_stacked(trellis, full, n_out * n_in * 3 // 8 + 2 * n_out, x))
+            def modules(weights, bits=bits):
+                layers = []
+                for packed, scales in weights:
+                    layer = TrellisLinear(n_in, n_out, bits, 16, "1mad", block)
+                    layer.packed, layer.scales, layer.signs = packed, scales, signs
+                    layers.append(layer)
+                return layers
+
+            res = per_call_and_stacked(trellis, full, n_out * n_in * 3 // 8 + 2 * n_out, x, module_call=modules)
+            add("trellis 3-bit + rotate (TrellisLinear)", {**res, "layout": cfg.key()})
     return rows
 
 
@@ -222,7 +241,8 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "trellis_speed.json")
-    p.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
+    p.add_argument("--bits", type=int, nargs="+", default=[3])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     p.add_argument("--skip-encoder", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="CPU check of this script: tiny shapes, reference path")
     args = p.parse_args(argv)
@@ -230,10 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         global SHAPES, WORKING_SET
         SHAPES, WORKING_SET = [(64, 256)], 1 << 20
 
-        def reference_matvec(x, packed, scales, *, bits, L, block, code="1mad", backend=None):
+        def reference_matvec(x, packed, scales, *, bits, L, block, code="1mad", backend=None, config=None, out_dtype=None):
             n_in = x.shape[-1]
             tw = TrellisWeight(packed, scales, mx.ones((n_in,), mx.int8), bits, L, block, code)
-            return matvec.matmul_rotated(x, tw, use_fused=False).astype(x.dtype)
+            return matvec.matmul_rotated(x, tw, use_fused=False).astype(out_dtype or x.dtype)
 
         matvec.trellis_matvec = reference_matvec
         matvec.fused_backend = lambda: "dry-run"
@@ -262,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     result["bandwidth"] = read_bandwidth(1 << 20 if args.dry_run else 1 << 30)
     save()
     result["matvec"] = []
-    for batch in (1, 4):
+    result["tuned_layouts"] = {f"{k[0]}x{k[1]}x{k[2]}": v.key() for k, v in matvec.TUNED.items()}
+    for batch in args.batches:
         for n_out, n_in in SHAPES:
             result["matvec"] += bench_shape(n_out, n_in, batch, args.bits)
             save()

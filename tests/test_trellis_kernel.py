@@ -15,6 +15,7 @@ import pytest
 
 from kernels.trellis import kernel_source as ks
 from kernels.trellis import matvec
+from kernels.trellis.matvec import SMEM, LaunchConfig
 from kernels.trellis.quantizer import TrellisWeight, dequantize_rotated_ref
 
 # (n_out, n_in, block): odd row counts, row lengths that are 3/5/7 x a power of two.
@@ -72,14 +73,62 @@ def test_kernel_body_on_cpu_equals_reference(shape_i, batch, bits, L, code):
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
+# The register-resident body: odd shapes, every batch it takes, both decodes (DEN=1 is CUDA's
+# denormal decode, DEN=0 Metal's arithmetic), several launch layouts (chunks, partial threadgroups).
+XREG_CPU_CASES = [
+    # (shape index, batch, bits, L, code, config)
+    (0, 1, 3, 16, "1mad", LaunchConfig("xreg", 2, 4, 1, 2, 1)),
+    (0, 1, 3, 16, "1mad", LaunchConfig("xreg", 2, 4, 1, 2, 0)),
+    (1, 3, 3, 16, "3inst", LaunchConfig("xreg", 1, 2, 3, 1, 1)),
+    (2, 4, 4, 12, "1mad", LaunchConfig("xreg", 1, 2, 2, 2, 1)),
+    (6, 2, 2, 16, "1mad", LaunchConfig("xreg", 2, 4, 2, 1, 1)),
+    (4, 4, 3, 12, "1mad", LaunchConfig("xreg", 1, 8, 1, 1, 0)),
+    (3, 1, 2, 16, "3inst", LaunchConfig("xreg", 2, 8, 2, 2, 1)),
+    (7, 1, 3, 16, "1mad", LaunchConfig("xreg", 2, 4, 2, 1, 1)),
+    (5, 4, 4, 16, "1mad", LaunchConfig("xreg", 1, 1, 1, 1, 1)),
+]
+
+
+@needs_cxx
+@pytest.mark.parametrize("shape_i,batch,bits,L,code,config", XREG_CPU_CASES)
+def test_xreg_body_on_cpu_equals_reference(shape_i, batch, bits, L, code, config):
+    n_out, n_in, block = SHAPES[shape_i]
+    w = random_weight(n_out, n_in, bits, L, block, code, seed=shape_i)
+    x = mx.random.normal((batch, n_in), key=mx.random.key(batch))
+    got = matvec.trellis_matvec_cpu_harness(
+        np.array(x), np.array(w.packed), np.array(w.scales.astype(mx.float32)),
+        bits=bits, L=L, block=block, code=code, config=config,
+    )
+    ref = reference(x, w)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
 def test_every_backend_runs_the_same_body():
     for backend, variant in [("cuda", "dp4a"), ("cuda", "portable"), ("metal", "portable")]:
-        source, header = matvec.kernel_sources(backend, variant)
+        source, header = matvec.kernel_sources(backend, variant, "smem")
         assert ks.BODY in source and ks.SHARED_HELPERS in header
+        source, header = matvec.kernel_sources(backend, variant, "xreg")
+        assert ks.BODY_XREG in source and ks.SHARED_HELPERS in header
     assert ks.BODY in ks.cpu_harness_source(matvec.kernel_constants(8, 32, 1, 2, 12, 32, "1mad"))
+    xreg = matvec.kernel_constants(8, 32, 1, 2, 12, 32, "1mad", LaunchConfig())
+    assert ks.BODY_XREG in ks.cpu_xreg_harness_source(xreg)
     # the per-backend parts stay thin
     assert len(ks.CUDA_PROLOGUE) + len(ks.CUDA_EPILOGUE) < len(ks.BODY)
     assert len(ks.METAL_PROLOGUE) + len(ks.METAL_EPILOGUE) < len(ks.BODY)
+    assert len(ks.CUDA_XREG_PROLOGUE) + len(ks.CUDA_XREG_EPILOGUE) < len(ks.BODY_XREG) / 4
+    assert len(ks.METAL_XREG_PROLOGUE) + len(ks.METAL_XREG_EPILOGUE) < len(ks.BODY_XREG) / 4
+
+
+def test_default_layouts():
+    assert matvec.default_config(4096, 4096, 1, "cuda").body == "xreg"
+    assert matvec.default_config(4096, 4096, 8, "cuda") == SMEM
+    # Metal never takes the denormal decode (it flushes denormals)
+    assert matvec.default_config(4096, 4096, 1, "metal").den == 0
+    for n_out, n_in, batch in itertools.product((1, 37, 4096, 14336), (32, 96, 4096, 14336), range(1, 9)):
+        cfg = matvec.default_config(n_out, n_in, batch, "cuda")
+        consts = matvec.kernel_constants(n_out, n_in, batch, 3, 16, 32, "1mad", cfg)
+        if cfg.body == "xreg":
+            assert 32 * consts["WC"] * cfg.rs <= 1024 and consts["NP"] <= 32
 
 
 # ---- GPU: the real kernels --------------------------------------------------------------------
@@ -98,13 +147,13 @@ GPU_CASES = (
 TOL = {mx.float32: 1e-4, mx.float16: 4e-3, mx.bfloat16: 2e-2}
 
 
-def _gpu_case(backend: str, shape_i, batch, bits, L, code, dtype):
+def _gpu_case(backend: str, shape_i, batch, bits, L, code, dtype, config=None):
     if matvec.fused_backend() != backend:
         pytest.skip(f"needs the {backend} backend (have {matvec.fused_backend()})")
     n_out, n_in, block = SHAPES[shape_i]
     w = random_weight(n_out, n_in, bits, L, block, code, seed=shape_i * 7 + batch)
     x = mx.random.normal((batch, n_in), key=mx.random.key(shape_i + batch)).astype(dtype)
-    y = matvec.trellis_matvec(x, w.packed, w.scales, bits=bits, L=L, block=block, code=code)
+    y = matvec.trellis_matvec(x, w.packed, w.scales, bits=bits, L=L, block=block, code=code, config=config)
     assert y.dtype == dtype and y.shape == (batch, n_out)
     ref = reference(x, w)
     got = np.array(y.astype(mx.float32))
@@ -115,6 +164,19 @@ def _gpu_case(backend: str, shape_i, batch, bits, L, code, dtype):
 @pytest.mark.parametrize("shape_i,batch,bits,L,code,dtype", GPU_CASES)
 def test_cuda_kernel_equals_reference(shape_i, batch, bits, L, code, dtype):
     _gpu_case("cuda", shape_i, batch, bits, L, code, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape_i,batch,bits,L,code,dtype", [c for c in GPU_CASES if c[1] <= 4][:12])
+def test_cuda_smem_body_equals_reference(shape_i, batch, bits, L, code, dtype):
+    """The shared-memory body (what batches of 5-8 take) at small batches too."""
+    _gpu_case("cuda", shape_i, batch, bits, L, code, dtype, SMEM)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape_i,batch,bits,L,code,config", XREG_CPU_CASES)
+def test_cuda_xreg_layouts_equal_reference(shape_i, batch, bits, L, code, config):
+    _gpu_case("cuda", shape_i, batch, bits, L, code, mx.float32, config)
 
 
 @pytest.mark.gpu
@@ -131,9 +193,10 @@ def test_cuda_portable_variant_equals_reference():
     n_out, n_in, block = SHAPES[1]
     w = random_weight(n_out, n_in, 3, 16, block, "1mad", seed=11)
     x = mx.random.normal((3, n_in), key=mx.random.key(11))
-    y = matvec._launch("cuda", "portable", x, w.packed, w.scales, 3, 16, block, "1mad")
     ref = reference(x, w)
-    np.testing.assert_allclose(np.array(y), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    for cfg in (SMEM, LaunchConfig("xreg", 1, 2, 2, 1, 0)):
+        y = matvec._launch("cuda", "portable", x, w.packed, w.scales, 3, 16, block, "1mad", cfg)
+        np.testing.assert_allclose(np.array(y), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
 # ---- the CUDA and Metal sources parse as C++ under stub preludes (CPU CI) ----------------------
@@ -152,6 +215,8 @@ inline __half __ushort_as_half(unsigned short b) { __half h; h.b = b; return h; 
 inline float __half2float(__half h) { return (float)h; }
 inline unsigned int __dp4a(unsigned int, unsigned int, unsigned int c) { return c; }
 inline float __shfl_xor_sync(unsigned int, float v, int) { return v; }
+struct dim3_blk { unsigned int x, y, z; };
+static dim3_blk blockDim;
 struct dim3_stub { unsigned int x, y, z; };
 static dim3_stub threadIdx, blockIdx;
 """
@@ -185,11 +250,13 @@ def _syntax_check(tmp_path, text: str) -> None:
 
 
 @needs_cxx
+@pytest.mark.parametrize("body", ["smem", "xreg"])
 @pytest.mark.parametrize("variant", ["dp4a", "portable"])
 @pytest.mark.parametrize("dtype", ["float", "__half", "__nv_bfloat16"])
-def test_cuda_source_parses(tmp_path, variant, dtype):
-    source, header = matvec.kernel_sources("cuda", variant)
-    consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in matvec.kernel_constants(37, 96, 3, 3, 16, 32, "1mad").items())
+def test_cuda_source_parses(tmp_path, body, variant, dtype):
+    source, header = matvec.kernel_sources("cuda", variant, body)
+    cfg = SMEM if body == "smem" else LaunchConfig("xreg", 2, 4, 2, 2, 1)
+    consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in matvec.kernel_constants(37, 96, 3, 3, 16, 32, "1mad", cfg).items())
     text = (
         _CUDA_STUBS
         + header
@@ -204,16 +271,18 @@ def test_cuda_source_parses(tmp_path, variant, dtype):
 
 
 @needs_cxx
+@pytest.mark.parametrize("body", ["smem", "xreg"])
 @pytest.mark.parametrize("dtype", ["float", "half", "bfloat16_t"])
-def test_metal_source_parses(tmp_path, dtype):
-    source, header = matvec.kernel_sources("metal", "portable")
-    consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in matvec.kernel_constants(37, 96, 3, 3, 16, 32, "3inst").items())
+def test_metal_source_parses(tmp_path, body, dtype):
+    source, header = matvec.kernel_sources("metal", "portable", body)
+    cfg = SMEM if body == "smem" else LaunchConfig("xreg", 1, 2, 2, 2, 0)
+    consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in matvec.kernel_constants(37, 96, 3, 3, 16, 32, "3inst", cfg).items())
     text = (
         _METAL_STUBS
         + header
         + f"void k(const uint32_t* packed, const half* scales, const {dtype}* x, {dtype}* y,\n"
         + "       uint thread_index_in_simdgroup, uint3_stub threadgroup_position_in_grid,\n"
-        + "       uint3_stub thread_position_in_threadgroup,\n"
+        + "       uint3_stub thread_position_in_threadgroup, uint3_stub threads_per_threadgroup,\n"
         + "       uint simdgroup_index_in_threadgroup) {\n"
         + consts
         + f"  using DT = {dtype};\n"
@@ -232,3 +301,13 @@ def test_launch_geometry_covers_every_row():
         assert n_out <= rows_covered < n_out + matvec.ROWS_PER_GROUP
         assert args["output_shapes"] == [(3, n_out)] and args["template"][-1] == ("DT", mx.bfloat16)
         assert dict(args["template"][:-1])["N_OUT"] == n_out
+        for n_in in (96, 512, 4096, 14336):
+            cfg = LaunchConfig("xreg", 2, 4, 3, 2, 1)
+            args = matvec._launch_args(n_out, n_in, 2, 3, 16, 32, "1mad", mx.bfloat16, cfg)
+            consts = dict(args["template"][:-1])
+            threads = args["threadgroup"][0]
+            assert threads == 32 * consts["WC"] * cfg.rs and args["grid"][0] % threads == 0
+            rows_per_group = cfg.rs * cfg.rwu * cfg.nch
+            rows_covered = args["grid"][0] // threads * rows_per_group
+            assert n_out <= rows_covered < n_out + rows_per_group
+            assert consts["WC"] * 32 * 32 * cfg.gpl >= n_in > (consts["WC"] - 1) * 32 * 32 * cfg.gpl

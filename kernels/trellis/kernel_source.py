@@ -30,9 +30,17 @@ SHARED_HELPERS = r"""
 TRELLIS_FN float trellis_1mad(u32 s) {
     // x = s*34038481 + 76625530 mod 2^32; value*147.8 = (sum of x's four bytes) - 510.
     const u32 x = s * 34038481u + 76625530u;
-    const u32 sum = trellis_byte_sum(x);
-    // 2^23 + sum as float bits, minus (2^23 + 510): exact integer, no int-to-float convert.
-    return trellis_as_float(0x4B000000u | sum) - 8389118.0f;
+    // 2^23 + sum as float bits (the byte sum lands on the bits of 2^23, with dp4a in the same
+    // instruction), minus (2^23 + 510): an exact integer, no int-to-float convert.
+    return trellis_as_float(trellis_byte_sum_plus(x, 0x4B000000u)) - 8389118.0f;
+}
+
+TRELLIS_FN float trellis_1mad_denormal(u32 s) {
+    // The byte sum itself as float bits: the denormal sum * 2^-149 (exact). The caller scales x up
+    // by 2^64, so each product sum * x * 2^-85 is a normal float, and removes 510 * sum(x) once per
+    // row: a weight costs the LCG, the byte sum and one FMA. Needs denormals kept (CUDA without
+    // fast math / ftz); Metal flushes them, so Metal never uses it.
+    return trellis_as_float(trellis_byte_sum_plus(s * 34038481u + 76625530u, 0u));
 }
 
 TRELLIS_FN float trellis_3inst(u32 s) {
@@ -108,6 +116,137 @@ BODY = r"""
     const float code_norm = (CODE == 0) ? (1.0f / 147.800537109375f) : 1.0f;
 """
 
+
+# ---- the register-resident body ("xreg"): the default for batches of 1-4 -----------------------
+#
+# Work split: lane `lane` of warp column `wc` owns GPL groups of 32 columns, g = (wc*GPL + j)*32 +
+# lane: its GPL*32 columns of x (times BATCH rows) are loaded once into registers and reused for
+# every output row the warp walks, so the inner loop reads no shared memory. A warp walks RW = RWU
+# x NCH rows: NCH chunks of RWU rows; the words of the next chunk are loaded while the current one
+# is decoded. WC warp columns cover a row (WC = ceil(N_IN / (32 * 32 * GPL))), RS warps of rows
+# share a threadgroup, so a threadgroup owns RS * RW output rows. After each chunk the backend's
+# TRELLIS_REDUCE_CHUNK sums acc[] over the SIMD group into red[] (shared); the epilogue adds the
+# WC warp columns and stores y.
+#
+# DEN = 1 (CUDA only, 1MAD only): the denormal decode (see trellis_1mad_denormal); x is held
+# times 2^64 and 510 * sum(x) is taken off once per row. DEN = 0 is the arithmetic Metal runs.
+#
+# Template constants beyond the first body: GPL, RWU, NCH, RS, WC, NP (RWU * BATCH rounded up to
+# a power of two: the reduction's width), DEN.
+BODY_XREG = r"""
+    const u32 words_per_row = (u32)(N_IN * K / 32);
+    const u32 groups_per_block = (u32)(TB / 32);
+    const u32 num_groups = (u32)(N_IN / 32);
+    const bool denormal = (DEN != 0) && (CODE == 0);
+    TRELLIS_SHARED float red[RS * RWU * NCH * BATCH * WC];
+    u32 gcol[GPL];
+    u32 gnext[GPL];
+    bool gon[GPL];
+    TRELLIS_UNROLL
+    for (int j = 0; j < GPL; ++j) {
+        const u32 g = (wc * (u32)GPL + (u32)j) * 32u + lane;
+        gon[j] = g < num_groups;
+        gcol[j] = g * (u32)K;
+        // the word after the group; at a block's end, the block's first word (tail-biting)
+        const u32 gi = g % groups_per_block;
+        gnext[j] = (gi + 1u == groups_per_block ? g + 1u - groups_per_block : g + 1u) * (u32)K;
+    }
+    // This lane's columns of x, held in registers for every row the warp walks.
+    float xr[GPL * BATCH * 32];
+    float xsum[BATCH];
+    TRELLIS_UNROLL
+    for (int b = 0; b < BATCH; ++b) {
+        xsum[b] = 0.0f;
+    }
+    TRELLIS_UNROLL
+    for (int j = 0; j < GPL; ++j) {
+        const u32 col0 = (wc * (u32)GPL + (u32)j) * 1024u + lane * 32u;
+        TRELLIS_UNROLL
+        for (int b = 0; b < BATCH; ++b) {
+            TRELLIS_UNROLL
+            for (int i = 0; i < 32; ++i) {
+                const float v = gon[j] ? (float)x[(u32)b * (u32)N_IN + col0 + (u32)i] : 0.0f;
+                xsum[b] += v;
+                // 2^64 (exact): keeps every product of the denormal decode a normal float
+                xr[(j * BATCH + b) * 32 + i] = denormal ? v * trellis_as_float(0x5F800000u) : v;
+            }
+        }
+    }
+    const u32 row_base = (group_id * (u32)RS + rs) * (u32)(RWU * NCH);
+    u32 wn[RWU * GPL * (K + 1)];
+    u32 w[RWU * GPL * (K + 1)];
+    TRELLIS_UNROLL
+    for (int t = 0; t < RWU * GPL * (K + 1); ++t) {
+        wn[t] = 0u;
+    }
+    // chunk c is loaded in iteration c and decoded in iteration c + 1
+    for (u32 c = 0; c <= (u32)NCH; ++c) {
+        TRELLIS_UNROLL
+        for (int t = 0; t < RWU * GPL * (K + 1); ++t) {
+            w[t] = wn[t];
+        }
+        if (c < (u32)NCH) {
+            TRELLIS_UNROLL
+            for (int r = 0; r < RWU; ++r) {
+                const u32 row = row_base + c * (u32)RWU + (u32)r;
+                const u32 rbase = row * words_per_row;
+                TRELLIS_UNROLL
+                for (int j = 0; j < GPL; ++j) {
+                    const bool on = gon[j] && row < (u32)N_OUT;
+                    TRELLIS_UNROLL
+                    for (int k = 0; k < K; ++k) {
+                        wn[(r * GPL + j) * (K + 1) + k] = on ? packed[rbase + gcol[j] + (u32)k] : 0u;
+                    }
+                    wn[(r * GPL + j) * (K + 1) + K] = on ? packed[rbase + gnext[j]] : 0u;
+                }
+            }
+        }
+        if (c > 0u) {
+            float acc[NP];
+            TRELLIS_UNROLL
+            for (int t = 0; t < NP; ++t) {
+                acc[t] = 0.0f;
+            }
+            TRELLIS_UNROLL
+            for (int r = 0; r < RWU; ++r) {
+                TRELLIS_UNROLL
+                for (int j = 0; j < GPL; ++j) {
+                    TRELLIS_UNROLL
+                    for (int i = 0; i < 32; ++i) {
+                        const int p = i * K;
+                        const int q = p >> 5;
+                        const u32 off = (u32)(p & 31);
+                        const u32 hi = w[(r * GPL + j) * (K + 1) + q];
+                        const u32 lo = w[(r * GPL + j) * (K + 1) + q + 1];
+                        const u32 state = ((hi << off) | ((lo >> 1) >> (31u - off))) >> (32 - L);
+                        const float v = denormal ? trellis_1mad_denormal(state)
+                                                 : ((CODE == 0) ? trellis_1mad(state) : trellis_3inst(state));
+                        TRELLIS_UNROLL
+                        for (int b = 0; b < BATCH; ++b) {
+                            acc[r * BATCH + b] += v * xr[(j * BATCH + b) * 32 + i];
+                        }
+                    }
+                }
+            }
+            if (denormal) {
+                TRELLIS_UNROLL
+                for (int r = 0; r < RWU; ++r) {
+                    TRELLIS_UNROLL
+                    for (int b = 0; b < BATCH; ++b) {
+                        // back from 2^-85 (exact), then the -510 of every weight at once
+                        acc[r * BATCH + b] = acc[r * BATCH + b] * trellis_as_float(0x6A000000u) - 510.0f * xsum[b];
+                    }
+                }
+            }
+            // rows row_base + (c-1)*RWU .. : slots (rs*RW + (c-1)*RWU)*BATCH + t of red
+            const u32 chunk_row0 = row_base + (c - 1u) * (u32)RWU;
+            const u32 slot0 = (rs * (u32)(RWU * NCH) + (c - 1u) * (u32)RWU) * (u32)BATCH;
+            TRELLIS_REDUCE_CHUNK(acc, slot0, chunk_row0);
+        }
+    }
+    const float code_norm = (CODE == 0) ? (1.0f / 147.800537109375f) : 1.0f;
+"""
+
 # ---- CUDA -------------------------------------------------------------------------------------
 CUDA_HEADER = (
     r"""
@@ -122,18 +261,60 @@ TRELLIS_FN float trellis_half_bits(u32 h) { return __half2float(__ushort_as_half
 )
 # Byte sum: one dp4a instruction, or the portable bit trick (same as Metal's) if NVRTC lacks it.
 CUDA_BYTE_SUM_DP4A = r"""
-TRELLIS_FN u32 trellis_byte_sum(u32 x) { return __dp4a(x, 0x01010101u, 0u); }
+TRELLIS_FN u32 trellis_byte_sum_plus(u32 x, u32 c) { return __dp4a(x, 0x01010101u, c); }
 """
 CUDA_BYTE_SUM_PORTABLE = r"""
-TRELLIS_FN u32 trellis_byte_sum(u32 x) {
+TRELLIS_FN u32 trellis_byte_sum_plus(u32 x, u32 c) {
     const u32 t = (x & 0x00FF00FFu) + ((x >> 8) & 0x00FF00FFu);
-    return (t & 0xFFFFu) + (t >> 16);
+    return (t & 0xFFFFu) + (t >> 16) + c;
 }
 """
 
 
+# Sum N (a power of two <= 32) values over a warp in N - 1 + 5 - log2(N) shuffles: each halving
+# step trades half of the values with the partner lane, so after log2(N) steps a lane holds one
+# value (index idx, from its lane bits) and plain butterflies finish it. The xreg body calls it
+# through TRELLIS_REDUCE_CHUNK once per chunk of rows.
+CUDA_REDUCE = r"""
+template <int N>
+TRELLIS_FN float trellis_lane_reduce(float* v, u32 lane, u32& idx) {
+    int n = N;
+    int bit = 0;
+    idx = 0u;
+    TRELLIS_UNROLL
+    for (int o = 16; o > 0; o >>= 1) {
+        if (n > 1) {
+            const bool up = (lane & (u32)o) != 0u;
+            TRELLIS_UNROLL
+            for (int j = 0; j < N / 2; ++j) {
+                if (j < n / 2) {
+                    const float send = up ? v[2 * j] : v[2 * j + 1];
+                    const float keep = up ? v[2 * j + 1] : v[2 * j];
+                    v[j] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+                }
+            }
+            idx |= (up ? 1u : 0u) << bit;
+            ++bit;
+            n >>= 1;
+        } else {
+            v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
+        }
+    }
+    return v[0];
+}
+#define TRELLIS_REDUCE_CHUNK(acc, slot0, chunk_row0)                                            \
+    do {                                                                                       \
+        u32 idx_;                                                                              \
+        const float s_ = trellis_lane_reduce<NP>(acc, lane, idx_);                             \
+        if ((lane & (32u / (u32)NP - 1u)) == 0u && idx_ < (u32)(RWU * BATCH)) {               \
+            red[((slot0) + idx_) * (u32)WC + wc] = s_;                                         \
+        }                                                                                      \
+    } while (0)
+"""
+
+
 def cuda_header(portable: bool = False) -> str:
-    return CUDA_HEADER + (CUDA_BYTE_SUM_PORTABLE if portable else CUDA_BYTE_SUM_DP4A) + SHARED_HELPERS
+    return CUDA_HEADER + (CUDA_BYTE_SUM_PORTABLE if portable else CUDA_BYTE_SUM_DP4A) + SHARED_HELPERS + CUDA_REDUCE
 
 CUDA_PROLOGUE = r"""
     const u32 lane = threadIdx.x & 31u;
@@ -161,6 +342,34 @@ CUDA_EPILOGUE = r"""
     }
 """
 
+CUDA_XREG_PROLOGUE = r"""
+    const u32 lane = threadIdx.x & 31u;
+    const u32 wc = (threadIdx.x >> 5) % (u32)WC;
+    const u32 rs = (threadIdx.x >> 5) / (u32)WC;
+    const u32 group_id = blockIdx.x;
+"""
+
+# red[] holds one sum per (row of the threadgroup, row of x, warp column): add the warp columns.
+XREG_STORE = r"""
+        float s = 0.0f;
+        TRELLIS_UNROLL
+        for (int c = 0; c < WC; ++c) {
+            s += red[o * (u32)WC + (u32)c];
+        }
+        const u32 row = group_id * (u32)(RS * RWU * NCH) + o / (u32)BATCH;
+        if (row < (u32)N_OUT) {
+            y[(o % (u32)BATCH) * (u32)N_OUT + row] = (DT)(s * (float)scales[row] * code_norm);
+        }
+"""
+
+CUDA_XREG_EPILOGUE = (
+    r"""
+    TRELLIS_BARRIER();
+    for (u32 o = threadIdx.x; o < (u32)(RS * RWU * NCH * BATCH); o += blockDim.x) {"""
+    + XREG_STORE
+    + "    }\n"
+)
+
 # ---- Metal ------------------------------------------------------------------------------------
 METAL_HEADER = (
     r"""
@@ -171,12 +380,40 @@ typedef uint u32;
 #define TRELLIS_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 TRELLIS_FN float trellis_as_float(u32 b) { return as_type<float>(b); }
 TRELLIS_FN float trellis_half_bits(u32 h) { return float(as_type<half>((ushort)h)); }
-TRELLIS_FN u32 trellis_byte_sum(u32 x) {
+TRELLIS_FN u32 trellis_byte_sum_plus(u32 x, u32 c) {
     const u32 t = (x & 0x00FF00FFu) + ((x >> 8) & 0x00FF00FFu);
-    return (t & 0xFFFFu) + (t >> 16);
+    return (t & 0xFFFFu) + (t >> 16) + c;
 }
 """
     + SHARED_HELPERS
+)
+
+METAL_XREG_HEADER = r"""
+#define TRELLIS_REDUCE_CHUNK(acc, slot0, chunk_row0)                                            \
+    do {                                                                                       \
+        TRELLIS_UNROLL                                                                         \
+        for (int t_ = 0; t_ < RWU * BATCH; ++t_) {                                             \
+            const float s_ = simd_sum(acc[t_]);                                                \
+            if (lane == 0u) {                                                                  \
+                red[((slot0) + (u32)t_) * (u32)WC + wc] = s_;                                  \
+            }                                                                                  \
+        }                                                                                      \
+    } while (0)
+"""
+
+METAL_XREG_PROLOGUE = r"""
+    const u32 lane = thread_index_in_simdgroup;
+    const u32 wc = simdgroup_index_in_threadgroup % (u32)WC;
+    const u32 rs = simdgroup_index_in_threadgroup / (u32)WC;
+    const u32 group_id = threadgroup_position_in_grid.x;
+"""
+
+METAL_XREG_EPILOGUE = (
+    r"""
+    TRELLIS_BARRIER();
+    for (u32 o = thread_position_in_threadgroup.x; o < (u32)(RS * RWU * NCH * BATCH); o += threads_per_threadgroup.x) {"""
+    + XREG_STORE
+    + "    }\n"
 )
 
 METAL_PROLOGUE = r"""
@@ -222,9 +459,9 @@ static inline float trellis_half_bits(u32 h) {
     }
     return trellis_as_float(sign | ((e + 112u) << 23) | (m << 13));
 }
-static inline u32 trellis_byte_sum(u32 x) {
+static inline u32 trellis_byte_sum_plus(u32 x, u32 c) {
     const u32 t = (x & 0x00FF00FFu) + ((x >> 8) & 0x00FF00FFu);
-    return (t & 0xFFFFu) + (t >> 16);
+    return (t & 0xFFFFu) + (t >> 16) + c;
 }
 """
     + SHARED_HELPERS
@@ -256,4 +493,40 @@ def cpu_harness_source(consts: dict[str, int]) -> str:
         + "        partial[((size_t)row * 32u + lane) * BATCH + b] = (DT)(acc[b] * scales[row] * code_norm);\n"
         + "    }\n"
         + "    }}\n}\n"
+    )
+
+
+CPU_XREG_REDUCE = r"""
+#define TRELLIS_REDUCE_CHUNK(acc, slot0, chunk_row0)                                            \
+    do {                                                                                       \
+        for (int t_ = 0; t_ < RWU * BATCH; ++t_) {                                             \
+            const u32 row_ = (chunk_row0) + (u32)(t_ / BATCH);                                 \
+            if (row_ < (u32)N_OUT) {                                                           \
+                partial[((size_t)row_ * (WC * 32u) + wc * 32u + lane) * BATCH + (t_ % BATCH)] = acc[t_]; \
+            }                                                                                  \
+        }                                                                                      \
+    } while (0)
+"""
+
+
+def cpu_xreg_harness_source(consts: dict[str, int]) -> str:
+    """A C++ translation unit that runs BODY_XREG thread by thread and stores each lane's sums.
+
+    ``trellis_xreg_partials(packed, x, partial)``: partial has shape (N_OUT, WC * 32, BATCH), the
+    per-lane sums before the SIMD-group reduction and before scale * code_norm.
+    """
+    groups = -(-consts["N_OUT"] // (consts["RS"] * consts["RWU"] * consts["NCH"]))
+    return (
+        CPU_HEADER
+        + CPU_XREG_REDUCE
+        + 'extern "C" void trellis_xreg_partials(const u32* packed, const float* x, float* partial) {\n'
+        + _constants_cpp(consts)
+        + "    typedef float DT;\n"
+        + f"    for (u32 group_id = 0; group_id < {groups}u; ++group_id) {{\n"
+        + "    for (u32 rs = 0; rs < (u32)RS; ++rs) {\n"
+        + "    for (u32 wc = 0; wc < (u32)WC; ++wc) {\n"
+        + "    for (u32 lane = 0; lane < 32u; ++lane) {\n"
+        + BODY_XREG
+        + "    (void)code_norm; (void)red;\n"
+        + "    }}}}\n}\n"
     )

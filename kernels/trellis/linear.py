@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .bitshift import block_size_for
-from .matvec import MAX_FUSED_BATCH, fused_backend, matmul_rotated
+from .matvec import MAX_FUSED_BATCH, fused_backend, matmul_rotated, trellis_matvec
 from .quantizer import (
     TrellisSpec,
     TrellisWeight,
@@ -109,7 +109,13 @@ class TrellisLinear(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         x_rot = rotate(x, self._signs_f32())
         rows = x_rot.size // self.input_dims
-        if fused_backend() is not None and rows <= MAX_FUSED_BATCH:
+        if rows <= MAX_FUSED_BATCH and fused_backend() is not None:
+            # decode path: sign flip, Hadamard, one kernel (any leading shape, output in x's dtype)
+            if "bias" not in self:
+                return trellis_matvec(
+                    x_rot, self.packed, self.scales, bits=self.bits, L=self.L, block=self.block, code=self.code,
+                    out_dtype=x.dtype,
+                )
             y = matmul_rotated(x_rot, self.trellis_weight(), use_fused=True)
         else:
             y = x_rot @ self.dense_rotated().T

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -24,37 +25,120 @@ from .codes import CODES
 from .quantizer import TrellisWeight, dequantize_rotated
 
 MAX_FUSED_BATCH = 8
-ROWS_PER_GROUP = 16  # SIMD groups (output rows) per threadgroup: 512 threads share a staged x
-METAL_MAX_BATCH = 7  # 8 staged rows of x (33.8 KB) exceed Metal's 32 KB of threadgroup memory
+ROWS_PER_GROUP = 16  # smem body: SIMD groups (output rows) per threadgroup, 512 threads share a staged x
+METAL_MAX_BATCH = 7  # smem body: 8 staged rows of x (33.8 KB) exceed Metal's 32 KB of threadgroup memory
+XREG_MAX_BATCH = 4  # xreg body: x lives in registers (32 * GPL * batch floats a lane)
+
+
+_GPU_BACKEND: list[str | None] = []
 
 
 def fused_backend() -> str | None:
     """'cuda' or 'metal' when the default device is a GPU with that backend, else None."""
     if mx.default_device() != mx.gpu:
         return None
-    if hasattr(mx, "cuda") and mx.cuda.is_available():
-        return "cuda"
-    if mx.metal.is_available():
-        return "metal"
-    return None
+    if not _GPU_BACKEND:  # which GPU backend this process has does not change: ask once
+        if hasattr(mx, "cuda") and mx.cuda.is_available():
+            _GPU_BACKEND.append("cuda")
+        elif mx.metal.is_available():
+            _GPU_BACKEND.append("metal")
+        else:
+            _GPU_BACKEND.append(None)
+    return _GPU_BACKEND[0]
 
 
 VARIANTS = {"cuda": ("dp4a", "portable"), "metal": ("portable",)}
 _chosen: dict[str, str] = {}
 
 
-def kernel_sources(backend: str, variant: str) -> tuple[str, str]:
-    """(source, header) of the fused kernel for a backend; the body is the same for all."""
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How a fused call is laid out. body "xreg" (x in registers, batch <= 4) or "smem" (x staged in
+    shared memory, any batch). For xreg: GPL groups of 32 columns a lane, RWU rows a chunk, NCH
+    chunks a warp, RS warps of rows a threadgroup, DEN the denormal decode (CUDA, 1MAD)."""
+
+    body: str = "xreg"
+    gpl: int = 2
+    rwu: int = 4
+    nch: int = 1
+    rs: int = 2
+    den: int = 1
+
+    def key(self) -> str:
+        if self.body == "smem":
+            return "smem"
+        return f"xreg-g{self.gpl}-r{self.rwu}x{self.nch}-s{self.rs}-d{self.den}"
+
+
+SMEM = LaunchConfig(body="smem")
+_override: dict[str, LaunchConfig] = {}
+
+
+def load_tuned(path: Path | str | None = None) -> dict[tuple[int, int, int], LaunchConfig]:
+    """Measured winners per (n_out, n_in, batch) on CUDA (written by bench/trellis_sweep.py as
+    {"NxMxB": {body, gpl, rwu, nch, rs, den}}). MLXD_TRELLIS_TUNED names another file."""
+    path = Path(path or os.environ.get("MLXD_TRELLIS_TUNED") or Path(__file__).with_name("tuned_cuda.json"))
+    if not path.exists():
+        return {}
+    import json
+
+    table = {}
+    for key, cfg in json.loads(path.read_text()).items():
+        n_out, n_in, batch = (int(v) for v in key.split("x"))
+        table[(n_out, n_in, batch)] = LaunchConfig(**cfg)
+    return table
+
+
+# Other shapes use the heuristic in default_config.
+TUNED: dict[tuple[int, int, int], LaunchConfig] = load_tuned()
+
+
+def warp_columns(n_in: int, gpl: int) -> int:
+    return -(-(n_in // 32) // (32 * gpl))
+
+
+def default_config(n_out: int, n_in: int, batch: int, backend: str) -> LaunchConfig:
+    """The launch layout for one call (tuned table first, then a heuristic)."""
+    if "all" in _override:
+        cfg = _override["all"]
+    elif (n_out, n_in, batch) in TUNED:
+        cfg = TUNED[(n_out, n_in, batch)]
+    elif batch > XREG_MAX_BATCH:
+        cfg = SMEM
+    else:
+        gpl = 2 if batch <= 2 else 1
+        rwu = max(1, 4 // _pow2(batch))
+        wc = warp_columns(n_in, gpl)
+        # about 12 warps a multiprocessor (132 on the H200) when there are enough rows
+        nch = max(1, min(8, (n_out * wc) // (1600 * rwu)))
+        rs = max(1, min(4, 8 // wc))
+        cfg = LaunchConfig("xreg", gpl, rwu, nch, rs, 1)
+    if cfg.body == "xreg" and (batch > XREG_MAX_BATCH or backend != "cuda"):
+        cfg = replace(cfg, den=0) if batch <= XREG_MAX_BATCH else SMEM
+    return cfg
+
+
+def _pow2(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+def kernel_sources(backend: str, variant: str, body: str = "xreg") -> tuple[str, str]:
+    """(source, header) of the fused kernel for a backend; each body is the same text for all."""
     if backend == "cuda":
-        return ks.CUDA_PROLOGUE + ks.BODY + ks.CUDA_EPILOGUE, ks.cuda_header(portable=variant == "portable")
+        header = ks.cuda_header(portable=variant == "portable")
+        if body == "xreg":
+            return ks.CUDA_XREG_PROLOGUE + ks.BODY_XREG + ks.CUDA_XREG_EPILOGUE, header
+        return ks.CUDA_PROLOGUE + ks.BODY + ks.CUDA_EPILOGUE, header
     if backend == "metal":
+        if body == "xreg":
+            return ks.METAL_XREG_PROLOGUE + ks.BODY_XREG + ks.METAL_XREG_EPILOGUE, ks.METAL_HEADER + ks.METAL_XREG_HEADER
         return ks.METAL_PROLOGUE + ks.BODY + ks.METAL_EPILOGUE, ks.METAL_HEADER
     raise ValueError(f"no fused trellis kernel for backend {backend!r}")
 
 
-@lru_cache(maxsize=8)
-def _kernel(backend: str, variant: str):
-    source, header = kernel_sources(backend, variant)
+@lru_cache(maxsize=16)
+def _kernel(backend: str, variant: str, body: str = "xreg"):
+    source, header = kernel_sources(backend, variant, body)
     # The name carries a hash of the text: MLX caches compiled kernels by name (on disk for CUDA).
     name = "trellis_matvec_" + hashlib.sha1((source + header).encode()).hexdigest()[:12]
     make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
@@ -70,8 +154,9 @@ def kernel_variant(backend: str) -> str:
         try:
             x = mx.ones((1, 32), dtype=mx.float32)
             packed = mx.zeros((8, 4), dtype=mx.uint32)
-            y = _launch(backend, variant, x, packed, mx.ones((8,), dtype=mx.float16), 4, 12, 32, "1mad")
-            mx.eval(y)
+            for cfg in (SMEM, default_config(8, 32, 1, backend)):
+                y = _launch(backend, variant, x, packed, mx.ones((8,), dtype=mx.float16), 4, 12, 32, "1mad", cfg)
+                mx.eval(y)
             _chosen[backend] = variant
             return variant
         except Exception as exc:  # compile errors surface at eval time
@@ -79,8 +164,10 @@ def kernel_variant(backend: str) -> str:
     raise RuntimeError("no fused trellis kernel variant works here: " + " | ".join(errors))
 
 
-def kernel_constants(n_out: int, n_in: int, batch: int, bits: int, L: int, block: int, code: str) -> dict[str, int]:
-    return {
+def kernel_constants(
+    n_out: int, n_in: int, batch: int, bits: int, L: int, block: int, code: str, config: LaunchConfig = SMEM
+) -> dict[str, int]:
+    consts = {
         "K": bits,
         "L": L,
         "TB": block,
@@ -88,8 +175,22 @@ def kernel_constants(n_out: int, n_in: int, batch: int, bits: int, L: int, block
         "N_OUT": n_out,
         "BATCH": batch,
         "CODE": CODES.index(code),
-        "ROWS": ROWS_PER_GROUP,
     }
+    if config.body == "smem":
+        consts["ROWS"] = ROWS_PER_GROUP
+        return consts
+    consts.update(
+        GPL=config.gpl,
+        RWU=config.rwu,
+        NCH=config.nch,
+        RS=config.rs,
+        WC=warp_columns(n_in, config.gpl),
+        NP=_pow2(config.rwu * batch),
+        DEN=int(config.den and code == "1mad"),
+    )
+    if consts["NP"] > 32:
+        raise ValueError(f"rows a chunk x batch must be <= 32, got {config.rwu} x {batch}")
+    return consts
 
 
 def trellis_matvec(
@@ -102,40 +203,71 @@ def trellis_matvec(
     block: int,
     code: str = "1mad",
     backend: str | None = None,
+    config: LaunchConfig | None = None,
+    out_dtype: mx.Dtype | None = None,
 ) -> mx.array:
-    """Fused y (M, n_out) = x_rot (M, n_in) @ W~^T for M <= 8; output in x_rot's dtype."""
+    """Fused y (..., n_out) = x_rot (..., n_in) @ W~^T for at most 8 rows of x_rot in all.
+
+    One kernel launch, no reshape or cast around it: any leading shape, output in ``out_dtype``
+    (default x_rot's dtype)."""
     backend = backend or fused_backend()
     if backend is None:
         raise RuntimeError("no GPU backend for the fused trellis kernel")
-    m = x_rot.shape[0]
+    n_in = x_rot.shape[-1]
+    m = x_rot.size // n_in
     if not 1 <= m <= MAX_FUSED_BATCH:
         raise ValueError(f"fused kernel takes 1..{MAX_FUSED_BATCH} rows, got {m}")
-    if backend == "metal" and m > METAL_MAX_BATCH:
-        half = m // 2
-        parts = [x_rot[:half], x_rot[half:]]
-        variant = kernel_variant(backend)
-        return mx.concatenate([_launch(backend, variant, p, packed, scales, bits, L, block, code) for p in parts], axis=0)
-    return _launch(backend, kernel_variant(backend), x_rot, packed, scales, bits, L, block, code)
+    n_out = int(packed.shape[0])
+    cfg = config or default_config(n_out, n_in, m, backend)
+    out_dtype = out_dtype or x_rot.dtype
+    variant = _chosen.get(backend) or kernel_variant(backend)
+    if backend == "metal" and cfg.body == "smem" and m > METAL_MAX_BATCH:
+        x2 = x_rot.reshape(m, n_in)
+        parts = [x2[: m // 2], x2[m // 2 :]]
+        ys = [_launch(backend, variant, p, packed, scales, bits, L, block, code, cfg, out_dtype) for p in parts]
+        return mx.concatenate(ys, axis=0).reshape(*x_rot.shape[:-1], n_out)
+    return _launch(backend, variant, x_rot, packed, scales, bits, L, block, code, cfg, out_dtype)
 
 
 @lru_cache(maxsize=1024)
-def _launch_args(n_out: int, n_in: int, m: int, bits: int, L: int, block: int, code: str, dtype: mx.Dtype) -> dict:
+def _launch_args(
+    n_out: int,
+    n_in: int,
+    m: int,
+    bits: int,
+    L: int,
+    block: int,
+    code: str,
+    dtype: mx.Dtype,
+    config: LaunchConfig = SMEM,
+    lead: tuple[int, ...] | None = None,
+) -> dict:
     """Keyword arguments of one kernel call, built once per shape (dispatch is latency-bound)."""
-    consts = kernel_constants(n_out, n_in, m, bits, L, block, code)
-    groups = -(-n_out // ROWS_PER_GROUP)
+    consts = kernel_constants(n_out, n_in, m, bits, L, block, code, config)
+    if config.body == "smem":
+        threads = 32 * ROWS_PER_GROUP
+        groups = -(-n_out // ROWS_PER_GROUP)
+    else:
+        threads = 32 * consts["WC"] * config.rs
+        groups = -(-n_out // (config.rs * config.rwu * config.nch))
     return {
         "template": [*consts.items(), ("DT", dtype)],
-        "grid": (groups * 32 * ROWS_PER_GROUP, 1, 1),
-        "threadgroup": (32 * ROWS_PER_GROUP, 1, 1),
-        "output_shapes": [(m, n_out)],
+        "grid": (groups * threads, 1, 1),
+        "threadgroup": (threads, 1, 1),
+        "output_shapes": [(*(lead if lead is not None else (m,)), n_out)],
         "output_dtypes": [dtype],
     }
 
 
-def _launch(backend, variant, x_rot, packed, scales, bits, L, block, code) -> mx.array:
-    m, n_in = x_rot.shape
-    args = _launch_args(int(packed.shape[0]), n_in, m, bits, L, block, code, x_rot.dtype)
-    (y,) = _kernel(backend, variant)(inputs=[packed, scales, x_rot], **args)
+def _launch(
+    backend, variant, x_rot, packed, scales, bits, L, block, code, config: LaunchConfig = SMEM, out_dtype=None
+) -> mx.array:
+    n_in = x_rot.shape[-1]
+    args = _launch_args(
+        int(packed.shape[0]), n_in, x_rot.size // n_in, bits, L, block, code,
+        out_dtype or x_rot.dtype, config, tuple(x_rot.shape[:-1]),
+    )
+    (y,) = _kernel(backend, variant, config.body)(inputs=[packed, scales, x_rot], **args)
     return y
 
 
@@ -147,8 +279,7 @@ def matmul_rotated(x_rot: mx.array, w: TrellisWeight, use_fused: bool | None = N
     if use_fused is None:
         use_fused = backend is not None and x2.shape[0] <= MAX_FUSED_BATCH
     if use_fused:
-        y = trellis_matvec(x2, w.packed, w.scales, bits=w.bits, L=w.L, block=w.block, code=w.code)
-        y = y.astype(mx.float32)
+        y = trellis_matvec(x2, w.packed, w.scales, bits=w.bits, L=w.L, block=w.block, code=w.code, out_dtype=mx.float32)
     else:
         y = x2.astype(mx.float32) @ dequantize_rotated(w).T
     return y.reshape(*lead, -1)
@@ -180,12 +311,29 @@ def _cpu_library(source: str) -> ctypes.CDLL:
 
 
 def trellis_matvec_cpu_harness(
-    x_rot: np.ndarray, packed: np.ndarray, scales: np.ndarray, *, bits: int, L: int, block: int, code: str = "1mad"
+    x_rot: np.ndarray,
+    packed: np.ndarray,
+    scales: np.ndarray,
+    *,
+    bits: int,
+    L: int,
+    block: int,
+    code: str = "1mad",
+    config: LaunchConfig = SMEM,
 ) -> np.ndarray:
     """The fused kernel's shared body run on the CPU, one lane at a time; returns y (M, n_out)."""
     m, n_in = x_rot.shape
     n_out = packed.shape[0]
-    consts = kernel_constants(n_out, n_in, m, bits, L, block, code)
+    consts = kernel_constants(n_out, n_in, m, bits, L, block, code, config)
+    if config.body == "xreg":
+        lib = _cpu_library(ks.cpu_xreg_harness_source(consts))
+        packed_c = np.ascontiguousarray(packed, dtype=np.uint32)
+        x_c = np.ascontiguousarray(x_rot, dtype=np.float32)
+        partial = np.zeros((n_out, consts["WC"] * 32, m), dtype=np.float32)
+        ptr = ctypes.c_void_p
+        lib.trellis_xreg_partials(ptr(packed_c.ctypes.data), ptr(x_c.ctypes.data), ptr(partial.ctypes.data))
+        norm = np.float32(1.0 / 147.800537109375) if code == "1mad" else np.float32(1.0)
+        return (partial.sum(axis=1, dtype=np.float32) * (np.asarray(scales, np.float32) * norm)[:, None]).T
     lib = _cpu_library(ks.cpu_harness_source(consts))
     packed_c = np.ascontiguousarray(packed, dtype=np.uint32)
     scales_c = np.ascontiguousarray(scales, dtype=np.float32)
