@@ -50,16 +50,18 @@ def candidates(n_out: int, n_in: int, batch: int) -> list[LaunchConfig]:
     """The layouts tried for one shape: the heuristic's pick, both decodes, the old body, and a
     spread of (groups a lane, rows a chunk, chunks a warp) around it."""
     if batch <= 2:
-        grid = [(1, 4, 1), (1, 4, 4), (2, 2, 2), (2, 4, 1), (2, 4, 4), (1, 8, 2), (2, 8, 1), (1, 2, 8)]
+        grid = [(1, 4, 1), (1, 4, 4), (2, 2, 2), (2, 4, 4), (1, 8, 2), (2, 8, 1)]
     else:
-        grid = [(1, 1, 4), (1, 2, 1), (1, 2, 4), (1, 1, 8), (1, 4, 1), (1, 4, 2)]
+        grid = [(1, 1, 4), (1, 2, 1), (1, 2, 4), (1, 4, 2)]
     out = []
     for gpl, rwu, nch in grid:
         wc = matvec.warp_columns(n_in, gpl)
         rs = max(1, min(4, 8 // wc))
-        out.append(LaunchConfig("xreg", gpl, rwu, nch, rs, 1))
+        cfg = LaunchConfig("xreg", gpl, rwu, nch, rs, 1)
+        if matvec.xreg_fits(cfg, n_in, batch):
+            out.append(cfg)
     default = matvec.default_config(n_out, n_in, batch, "cuda")
-    extra = [default, LaunchConfig(**{**default.__dict__, "den": 0}), SMEM]
+    extra = [default, SMEM] + ([LaunchConfig(**{**default.__dict__, "den": 0})] if batch == 1 else [])
     seen: dict[str, LaunchConfig] = {}
     for c in extra + out:
         seen.setdefault(c.key(), c)
@@ -87,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tuned", type=Path, default=None)
     p.add_argument("--budget-s", type=float, default=300.0, help="stop starting new shapes after this")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes, for a quick check of the script")
+    p.add_argument("--plot", type=Path, default=None, help="only draw the PNG of an earlier --out JSON")
     args = p.parse_args(argv)
+    if args.plot:
+        plot(json.loads(args.plot.read_text()), args.out)
+        return 0
     t_start = time.perf_counter()
     global SHAPES, WORKING_SET, CALLS
     if args.dry_run:  # CPU check of this script: the twin stands in for the kernel
@@ -146,7 +152,12 @@ def main(argv: list[str] | None = None) -> int:
         tw = TrellisWeight(copies_list[0][0], copies_list[0][1], mx.ones((n_in,), mx.int8), BITS, L, BLOCK, "1mad")
         dense = dequantize_rotated(tw)
         mx.eval(dense)
-        # affine 4-bit baseline on the same shape
+        # MLX affine 4-bit g64 on the same shape (same number of copies)
+        wq = mx.quantize(mx.random.normal((n_out * copies, n_in)).astype(mx.bfloat16) * 0.02, 64, 4)
+        mx.eval(wq)
+        qbytes = n_out * n_in // 2 + 4 * n_out * n_in // 64
+        qcopies = [tuple(a[i * n_out : (i + 1) * n_out] for a in wq) for i in range(copies)]
+        mx.eval(qcopies)
         for batch in BATCHES:
             x = mx.random.normal((batch, n_in), key=mx.random.key(batch)).astype(mx.bfloat16)
             xf = x.astype(mx.float32)
@@ -189,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             good = sorted((r for r in rows_here if r.get("ok") and "us_stacked_per_copy" in r), key=lambda r: r["us_stacked_per_copy"])
             # per call (96 calls of the real shape in one eval) for the three best layouts + default
             default_key = matvec.default_config(n_out, n_in, batch, "cuda").key()
-            per_call_keys = [r["config"] for r in good[:1]] + [default_key, "smem"]
+            per_call_keys = [r["config"] for r in good[:1]] + [default_key]
             for r in rows_here:
                 if r["config"] not in per_call_keys or not r.get("ok"):
                     continue
@@ -218,17 +229,10 @@ def main(argv: list[str] | None = None) -> int:
             if filled:
                 best = filled[0]
                 tuned[f"{n_out}x{n_in}x{batch}"] = {k: best[k] for k in ("body", "gpl", "rwu", "nch", "rs", "den")}
-            # MLX affine 4-bit on the same shape
-            wq = mx.quantize(mx.random.normal((n_out * copies, n_in)).astype(mx.bfloat16) * 0.02, 64, 4)
-            mx.eval(wq)
-            qbytes = n_out * n_in // 2 + 4 * n_out * n_in // 64
-
             def q_stacked(x=x):
                 mx.eval([mx.quantized_matmul(x, *wq, transpose=True, group_size=64, bits=4) for _ in range(REPS)])
 
             tq = timed(q_stacked, 5) / (REPS * copies)
-            qcopies = [tuple(a[i * n_out : (i + 1) * n_out] for a in wq) for i in range(copies)]
-            mx.eval(qcopies)
 
             def q_calls(x=x):
                 mx.eval([mx.quantized_matmul(x, *qcopies[i % copies], transpose=True, group_size=64, bits=4) for i in range(CALLS)])
@@ -240,13 +244,53 @@ def main(argv: list[str] | None = None) -> int:
             }
             print(json.dumps(qrow), flush=True)
             result["rows"].append(qrow)
-            del wq, qcopies
             save()
-        del packed_all, scales_all, copies_list, dense
+        del packed_all, scales_all, copies_list, dense, wq, qcopies
     result["dispatch"] = dispatch_paths()
     result["seconds"] = round(time.perf_counter() - t_start, 1)
     save()
+    try:
+        plot(result, args.out.with_suffix(".png"))
+    except Exception as exc:  # no matplotlib there: draw it later with --plot
+        print(f"plot: {exc}", file=sys.stderr)
     return 0
+
+
+def plot(result: dict, path: Path) -> None:
+    """GB/s of weight bytes (stacked) per shape and batch: best layout, old body, affine 4-bit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r.get("ok") and "GBps_stacked" in r]
+    groups = sorted({(tuple(r["shape"]), r["batch"]) for r in rows}, key=lambda g: (g[1], g[0]))
+    series = {"trellis 3-bit, best layout": [], "trellis 3-bit, old smem body": [], "affine 4-bit quantized_matmul": []}
+    for g in groups:
+        here = [r for r in rows if (tuple(r["shape"]), r["batch"]) == g]
+        trel = [r for r in here if r["config"] != "affine-q4-quantized_matmul"]
+        series["trellis 3-bit, best layout"].append(max((r["GBps_stacked"] for r in trel), default=0))
+        series["trellis 3-bit, old smem body"].append(next((r["GBps_stacked"] for r in trel if r["config"] == "smem"), 0))
+        series["affine 4-bit quantized_matmul"].append(
+            next((r["GBps_stacked"] for r in here if r["config"] == "affine-q4-quantized_matmul"), 0)
+        )
+    fig, ax = plt.subplots(figsize=(11, 5))
+    width = 0.8 / len(series)
+    for i, (name, vals) in enumerate(series.items()):
+        ax.bar(np.arange(len(groups)) + i * width, vals, width, label=name)
+    peak = result.get("sum_read_GBps", 0)
+    if peak:
+        ax.axhline(peak, color="k", ls="--", lw=1, label=f"mx.sum read {peak:.0f} GB/s")
+        ax.axhline(peak / 2, color="r", ls=":", lw=1, label="50 % of it (the target)")
+    ax.set_xticks(np.arange(len(groups)) + 0.4 - width / 2)
+    ax.set_xticklabels([f"{g[0][0]}x{g[0][1]}\nbatch {g[1]}" for g in groups], fontsize=8)
+    ax.set_ylabel("GB/s of weight bytes (stacked launch)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(f"trellis mat-vec layouts ({result.get('device_name', '?')}, mlx {result.get('mlx', '?')})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def dispatch_paths() -> dict:
@@ -263,10 +307,19 @@ def dispatch_paths() -> dict:
         call = lambda i: matvec.trellis_matvec(x, ws[i % 8], sc, bits=BITS, L=L, block=BLOCK)  # noqa: E731
         out["wrapper_us"] = round(timed(lambda: mx.eval([call(i) for i in range(96)]), 3) / 96 * 1e6, 2)
         kern = matvec._kernel("cuda", matvec.kernel_variant("cuda"), cfg.body)
-        kargs = matvec._launch_args(n_out, n_in, batch, BITS, L, BLOCK, "1mad", x.dtype, cfg, (batch,))
+        kargs = matvec._launch_args(n_out, n_in, batch, BITS, L, BLOCK, "1mad", x.dtype, cfg, (batch,), x.dtype)
         out["kernel_object_us"] = round(
             timed(lambda: mx.eval([kern(inputs=[ws[i % 8], sc, x], **kargs)[0] for i in range(96)]), 3) / 96 * 1e6, 2
         )
+        from kernels.trellis.linear import TrellisLinear
+
+        layers = []
+        for i in range(8):
+            layer = TrellisLinear(n_in, n_out, BITS, L, "1mad", BLOCK)
+            layer.packed, layer.scales = ws[i], sc
+            layers.append(layer)
+        x3 = x.reshape(1, 1, n_in)
+        out["trellis_linear_us"] = round(timed(lambda: mx.eval([layers[i % 8](x3) for i in range(96)]), 3) / 96 * 1e6, 2)
         out["add_op_us"] = round(timed(lambda: mx.eval([xf + float(i) for i in range(96)]), 3) / 96 * 1e6, 2)
         out["multiply_hadamard_us"] = round(
             timed(lambda: mx.eval([mx.hadamard_transform(x * xf, 1 / 64) for i in range(96)]), 3) / 96 * 1e6, 2
@@ -281,7 +334,7 @@ def dispatch_paths() -> dict:
         import hashlib
 
         kname = "trellis_matvec_" + hashlib.sha1((source + header).encode()).hexdigest()[:12]
-        ints = "".join(f"_{v}" for _, v in kargs["template"][:-1])
+        ints = "".join(f"_{v}" for _, v in kargs["template"] if isinstance(v, int))
         hits = sorted(glob.glob(os.path.join(cache, f"custom_kernel_{kname}{ints}_*.txt")))
         found = None
         if hits:

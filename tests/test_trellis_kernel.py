@@ -119,6 +119,13 @@ def test_every_backend_runs_the_same_body():
     assert len(ks.METAL_XREG_PROLOGUE) + len(ks.METAL_XREG_EPILOGUE) < len(ks.BODY_XREG) / 4
 
 
+def test_kernel_name_carries_both_dtypes():
+    """MLX caches compiled kernels by name + template values: x's dtype must be part of them."""
+    a = matvec._launch_args(64, 512, 1, 3, 16, 256, "1mad", mx.bfloat16, LaunchConfig(), (1,), mx.float32)
+    b = matvec._launch_args(64, 512, 1, 3, 16, 256, "1mad", mx.bfloat16, LaunchConfig(), (1,), mx.bfloat16)
+    assert a["template"] != b["template"] and a["template"][-1] == b["template"][-1] == ("DT", mx.bfloat16)
+
+
 def test_default_layouts():
     assert matvec.default_config(4096, 4096, 1, "cuda").body == "xreg"
     assert matvec.default_config(4096, 4096, 8, "cuda") == SMEM
@@ -129,6 +136,9 @@ def test_default_layouts():
         consts = matvec.kernel_constants(n_out, n_in, batch, 3, 16, 32, "1mad", cfg)
         if cfg.body == "xreg":
             assert 32 * consts["WC"] * cfg.rs <= 1024 and consts["NP"] <= 32
+            assert matvec.xreg_fits(cfg, n_in, batch)
+    # 14 warps of 128 x registers cannot share one multiprocessor's 64K registers
+    assert matvec.default_config(4096, 14336, 4, "cuda") == SMEM
 
 
 # ---- GPU: the real kernels --------------------------------------------------------------------
@@ -216,6 +226,7 @@ inline float __half2float(__half h) { return (float)h; }
 inline unsigned int __dp4a(unsigned int, unsigned int, unsigned int c) { return c; }
 inline float __shfl_xor_sync(unsigned int, float v, int) { return v; }
 struct dim3_blk { unsigned int x, y, z; };
+struct float4 { float x, y, z, w; };
 static dim3_blk blockDim;
 struct dim3_stub { unsigned int x, y, z; };
 static dim3_stub threadIdx, blockIdx;
@@ -230,6 +241,8 @@ struct bfloat16_t { ushort b; bfloat16_t() {} bfloat16_t(float) {} operator floa
 template <class T, class U> T as_type(U u) { T t; std::memcpy(&t, &u, sizeof(T)); return t; }
 inline float simd_sum(float v) { return v; }
 #define threadgroup
+#define device
+#define thread
 namespace mem_flags { enum flags { mem_threadgroup }; }
 inline void threadgroup_barrier(mem_flags::flags) {}
 struct uint3_stub { uint x, y, z; };
@@ -300,14 +313,52 @@ def test_launch_geometry_covers_every_row():
         rows_covered = args["grid"][0] // 32
         assert n_out <= rows_covered < n_out + matvec.ROWS_PER_GROUP
         assert args["output_shapes"] == [(3, n_out)] and args["template"][-1] == ("DT", mx.bfloat16)
-        assert dict(args["template"][:-1])["N_OUT"] == n_out
+        assert dict(args["template"][:-2])["N_OUT"] == n_out
         for n_in in (96, 512, 4096, 14336):
             cfg = LaunchConfig("xreg", 2, 4, 3, 2, 1)
             args = matvec._launch_args(n_out, n_in, 2, 3, 16, 32, "1mad", mx.bfloat16, cfg)
-            consts = dict(args["template"][:-1])
+            consts = dict(args["template"][:-2])
             threads = args["threadgroup"][0]
             assert threads == 32 * consts["WC"] * cfg.rs and args["grid"][0] % threads == 0
             rows_per_group = cfg.rs * cfg.rwu * cfg.nch
             rows_covered = args["grid"][0] // threads * rows_per_group
             assert n_out <= rows_covered < n_out + rows_per_group
             assert consts["WC"] * 32 * 32 * cfg.gpl >= n_in > (consts["WC"] - 1) * 32 * 32 * cfg.gpl
+
+
+# ---- the CUDA source compiles for the H200 (sm_90) with nvcc, where nvcc is installed -----------
+
+_NVCC_PRELUDE = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n"
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="no nvcc")
+@pytest.mark.parametrize("n_out,n_in,batch", [(4096, 4096, 1), (4096, 14336, 1), (14336, 4096, 4), (37, 96, 3), (8, 160, 8)])
+def test_cuda_source_compiles_for_sm90_without_spills(tmp_path, n_out, n_in, batch):
+    """What MLX's NVRTC gets (minus its own device header), built by nvcc for sm_90: no errors,
+    no register spills for the default layouts."""
+    import re
+    import subprocess
+
+    cfg = matvec.default_config(n_out, n_in, batch, "cuda")
+    source, header = matvec.kernel_sources("cuda", "dp4a", cfg.body)
+    consts = matvec.kernel_constants(n_out, n_in, batch, 3, 16, 256 if n_in % 256 == 0 else 32, "1mad", cfg)
+    text = (
+        _NVCC_PRELUDE
+        + header
+        + "namespace mlx { namespace core { namespace cu {\n"
+        + "__global__ void k(const uint32_t* packed, const __half* scales, const float* x, __nv_bfloat16* y) {\n"
+        + "".join(f"  constexpr int {k} = {v};\n" for k, v in consts.items())
+        + "  using DT = __nv_bfloat16;\n"
+        + source
+        + "}\n}}}\n"
+    )
+    src = tmp_path / "k.cu"
+    src.write_text(text)
+    proc = subprocess.run(
+        ["nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / "k.cubin"), "-Xptxas", "-v", str(src)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    spills = [int(v) for v in re.findall(r"(\d+) bytes spill stores", proc.stderr)]
+    assert spills and max(spills) == 0, proc.stderr[-2000:]

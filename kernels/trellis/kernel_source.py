@@ -164,11 +164,18 @@ BODY_XREG = r"""
         TRELLIS_UNROLL
         for (int b = 0; b < BATCH; ++b) {
             TRELLIS_UNROLL
-            for (int i = 0; i < 32; ++i) {
-                const float v = gon[j] ? (float)x[(u32)b * (u32)N_IN + col0 + (u32)i] : 0.0f;
-                xsum[b] += v;
-                // 2^64 (exact): keeps every product of the denormal decode a normal float
-                xr[(j * BATCH + b) * 32 + i] = denormal ? v * trellis_as_float(0x5F800000u) : v;
+            for (int i = 0; i < 32; i += 4) {
+                // four columns at a time (one 16-byte load on CUDA for float x; col0 is 32-aligned)
+                float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                if (gon[j]) {
+                    trellis_load4(x + (u32)b * (u32)N_IN + col0 + (u32)i, v);
+                }
+                TRELLIS_UNROLL
+                for (int e = 0; e < 4; ++e) {
+                    xsum[b] += v[e];
+                    // 2^64 (exact): keeps every product of the denormal decode a normal float
+                    xr[(j * BATCH + b) * 32 + i + e] = denormal ? v[e] * trellis_as_float(0x5F800000u) : v[e];
+                }
             }
         }
     }
@@ -257,6 +264,20 @@ typedef unsigned int u32;
 #define TRELLIS_BARRIER() __syncthreads()
 TRELLIS_FN float trellis_as_float(u32 b) { return __uint_as_float(b); }
 TRELLIS_FN float trellis_half_bits(u32 h) { return __half2float(__ushort_as_half((unsigned short)h)); }
+template <class T>
+TRELLIS_FN void trellis_load4(const T* p, float* v) {
+    v[0] = (float)p[0];
+    v[1] = (float)p[1];
+    v[2] = (float)p[2];
+    v[3] = (float)p[3];
+}
+TRELLIS_FN void trellis_load4(const float* p, float* v) {
+    const float4 q = *reinterpret_cast<const float4*>(p);
+    v[0] = q.x;
+    v[1] = q.y;
+    v[2] = q.z;
+    v[3] = q.w;
+}
 """
 )
 # Byte sum: one dp4a instruction, or the portable bit trick (same as Metal's) if NVRTC lacks it.
@@ -380,6 +401,13 @@ typedef uint u32;
 #define TRELLIS_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 TRELLIS_FN float trellis_as_float(u32 b) { return as_type<float>(b); }
 TRELLIS_FN float trellis_half_bits(u32 h) { return float(as_type<half>((ushort)h)); }
+template <class T>
+TRELLIS_FN void trellis_load4(const device T* p, thread float* v) {
+    v[0] = (float)p[0];
+    v[1] = (float)p[1];
+    v[2] = (float)p[2];
+    v[3] = (float)p[3];
+}
 TRELLIS_FN u32 trellis_byte_sum_plus(u32 x, u32 c) {
     const u32 t = (x & 0x00FF00FFu) + ((x >> 8) & 0x00FF00FFu);
     return (t & 0xFFFFu) + (t >> 16) + c;
@@ -448,6 +476,10 @@ typedef uint32_t u32;
 #define TRELLIS_SHARED
 #define TRELLIS_BARRIER()
 static inline float trellis_as_float(u32 b) { float f; std::memcpy(&f, &b, 4); return f; }
+template <class T>
+static inline void trellis_load4(const T* p, float* v) {
+    for (int e = 0; e < 4; ++e) v[e] = (float)p[e];
+}
 static inline float trellis_half_bits(u32 h) {
     // IEEE binary16 -> binary32 (normal, subnormal, zero; the codes never make inf/nan).
     const u32 sign = (h & 0x8000u) << 16;

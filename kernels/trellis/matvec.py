@@ -97,6 +97,15 @@ def warp_columns(n_in: int, gpl: int) -> int:
     return -(-(n_in // 32) // (32 * gpl))
 
 
+def xreg_fits(config: LaunchConfig, n_in: int, batch: int, bits: int = 4) -> bool:
+    """Whether an xreg threadgroup can launch: all WC * RS warps of it must fit the 64K registers
+    of one multiprocessor (MLX's kernels carry no launch bounds, so the compiler may take up to 255
+    a thread). The estimate follows ptxas on sm_90: x, two sets of words, the sums, ~40 more."""
+    threads = 32 * warp_columns(n_in, config.gpl) * config.rs
+    regs = 32 * config.gpl * batch + 2 * config.rwu * config.gpl * (bits + 1) + _pow2(config.rwu * batch) + 40
+    return threads <= 1024 and threads * min(255, regs) <= 65536 and _pow2(config.rwu * batch) <= 32
+
+
 def default_config(n_out: int, n_in: int, batch: int, backend: str) -> LaunchConfig:
     """The launch layout for one call (tuned table first, then a heuristic)."""
     if "all" in _override:
@@ -113,6 +122,8 @@ def default_config(n_out: int, n_in: int, batch: int, backend: str) -> LaunchCon
         nch = max(1, min(8, (n_out * wc) // (1600 * rwu)))
         rs = max(1, min(4, 8 // wc))
         cfg = LaunchConfig("xreg", gpl, rwu, nch, rs, 1)
+        if not xreg_fits(cfg, n_in, batch):
+            cfg = SMEM  # e.g. batch 3-4 on 14336-wide rows: 14 warps of 128 x registers each
     if cfg.body == "xreg" and (batch > XREG_MAX_BATCH or backend != "cuda"):
         cfg = replace(cfg, den=0) if batch <= XREG_MAX_BATCH else SMEM
     return cfg
@@ -241,6 +252,7 @@ def _launch_args(
     dtype: mx.Dtype,
     config: LaunchConfig = SMEM,
     lead: tuple[int, ...] | None = None,
+    x_dtype: mx.Dtype | None = None,
 ) -> dict:
     """Keyword arguments of one kernel call, built once per shape (dispatch is latency-bound)."""
     consts = kernel_constants(n_out, n_in, m, bits, L, block, code, config)
@@ -251,7 +263,9 @@ def _launch_args(
         threads = 32 * consts["WC"] * config.rs
         groups = -(-n_out // (config.rs * config.rwu * config.nch))
     return {
-        "template": [*consts.items(), ("DT", dtype)],
+        # XT is not used by the source, but MLX names (and caches) a compiled kernel by its template
+        # arguments only: x's dtype must be among them once it can differ from the output's
+        "template": [*consts.items(), ("XT", x_dtype or dtype), ("DT", dtype)],
         "grid": (groups * threads, 1, 1),
         "threadgroup": (threads, 1, 1),
         "output_shapes": [(*(lead if lead is not None else (m,)), n_out)],
@@ -265,7 +279,7 @@ def _launch(
     n_in = x_rot.shape[-1]
     args = _launch_args(
         int(packed.shape[0]), n_in, x_rot.size // n_in, bits, L, block, code,
-        out_dtype or x_rot.dtype, config, tuple(x_rot.shape[:-1]),
+        out_dtype or x_rot.dtype, config, tuple(x_rot.shape[:-1]), x_rot.dtype,
     )
     (y,) = _kernel(backend, variant, config.body)(inputs=[packed, scales, x_rot], **args)
     return y
