@@ -362,3 +362,17 @@ def test_cuda_source_compiles_for_sm90_without_spills(tmp_path, n_out, n_in, bat
     assert proc.returncode == 0, proc.stderr[-3000:]
     spills = [int(v) for v in re.findall(r"(\d+) bytes spill stores", proc.stderr)]
     assert spills and max(spills) == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.gpu
+def test_cuda_kernel_reads_x_views_at_any_offset():
+    """x can be a view 3 floats into a buffer (not 16-byte aligned): the vector loads step aside."""
+    if matvec.fused_backend() != "cuda":
+        pytest.skip("needs the cuda backend")
+    n_out, n_in, block = SHAPES[1]
+    w = random_weight(n_out, n_in, 3, 16, block, "1mad", seed=5)
+    flat = mx.random.normal((3 + 2 * n_in,), key=mx.random.key(5))
+    x = flat[3:].reshape(2, n_in)
+    y = matvec.trellis_matvec(x, w.packed, w.scales, bits=3, L=16, block=block, code="1mad")
+    ref = reference(x, w)
+    np.testing.assert_allclose(np.array(y), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())

@@ -272,11 +272,18 @@ TRELLIS_FN void trellis_load4(const T* p, float* v) {
     v[3] = (float)p[3];
 }
 TRELLIS_FN void trellis_load4(const float* p, float* v) {
-    const float4 q = *reinterpret_cast<const float4*>(p);
-    v[0] = q.x;
-    v[1] = q.y;
-    v[2] = q.z;
-    v[3] = q.w;
+    if ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull) {  // x may be a view at any offset
+        const float4 q = *reinterpret_cast<const float4*>(p);
+        v[0] = q.x;
+        v[1] = q.y;
+        v[2] = q.z;
+        v[3] = q.w;
+    } else {
+        v[0] = p[0];
+        v[1] = p[1];
+        v[2] = p[2];
+        v[3] = p[3];
+    }
 }
 """
 )
