@@ -8,6 +8,12 @@
 from __future__ import annotations
 
 import itertools
+import os
+
+# Under pytest-xdist every worker compiles kernels: give each its own MLX cubin cache, so that no
+# worker reads a cache file another one is still writing (MLX reads the variable at first compile).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("MLX_PTX_CACHE_DIR", f"/tmp/mlx-ptx-{os.environ['PYTEST_XDIST_WORKER']}")
 
 import mlx.core as mx
 import numpy as np
