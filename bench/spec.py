@@ -21,7 +21,16 @@ drifts between rounds). Tokens/s = generated tokens / wall time of the whole wor
 included). Also reported: acceptance rates, verify widths, the share of speculative steps.
 Greedy by default (`--temperature`), so every mode emits the same tokens.
 
-Writes DIR/spec.json and DIR/spec.png.
+Warm-up and length (`--warmup`, `--seconds`): MLX-CUDA JIT-compiles every new kernel shape
+and cuDNN builds a graph per attention shape, tens of ms each, so before a group is timed every
+mode runs once untimed on its prompts, plus forced runs at every draft length 1..k (each verify
+width and batch size compiled once). `--seconds S` sizes each group's request list from the
+warm-up's plain rate so that a plain round lasts about S seconds (the same prompts for every
+mode: with greedy decoding every mode emits the same tokens). `--budget-s` stops starting new
+rounds past that many seconds (the JSON is rewritten after every group, so a cut run keeps what
+it measured).
+
+Writes DIR/spec.json and DIR/spec.png (and with --log, a copy of stdout).
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from engine.scheduler import SchedulerConfig
 from engine.spec import SpecConfig
 from mlxd import DEFAULT_MODEL_DIR
 
+START = time.perf_counter()
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 MODES = {
@@ -203,6 +213,47 @@ def spec_config(
     )
 
 
+def warm_up(
+    lm: LoadedModel,
+    draft: LoadedModel | None,
+    args: argparse.Namespace,
+    prompts: list[tuple[list[int], int]],
+    concurrency: int,
+    modes: list[str],
+) -> float:
+    """Every mode once on one request per stream, then forced draft lengths 1..k (every verify
+    width at every batch size); untimed. Returns the plain run's seconds per request."""
+    sub = prompts[: max(concurrency, 1)]
+    plain_s = 0.0
+    for mode in modes:
+        res = run_workload(lm, spec_config(mode, args, draft), sub, concurrency, args.temperature)
+        if mode == "plain":
+            plain_s = res["wall_s"] / len(sub)
+    methods = {MODES[m][0] for m in modes if MODES[m] is not None}
+    for method in sorted(methods):
+        for k in range(1, args.num_draft_tokens + 1):
+            cfg = SpecConfig(
+                method=method,
+                draft_model=draft if method == "draft" else None,
+                num_draft_tokens=k,
+                adaptive=False,
+            )
+            run_workload(lm, cfg, sub, concurrency, args.temperature)
+    if not plain_s:
+        plain_s = run_workload(lm, None, sub, concurrency, args.temperature)["wall_s"] / len(sub)
+    return plain_s
+
+
+def sized(
+    prompts: list[tuple[list[int], int]], concurrency: int, seconds: float, per_request: float
+) -> list[tuple[list[int], int]]:
+    """The prompt list repeated or cut so that a plain run lasts about `seconds` (a multiple of
+    the concurrency, at least one request per stream)."""
+    n = max(concurrency, int(seconds / max(per_request, 1e-6) + 0.5))
+    n = -(-n // concurrency) * concurrency
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
 def compare(
     lm: LoadedModel,
     draft: LoadedModel | None,
@@ -212,8 +263,21 @@ def compare(
     modes: list[str],
     label: str,
 ) -> dict[str, Any]:
+    if args.warmup:
+        t0 = time.perf_counter()
+        per_request = warm_up(lm, draft, args, prompts, concurrency, modes)
+        if args.seconds > 0:
+            prompts = sized(prompts, concurrency, args.seconds, per_request)
+        print(
+            f"[{label} c={concurrency}] warm-up {time.perf_counter() - t0:.1f} s, plain "
+            f"{per_request:.2f} s/request -> {len(prompts)} requests per round",
+            flush=True,
+        )
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for rep in range(args.repeats):
+        if rep and time.perf_counter() - START > args.budget_s:
+            print(f"[{label} c={concurrency}] time budget spent: {rep} rounds", flush=True)
+            break
         order = modes if rep % 2 == 0 else list(reversed(modes))
         for mode in order:
             res = run_workload(
@@ -234,6 +298,8 @@ def compare(
     summary: dict[str, Any] = {}
     for mode, rs in runs.items():
         # ratios are paired with the plain run of the same round (load drifts between rounds)
+        if not rs:
+            continue
         ratios = (
             [r["tokens_per_s"] / p["tokens_per_s"] for r, p in zip(rs, runs["plain"], strict=True)]
             if "plain" in runs
@@ -248,6 +314,7 @@ def compare(
         "workload": label,
         "concurrency": concurrency,
         "num_requests": len(prompts),
+        "rounds": len(runs[modes[0]]),
         "modes": summary,
     }
 
@@ -318,7 +385,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--edit-requests", type=int, default=4)
     p.add_argument("--edit-concurrency", default="1,4")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--warmup", action="store_true",
+                   help="before each group, every mode and every forced draft length untimed")
+    p.add_argument("--seconds", type=float, default=0.0,
+                   help="with --warmup: size each group so that a plain round lasts ~this long")
+    p.add_argument("--budget-s", type=float, default=float("inf"),
+                   help="start no new round after this many seconds (results so far are kept)")
+    p.add_argument("--log", action="store_true", help="also write stdout to DIR/spec.log")
     args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.log:
+        _tee(out / "spec.log")
 
     lm = load_model(args.model, dtype=args.dtype)
     draft = load_model(args.draft_model, dtype=args.dtype)
@@ -327,20 +405,29 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     results = []
 
-    # warm-up: every kernel shape once (not measured)
-    warm = [(ids, 16) for ids in dev_prompts(rows, tok, 4)]
-    for mode in ("plain", "draft-k", "ngram-k"):
-        run_workload(lm, spec_config(mode, args, draft), warm, 4, args.temperature)
+    if not args.warmup:  # every kernel shape once, briefly (not measured)
+        warm = [(ids, 16) for ids in dev_prompts(rows, tok, 4)]
+        for mode in ("plain", "draft-k", "ngram-k"):
+            run_workload(lm, spec_config(mode, args, draft), warm, 4, args.temperature)
 
+    groups = []
     for c in [int(x) for x in args.concurrency.split(",") if x]:
         n = c * args.requests_per_stream
-        prompts = [(ids, args.max_tokens) for ids in dev_prompts(rows, tok, n)]
-        results.append(compare(lm, draft, args, prompts, c, modes, "dev"))
+        groups.append(("dev", c, modes, [(ids, args.max_tokens) for ids in dev_prompts(rows, tok, n)]))
     edit_modes = [m for m in args.edit_modes.split(",") if m]
     for c in [int(x) for x in args.edit_concurrency.split(",") if x]:
-        prompts = edit_prompts(rows, tok, max(args.edit_requests, c))
-        results.append(compare(lm, draft, args, prompts, c, edit_modes, "edit"))
+        groups.append(("edit", c, edit_modes, edit_prompts(rows, tok, max(args.edit_requests, c))))
+    for label, c, group_modes, prompts in groups:
+        if time.perf_counter() - START > args.budget_s:
+            print(f"[{label} c={c}] skipped: time budget spent", flush=True)
+            continue
+        results.append(compare(lm, draft, args, prompts, c, group_modes, label))
+        write(args, lm, results, out)
+    print(f"wrote {out / 'spec.json'} and {out / 'spec.png'} ({time.perf_counter() - START:.0f} s)")
+    return 0
 
+
+def write(args: argparse.Namespace, lm: LoadedModel, results: list[Any], out: Path) -> None:
     from mlxd import blas
 
     result = {
@@ -353,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
             "max_tokens": args.max_tokens,
             "requests_per_stream": args.requests_per_stream,
             "repeats": args.repeats,
+            "warmup": args.warmup,
+            "seconds": args.seconds,
         },
         "environment": {
             "device": str(mx.default_device()),
@@ -361,12 +450,26 @@ def main(argv: list[str] | None = None) -> int:
         },
         "results": results,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "spec.json").write_text(json.dumps(result, indent=2))
     plot(result, out / "spec.png")
-    print(f"wrote {out / 'spec.json'} and {out / 'spec.png'}")
-    return 0
+
+
+def _tee(path: Path) -> None:
+    """Copy everything printed to stdout into `path` as well."""
+    import sys
+
+    log = path.open("w")
+
+    class Tee:
+        def write(self, text: str) -> int:
+            log.write(text)
+            log.flush()
+            return sys.__stdout__.write(text)
+
+        def flush(self) -> None:
+            sys.__stdout__.flush()
+
+    sys.stdout = Tee()  # type: ignore[assignment]
 
 
 if __name__ == "__main__":

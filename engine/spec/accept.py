@@ -30,6 +30,7 @@ the cache keeps 3 columns (next, 7, 9) and 5 becomes the next input.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -39,6 +40,13 @@ from engine.sampling import SamplerState, draw, gumbel_noise, uniform_noise
 STREAM_DRAFT = 0x2545F491  # a draft model's own draws
 STREAM_ACCEPT = 0x68E31DA4  # acceptance uniforms
 STREAM_RESIDUAL = 0x1B56C4E9  # draws from norm(max(0, p - q))
+
+
+def plain_greedy(state: SamplerState) -> bool:
+    """Every row greedy with nothing that shapes its logits (no penalties, no bias): a draw is
+    the argmax of the raw logits, and no per-column sampler state is needed (the fast path of
+    a speculative round: no column states, no stacked state, no draft distributions)."""
+    return state.all_greedy and state.counts is None and state.seen is None and state.bias is None
 
 
 def column_states(state: SamplerState, drafts: mx.array, num_columns: int) -> list[SamplerState]:
@@ -107,8 +115,15 @@ def verify(
     target_logits: [B, W, V] raw logits of the verify forward; states: `column_states` (W of
     them); drafts: [B, W-1]; num_drafts: [B] (columns past it are padding); draft_logits:
     [B, W-1, V] processed draft log-weights, or None when every proposal is a point mass.
+    With `plain_greedy(states[0])` only states[0] is read (argmax of the raw logits).
     """
     B, W, V = target_logits.shape
+    if plain_greedy(states[0]):
+        plain = mx.argmax(target_logits, axis=-1).astype(mx.int32)  # [B, W]
+        match = (plain[:, :-1] == drafts) & (mx.arange(W - 1)[None, :] < num_drafts[:, None])
+        num_acc = _leading_true(match)
+        last = mx.take_along_axis(plain, num_acc[:, None], axis=1)[:, 0]
+        return Verdict(num_acc, plain, last)
     big = stacked(states)
     processed = process_columns(target_logits, big)  # [W*B, V]
     plain = from_columns(draw(processed, big), B)  # [B, W]: plain decoding's draws
@@ -190,4 +205,7 @@ def record_ragged(state: SamplerState, tokens: mx.array, num: mx.array) -> Sampl
             counts = counts + added
         if seen is not None:
             seen = seen | (added > 0)
-    return replace(state, steps=state.steps + num.astype(mx.uint32), counts=counts, seen=seen)
+    # a copy, not `replace`: the host mirror and its flags do not change (as SamplerState.record)
+    out = copy.copy(state)
+    out.steps, out.counts, out.seen = state.steps + num.astype(mx.uint32), counts, seen
+    return out

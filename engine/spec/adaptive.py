@@ -79,7 +79,9 @@ class StepCosts:
         if cell is None:
             cell = self.cells[(bucket, width)] = _Cell(deque(maxlen=self.window), 0, step)
         cell.samples.append(seconds)
-        cell.seconds = float(np.median(cell.samples))
+        ordered = sorted(cell.samples)  # the median (np.median costs ~30 us per step)
+        n = len(ordered)
+        cell.seconds = 0.5 * (ordered[(n - 1) // 2] + ordered[n // 2])
         cell.count += 1
         cell.last_step = step
 
@@ -207,6 +209,13 @@ class Controller:
         return bool(self._chosen_spec.get(b, False)) and measured
 
     # -- the verify width ------------------------------------------------------------------
+    def probe_due(self, num_rows: int) -> bool:
+        """A probe is under way or would start at the next `decide`."""
+        if self._probe_left > 0:
+            return True
+        nxt = self._next_probe.get(bucket_of(max(num_rows, 1)))
+        return nxt is None or self.step >= nxt
+
     def decide(self, alpha: np.ndarray, caps: np.ndarray) -> Decision:
         """`caps` already include what the drafter can offer (n-gram: the match length)."""
         cfg = self.config

@@ -23,10 +23,12 @@ import mlx.core as mx
 import numpy as np
 
 from engine.kv import batch as kvb
-from engine.spec.accept import column_states, record_ragged, verify
+from engine.spec.accept import column_states, plain_greedy, record_ragged, verify
 from engine.spec.adaptive import Controller, ControllerConfig
 from engine.spec.base import Drafter, Proposal, ProposeContext
 from engine.spec.widekv import wide
+
+PLAIN_HOLD = 7  # decide() re-decides a plain choice every PLAIN_HOLD + 1 steps
 
 
 class SpecRows:
@@ -85,6 +87,8 @@ class SpecDecoder:
         self.totals = _Totals()
         self._catch_up = False
         self._overhead_seen = 0.0  # drafter seconds outside the measured steps, already counted
+        self._plain_hold = 0  # further decide() calls answered "plain" without re-deciding
+        self._plain_rows: tuple[int, ...] = ()
 
     @property
     def max_draft(self) -> int:
@@ -125,16 +129,35 @@ class SpecDecoder:
         return alpha, caps
 
     def decide(self, batch: Any) -> int:
-        """Verify width for this step (1 = plain decoding)."""
+        """Verify width for this step (1 = plain decoding).
+
+        While decoding plainly the choice is re-made every `PLAIN_HOLD` steps (or when the rows
+        change or a probe is due), not every step: the decision is host work that a pipelined
+        plain step would otherwise pay each time (on a GPU a plain step is ~1-2 ms of host
+        work, and the choice moves only with the slowly changing costs and acceptance)."""
         if batch.spec is None or not len(batch):
+            return 1
+        ctl = self.controller
+        rows = tuple(map(id, batch.rows))
+        if self._plain_hold > 0 and rows == self._plain_rows and not ctl.probe_due(len(rows)):
+            self._plain_hold -= 1
             return 1
         alpha, caps = self._caps(batch, explore=False)  # what the batch would gain when warm
         if self.drafter.point_mass and caps.max(initial=0) > 0:
             caps = np.minimum(caps, self._available(batch, caps))
-        return self.controller.decide(alpha, caps).width
+        decision = ctl.decide(alpha, caps)
+        # hold a choice made on costs; a lookup drafter that found nothing looks again next step
+        found = not self.drafter.point_mass or caps.max(initial=0) > 0
+        hold = decision.width == 1 and not decision.probe and ctl.config.adaptive and found
+        self._plain_hold = PLAIN_HOLD if hold else 0
+        self._plain_rows = rows
+        return decision.width
 
     def _available(self, batch: Any, caps: np.ndarray) -> np.ndarray:
         ctx = self._context(batch, caps)
+        available = getattr(self.drafter, "available", None)
+        if available is not None:  # counts only (no device arrays on a plain step)
+            return available(ctx)
         return self.drafter.propose(ctx).num_drafts
 
     def _context(self, batch: Any, caps: np.ndarray) -> ProposeContext:
@@ -153,9 +176,12 @@ class SpecDecoder:
         proposal = self._propose(ctx)
         K = int(proposal.tokens.shape[1])
         W = K + 1
-        states = proposal.column_states or column_states(batch.sampler, proposal.tokens, W)
-        while len(states) < W:
-            states.append(states[-1].record(proposal.tokens[:, len(states) - 1]))
+        if plain_greedy(batch.sampler):  # argmax of the raw logits: no per-column states
+            states = [batch.sampler]
+        else:
+            states = proposal.column_states or column_states(batch.sampler, proposal.tokens, W)
+            while len(states) < W:
+                states.append(states[-1].record(proposal.tokens[:, len(states) - 1]))
         num_drafts = mx.array(proposal.num_drafts.astype(np.int32))
         caches = batch.caches
         kvb.checkpoint(caches)

@@ -33,7 +33,7 @@ from engine.kv import batch as kvb
 from engine.kv.recurrent import RecurrentLayout
 from engine.models import make_batch_layouts, prepare_model
 from engine.sampling import process_logits
-from engine.spec.accept import STREAM_DRAFT, draw_stream
+from engine.spec.accept import STREAM_DRAFT, draw_stream, plain_greedy
 from engine.spec.base import Proposal, ProposeContext, register_drafter
 from engine.spec.widekv import wide
 
@@ -161,8 +161,19 @@ class DraftModelDrafter:
         kvb.checkpoint(layouts)
         logits = self._first_logits(layouts, pending, lengths, ctx.next_tokens)
         V = ctx.sampler.vocab_size
-        states = [ctx.sampler]
         drafts: list[mx.array] = []
+        if plain_greedy(ctx.sampler):  # argmax chain: no sampler states, no q (point mass)
+            for j in range(K):
+                if j:
+                    logits = self.model(drafts[-1][:, None], cache=layouts)[:, -1, :]
+                drafts.append(mx.argmax(_fit_vocab(logits, V), axis=-1).astype(mx.int32))
+                mx.async_eval(drafts[-1])  # compute while the next step's graph is built
+            return Proposal(
+                tokens=mx.stack(drafts, axis=1),
+                num_drafts=ctx.num_drafts.copy(),
+                drafter_info=(lengths, K),
+            )
+        states = [ctx.sampler]
         qs: list[mx.array] = []
         for j in range(K):
             if j:

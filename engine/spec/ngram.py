@@ -101,6 +101,14 @@ class NGramDrafter:
                 num[b] = len(found)
         return Proposal(tokens=mx.array(drafts), num_drafts=num)
 
+    def available(self, ctx: ProposeContext) -> np.ndarray:
+        """[B] how many drafts `propose` would offer each row (no device arrays)."""
+        state: NGramState = ctx.state
+        num = np.zeros(len(ctx.contexts), np.int64)
+        for b in np.flatnonzero(ctx.num_drafts > 0):
+            num[b] = len(state.indexes[b].lookup(ctx.contexts[b], int(ctx.num_drafts[b])))
+        return num
+
     def observe(self, ctx: ProposeContext, proposal: Proposal, num_accepted: np.ndarray) -> None:
         del ctx, proposal, num_accepted  # nothing to learn beyond the controller's statistics
 
