@@ -149,7 +149,7 @@ def bench_shape(n_out: int, n_in: int, batch: int, bits_list: list[int]) -> list
                     rotate(x, signs32), w[0], w[1], bits=bits, L=16, block=block, config=cfg, out_dtype=x.dtype
                 )
 
-            def modules(weights, bits=bits):
+            def modules(weights, bits=bits, signs=signs):
                 layers = []
                 for packed, scales in weights:
                     layer = TrellisLinear(n_in, n_out, bits, 16, "1mad", block)

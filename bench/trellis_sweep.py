@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.trellis_speed import timed  # noqa: E402  (first: it loads the BLAS before mlx)
 from kernels.trellis import matvec  # noqa: E402
 from kernels.trellis.matvec import SMEM, LaunchConfig  # noqa: E402
 from kernels.trellis.quantizer import TrellisWeight, dequantize_rotated  # noqa: E402
@@ -66,16 +67,6 @@ def candidates(n_out: int, n_in: int, batch: int) -> list[LaunchConfig]:
     for c in extra + out:
         seen.setdefault(c.key(), c)
     return list(seen.values())
-
-
-def timed(fn, repeats: int = 5) -> float:
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def random_packed(n_out: int, n_in: int, bits: int, key: int) -> mx.array:
@@ -135,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     mx.eval(big)
     t = timed(lambda: mx.eval(mx.sum(big)), 5)
     result["sum_read_GBps"] = round(big.nbytes / t / 1e9, 1)
-    del big
+    big = None
     print(json.dumps({"sum_read_GBps": result["sum_read_GBps"]}), flush=True)
 
     for n_out, n_in in SHAPES:
@@ -245,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(qrow), flush=True)
             result["rows"].append(qrow)
             save()
-        del packed_all, scales_all, copies_list, dense, wq, qcopies
+        packed_all = scales_all = copies_list = dense = wq = qcopies = None  # free before the next shape
     result["dispatch"] = dispatch_paths()
     result["seconds"] = round(time.perf_counter() - t_start, 1)
     save()
