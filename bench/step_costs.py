@@ -1,11 +1,19 @@
-"""Where a decode step's time goes: host graph building vs device work, per model and width.
+"""Where a decode step's time goes: host graph building vs device work, per model and width,
+and what one raw speculative round costs against a plain step.
 
     python -m bench.step_costs --model DIR [--draft-model DIR] [--dtype bfloat16] [--out FILE]
 
-For each model and (batch, width) it times, with mlx-lm's plain KV cache: a synchronous step
-(build + eval), the host time to build the graph alone, and a pipelined step (async_eval of
-step t+1 before reading step t). Speculative decoding pays only where the draft's steps are
-cheap relative to the target's verify step; this says whether they are on a given machine.
+Rows, each the median of `--steps` samples after a warm-up (MLX-CUDA JIT, cuDNN graphs):
+  * `step` (per model, batch, width): with the engine's own KV layouts (`--cache engine`, the
+    default: the keys of a multi-token forward widened as the engine does on CUDA) or mlx-lm's
+    KVCache (`--cache mlx-lm`): a synchronous step (build + eval), the host time to build the
+    graph alone, and a pipelined step (async_eval of step t+1 before reading step t);
+  * `round` (with a draft model, per batch and draft length k): k greedy draft steps chained on
+    the device (argmax, no host sync; `async_eval` after each so the device starts while the
+    next is built) and the target's verify forward over the k + 1 columns, read once: the raw
+    cost of a speculative round with no engine bookkeeping. `tokens_to_pay` = round / plain
+    pipelined step: the tokens a round must yield to break even (acceptance alpha yields
+    (1 - alpha^(k+1)) / (1 - alpha)); `alpha_for_1x` / `alpha_for_1.5x` solve for alpha.
 """
 
 from __future__ import annotations
@@ -13,73 +21,156 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 from mlxd import blas
 
 blas.load()  # OpenBLAS before mlx on Linux (a no-op elsewhere)
 
 import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 
 
 def _load(path, dtype):
     from mlx_lm.utils import load_model
 
-    model, _ = load_model(__import__("pathlib").Path(path))
+    model, _ = load_model(Path(path))
     if dtype != "auto":
         model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
     return model
 
 
-def _cache(model):
-    from mlx_lm.models.cache import make_prompt_cache
+class _Cache:
+    """A batch of rows with `prompt_len` tokens, and a per-step rollback to that length."""
 
-    return make_prompt_cache(model)
+    def __init__(self, model, batch, prompt_len, kind):
+        self.kind = kind
+        prompt = mx.random.randint(0, 1000, (batch, prompt_len))
+        if kind == "mlx-lm":
+            from mlx_lm.models.cache import make_prompt_cache
+
+            self.layers = make_prompt_cache(model)
+            mx.eval(model(prompt, cache=self.layers))
+        else:
+            from engine.kv import batch as kvb
+            from engine.models import make_batch_layouts, prepare_model
+
+            prepare_model(model)
+            self.layers = make_batch_layouts(model, batch, max_draft=8)
+            kvb.prepare(self.layers, lengths=[prompt_len] * batch)
+            model(prompt, cache=self.layers)
+            kvb.finalize(self.layers)
+            kvb.eval_state(self.layers)
+        self.batch = batch
+
+    def view(self, width):
+        """What to pass as `cache=` for a forward of `width` tokens per row."""
+        if self.kind == "engine" and width > 1:
+            from engine.spec.widekv import wide
+
+            return wide(self.layers)
+        return self.layers
+
+    def begin(self):
+        if self.kind == "engine":
+            from engine.kv import batch as kvb
+
+            kvb.checkpoint(self.layers)
+
+    def end(self, width):
+        """Back to the length before the step (a round that accepted nothing keeps its input
+        column; here the lengths stay put so every sample sees the same shapes)."""
+        if self.kind == "engine":
+            from engine.kv import batch as kvb
+
+            kvb.rollback(self.layers, np.zeros(self.batch, np.int64))
+        else:
+            for c in self.layers:
+                c.trim(width)
 
 
-def measure(model, batch, width, steps, prompt_len=64):
-    cache = _cache(model)
-    prompt = mx.random.randint(0, 1000, (batch, prompt_len))
-    mx.eval(model(prompt, cache=cache))
+def measure(model, batch, width, steps, kind, prompt_len=64):
+    cache = _Cache(model, batch, prompt_len, kind)
     tok = mx.zeros((batch, width), dtype=mx.int32)
-    # warm-up (JIT, graph caches)
-    for _ in range(5):
-        out = model(tok, cache=cache)
-        mx.eval(out)
-        for c in cache:
-            if width > 1:
-                c.trim(width - 1)
+
+    def one():
+        cache.begin()
+        out = model(tok, cache=cache.view(width))
+        return mx.argmax(out[:, -1, :], axis=-1)
+
+    for _ in range(5):  # warm-up (JIT, graph caches)
+        mx.eval(one())
+        cache.end(width)
     sync, build = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        out = model(tok, cache=cache)
-        nxt = mx.argmax(out[:, -1, :], axis=-1)
+        nxt = one()
         t1 = time.perf_counter()
         mx.eval(nxt)
         t2 = time.perf_counter()
         build.append(t1 - t0)
         sync.append(t2 - t0)
-        if width > 1:
-            for c in cache:
-                c.trim(width - 1)
-    # pipelined (width 1 only makes sense; run for every width as a lower bound)
+        cache.end(width)
     t0 = time.perf_counter()
     prev = None
-    for _ in range(steps):
-        out = model(tok, cache=cache)
-        nxt = mx.argmax(out[:, -1, :], axis=-1)
+    for _ in range(steps):  # pipelined: step t+1 queued before step t is read
+        nxt = one()
         mx.async_eval(nxt)
         if prev is not None:
-            prev.item() if batch == 1 else prev.tolist()
+            prev.tolist()
         prev = nxt
-        if width > 1:
-            for c in cache:
-                c.trim(width - 1)
+        cache.end(width)
     mx.eval(prev)
     piped = (time.perf_counter() - t0) / steps
-    med = lambda xs: sorted(xs)[len(xs) // 2] * 1e3
-    return {"batch": batch, "width": width, "sync_ms": round(med(sync), 3),
-            "build_ms": round(med(build), 3), "pipelined_ms": round(piped * 1e3, 3)}
+    return {"kind": "step", "batch": batch, "width": width, "sync_ms": _ms(sync),
+            "build_ms": _ms(build), "pipelined_ms": round(piped * 1e3, 3)}
+
+
+def measure_round(target, draft, batch, k, steps, kind, prompt_len=64):
+    """k chained greedy draft steps + one verify forward, one host read per round."""
+    tc = _Cache(target, batch, prompt_len, kind)
+    dc = _Cache(draft, batch, prompt_len, kind)
+    tok = mx.zeros((batch, 1), dtype=mx.int32)
+
+    def one():
+        dc.begin()
+        x, drafts = tok, []
+        for _ in range(k):
+            x = mx.argmax(draft(x, cache=dc.view(1))[:, -1, :], axis=-1)[:, None].astype(mx.int32)
+            mx.async_eval(x)
+            drafts.append(x)
+        tc.begin()
+        out = target(mx.concatenate([tok, *drafts], axis=1), cache=tc.view(k + 1))
+        verdict = mx.argmax(out, axis=-1)
+        verdict.tolist()
+        tc.end(k + 1)
+        dc.end(k)
+
+    for _ in range(5):
+        one()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        one()
+        times.append(time.perf_counter() - t0)
+    return {"kind": "round", "batch": batch, "k": k, "round_ms": _ms(times)}
+
+
+def _ms(xs):
+    return round(sorted(xs)[len(xs) // 2] * 1e3, 3)
+
+
+def _alpha_for(tokens, k):
+    """The acceptance at which (1 - a^(k+1)) / (1 - a) reaches `tokens` (None: beyond k + 1)."""
+    if tokens > k + 1:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        a = (lo + hi) / 2
+        e = sum(a**i for i in range(k + 1))
+        lo, hi = (a, hi) if e < tokens else (lo, a)
+    return round(lo, 3)
 
 
 def main(argv=None):
@@ -87,20 +178,37 @@ def main(argv=None):
     p.add_argument("--model", required=True)
     p.add_argument("--draft-model")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--cache", choices=("engine", "mlx-lm"), default="engine")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--widths", default="1,2,3,5")
     p.add_argument("--out")
     a = p.parse_args(argv)
-    res = {"device": str(mx.default_device()), "rows": []}
+    res = {"device": str(mx.default_device()), "cache": a.cache, "rows": []}
+    batches = [int(x) for x in a.batches.split(",")]
+    widths = [int(x) for x in a.widths.split(",")]
+    models = {}
     for name, path in (("target", a.model), ("draft", a.draft_model)):
         if not path:
             continue
-        m = _load(path, a.dtype)
-        for b in map(int, a.batches.split(",")):
-            for w in map(int, a.widths.split(",")):
-                r = measure(m, b, w, a.steps)
-                r["model"] = name
+        m = models[name] = _load(path, a.dtype)
+        for b in batches:
+            for w in widths:
+                r = dict(measure(m, b, w, a.steps, a.cache), model=name)
+                print(json.dumps(r), flush=True)
+                res["rows"].append(r)
+    if "draft" in models:
+        plain = {r["batch"]: r["pipelined_ms"] for r in res["rows"]
+                 if r["model"] == "target" and r["width"] == 1}
+        for b in batches:
+            for w in widths:
+                if w < 2:
+                    continue
+                r = measure_round(models["target"], models["draft"], b, w - 1, a.steps, a.cache)
+                if b in plain:
+                    need = r["round_ms"] / plain[b]
+                    r.update(tokens_to_pay=round(need, 3), alpha_for_1x=_alpha_for(need, w - 1))
+                    r["alpha_for_1.5x"] = _alpha_for(1.5 * need, w - 1)
                 print(json.dumps(r), flush=True)
                 res["rows"].append(r)
     if a.out:
