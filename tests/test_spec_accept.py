@@ -178,3 +178,27 @@ def test_record_ragged_equals_sequential_record():
             np.testing.assert_array_equal(np.array(got.counts[b]), np.array(want.counts[0]))
         if want.seen is not None:
             np.testing.assert_array_equal(np.array(got.seen[b]), np.array(want.seen[0]))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_greedy_fast_path_equals_general_path(monkeypatch, dtype):
+    """All-greedy rows with nothing shaping the logits take the argmax fast path (no column
+    states); it must give the general path's verdict, for bf16 logits (ties) too."""
+    import engine.spec.accept as acc_mod
+
+    B, W = 48, 5
+    rng = np.random.default_rng(1)
+    raw = rng.normal(size=(B, W, V)).astype(np.float32)
+    raw[::7, :, 2] = raw[::7, :, 1]  # ties: the first index wins on both paths
+    logits = mx.array(raw).astype(dtype)
+    drafts = mx.array(np.array(mx.argmax(logits, axis=-1))[:, :-1].astype(np.int32))
+    drafts = mx.where(mx.array(rng.random((B, W - 1)) < 0.3), (drafts + 1) % V, drafts)
+    num = mx.array(rng.integers(0, W, size=B).astype(np.int32))
+    state = _state(SamplingParams(temperature=0.0), n=B)
+    assert acc_mod.plain_greedy(state)
+    fast = verify(logits, [state], drafts, num)
+    monkeypatch.setattr(acc_mod, "plain_greedy", lambda s: False)
+    slow = verify(logits, column_states(state, drafts, W), drafts, num)
+    for a, b in ((fast.num_accepted, slow.num_accepted), (fast.tokens, slow.tokens),
+                 (fast.last, slow.last)):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
