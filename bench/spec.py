@@ -208,9 +208,17 @@ def spec_config(
     return SpecConfig(
         method=method,
         draft_model=draft if method == "draft" else None,
-        num_draft_tokens=args.num_draft_tokens,
+        num_draft_tokens=_ceiling(method, args),
         adaptive=adaptive,
     )
+
+
+def _ceiling(method: str, args: argparse.Namespace) -> int:
+    """--num-draft-tokens, or for n-gram --ngram-draft-tokens when given (its drafts cost
+    nothing to make, so where verification is flat in width a higher ceiling pays)."""
+    if method == "ngram" and args.ngram_draft_tokens:
+        return args.ngram_draft_tokens
+    return args.num_draft_tokens
 
 
 def warm_up(
@@ -231,7 +239,7 @@ def warm_up(
             plain_s = res["wall_s"] / len(sub)
     methods = {MODES[m][0] for m in modes if MODES[m] is not None}
     for method in sorted(methods):
-        for k in range(1, args.num_draft_tokens + 1):
+        for k in range(1, _ceiling(method, args) + 1):
             cfg = SpecConfig(
                 method=method,
                 draft_model=draft if method == "draft" else None,
@@ -360,7 +368,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     env = result["environment"]
     fig.suptitle(
         f"mlxd speculative decoding — {env['device']}, {result['config']['target']} + "
-        f"{result['config']['draft']}, k<={result['config']['num_draft_tokens']}, "
+        f"{result['config']['draft']}, k<={result['config']['num_draft_tokens']}"
+        + (f" (n-gram {result['config']['ngram_draft_tokens']})"
+           if result["config"].get("ngram_draft_tokens") else "")
+        + ", "
         f"T={result['config']['temperature']}",
         fontsize=10,
     )
@@ -379,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests-per-stream", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--ngram-draft-tokens", type=int, default=0,
+                   help="the n-gram drafter's ceiling (default: --num-draft-tokens)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--modes", default="plain,draft,draft-k,ngram")
     p.add_argument("--edit-modes", default="plain,ngram,ngram-k,draft")
@@ -436,6 +449,7 @@ def write(args: argparse.Namespace, lm: LoadedModel, results: list[Any], out: Pa
             "draft": Path(args.draft_model).name,
             "dtype": lm.dtype,
             "num_draft_tokens": args.num_draft_tokens,
+            "ngram_draft_tokens": args.ngram_draft_tokens or args.num_draft_tokens,
             "temperature": args.temperature,
             "max_tokens": args.max_tokens,
             "requests_per_stream": args.requests_per_stream,
