@@ -35,7 +35,7 @@ from engine.models import make_batch_layouts, prepare_model
 from engine.sampling import process_logits
 from engine.spec.accept import STREAM_DRAFT, draw_stream, plain_greedy
 from engine.spec.base import Proposal, ProposeContext, register_drafter
-from engine.spec.widekv import wide
+from engine.spec.widekv import wide, wide_enabled
 
 MAX_MERGED = 4  # pending tokens fed as the (right-padded) first draft step, not caught up apart
 
@@ -114,10 +114,20 @@ class DraftModelDrafter:
             return
         self.num_fed_tokens += sum(lengths)
         kvb.prepare(layouts, lengths=lengths)
+        # CUDA: as the runner's prefill, the last chunk is padded to a power-of-two width and the
+        # keys widened, so prompts and catch-ups of any length reuse a few cuDNN graph shapes
+        # (a new shape costs tens of ms: once per admitted prompt or probe, without this)
+        stable = wide_enabled()
+        view = wide(layouts) if stable else layouts
         for start in range(0, width, self.prefill_chunk):
             end = min(width, start + self.prefill_chunk)
-            rows = [t[start:end] + [0] * (end - start - len(t[start:end])) for t in token_lists]
-            self.model(mx.array(rows, dtype=mx.int32), cache=layouts)
+            cols = end - start
+            if stable and end >= width:  # pad columns lie past every row's announced length
+                from engine.runner import bucket_width
+
+                cols = bucket_width(cols, self.prefill_chunk)
+            rows = [t[start:end] + [0] * (cols - len(t[start:end])) for t in token_lists]
+            self.model(mx.array(rows, dtype=mx.int32), cache=view)
             kvb.eval_state(layouts)
         kvb.finalize(layouts)
 
