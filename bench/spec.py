@@ -282,7 +282,10 @@ def compare(
             flush=True,
         )
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
-    for rep in range(args.repeats):
+    repeats = dict(
+        (int(k), int(v)) for k, v in (x.split("=") for x in args.repeats_at.split(",") if x)
+    ).get(concurrency, args.repeats)
+    for rep in range(repeats):
         if rep and time.perf_counter() - START > args.budget_s:
             print(f"[{label} c={concurrency}] time budget spent: {rep} rounds", flush=True)
             break
@@ -398,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--edit-requests", type=int, default=4)
     p.add_argument("--edit-concurrency", default="1,4")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats-at", default="",
+                   help="rounds at some concurrencies, e.g. 16=3 (the others: --repeats)")
     p.add_argument("--warmup", action="store_true",
                    help="before each group, every mode and every forced draft length untimed")
     p.add_argument("--seconds", type=float, default=0.0,

@@ -24,7 +24,9 @@ Choice. For each W the expected rate is `sum_b E(alpha[b], min(W - 1, cap[b]))` 
 `cost(W) + overhead` seconds (`overhead`: an EMA, per speculative step, of the drafter work
 no step measurement holds: a draft model's prefill of admitted rows and catch-up); speculation
 must beat plain by `margin` (a wrong "speculate" costs more than a missed one, and what the
-cells still miss, such as pipeline drains, is all on the speculative side). Probes keep both sides' costs fresh, `probe_steps` steps each (all but
+cells still miss, such as pipeline drains, is all on the speculative side), plus `noise_margin`
+times the larger relative spread (IQR / median) of the two cells compared: on a loaded shared
+machine the cells are sampled at different loads and only a clear advantage is trusted. Probes keep both sides' costs fresh, `probe_steps` steps each (all but
 the first are measured): while speculating, plain decoding after `plain_probe_every` steps
 (the interval doubling to `max_plain_probe_every`); while decoding plainly, speculation after
 `probe_every` steps (doubling to `max_probe_every`: a draft model's probe must first catch up
@@ -61,6 +63,7 @@ class _Cell:
     count: int
     last_step: int
     seconds: float = 0.0  # median of `samples`
+    spread: float = 0.0  # interquartile range of `samples` / median (how noisy the machine is)
 
 
 class StepCosts:
@@ -82,6 +85,8 @@ class StepCosts:
         ordered = sorted(cell.samples)  # the median (np.median costs ~30 us per step)
         n = len(ordered)
         cell.seconds = 0.5 * (ordered[(n - 1) // 2] + ordered[n // 2])
+        if n >= 3 and cell.seconds > 0:
+            cell.spread = (ordered[(3 * n) // 4] - ordered[n // 4]) / cell.seconds
         cell.count += 1
         cell.last_step = step
 
@@ -109,6 +114,10 @@ class StepCosts:
         if width == 2:
             return plain.seconds * (1.0 + self.prior_slope)
         return None
+
+    def spread(self, bucket: int, width: int) -> float | None:
+        cell = self.measured(bucket, width)
+        return None if cell is None else cell.spread
 
     def _neighbour_ratio(self, bucket: int, width: int) -> float | None:
         best: tuple[int, float] | None = None
@@ -140,6 +149,10 @@ class ControllerConfig:
     pseudo_count: float = 2.0
     decay: float = 0.9
     margin: float = 1.08  # speculation must beat plain by 8 %
+    # ... and by this much more per unit of the step times' relative spread (IQR / median of
+    # the cells compared): on a loaded shared machine the cells are measured at different
+    # loads, and only a clear advantage survives the noise
+    noise_margin: float = 0.5
     probe_every: int = 64  # plain decoding: try speculation again after this many steps
     max_probe_every: int = 2048
     plain_probe_every: int = 32  # speculating: re-measure plain decoding after this many steps
@@ -232,14 +245,17 @@ class Controller:
         plain = self.costs.estimate(bucket, 1)
         if plain is None:
             return Decision(1, caps)  # measure plain decoding first
-        best_w, best_rate = 1, B / plain * cfg.margin
+        plain_spread = self.costs.spread(bucket, 1) or 0.0
+        best_w, best_rate = 1, B / plain
         for w in range(2, int(caps.max()) + 2):
             cost = self.costs.estimate(bucket, w)
             if cost is None:
                 break
             cost += self.overhead
             rate = float(expected_tokens(alpha, np.minimum(caps, w - 1)).sum()) / cost
-            if rate > best_rate:
+            spread = max(plain_spread, self.costs.spread(bucket, w) or 0.0)
+            margin = cfg.margin + cfg.noise_margin * spread
+            if rate > best_rate * (margin if best_w == 1 else 1.0):
                 best_w, best_rate = w, rate
         return self._maybe_probe(bucket, best_w, caps)
 

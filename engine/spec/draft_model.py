@@ -83,6 +83,22 @@ class DraftModelDrafter:
         self.prefill_seconds = 0.0  # prefill of admitted rows (recurring with admissions)
         self.catch_up_seconds = 0.0  # catch-up after plain stretches (once per stretch)
         self.caught_up = False  # the last propose() had to catch up (the step is not typical)
+        self.warmup_seconds = self._warm_shapes() if wide_enabled() else 0.0
+
+    def _warm_shapes(self) -> float:
+        """Build the stable feed shapes (one row, every padded width) and a decode step once,
+        as the runner does for the target (CUDA's per-shape setup, before the first request)."""
+        t0 = time.perf_counter()
+        width = 16
+        while True:
+            layouts = self._layouts(1)
+            self._feed(layouts, [[0] * width])
+            mx.eval(self.model(mx.zeros((1, 1), dtype=mx.int32), cache=layouts))
+            if width >= self.prefill_chunk:
+                break
+            width = min(2 * width, self.prefill_chunk)
+        self.num_fed_tokens = 0
+        return time.perf_counter() - t0
 
     max_merged = MAX_MERGED
 
