@@ -127,7 +127,7 @@ def bench_shape(n_out: int, n_in: int, batch: int, bits_list: list[int]) -> list
     backend = matvec.fused_backend()
     for bits in bits_list:
         # the launch layout of the real shape (tuned table or heuristic), also for the stacked launch
-        cfg = matvec.default_config(n_out, n_in, batch, backend)
+        cfg = matvec.default_config(n_out, n_in, batch, backend, bits)
 
         def trellis(i, bits=bits):
             rng = np.random.default_rng(i)

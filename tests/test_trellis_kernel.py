@@ -147,6 +147,18 @@ def test_default_layouts():
     assert matvec.default_config(4096, 14336, 4, "cuda") == SMEM
 
 
+def test_tuned_table_loads_and_fits():
+    table = matvec.load_tuned()
+    assert table, "kernels/trellis/tuned_cuda.json is missing or empty"
+    for (n_out, n_in, batch), cfg in table.items():
+        assert cfg.body in ("xreg", "smem")
+        if cfg.body == "xreg":
+            assert batch <= matvec.XREG_MAX_BATCH and matvec.xreg_fits(cfg, n_in, batch, 3)
+        assert matvec.default_config(n_out, n_in, batch, "cuda") == cfg
+        metal = matvec.default_config(n_out, n_in, batch, "metal")
+        assert metal.body == "smem" or metal.den == 0
+
+
 # ---- GPU: the real kernels --------------------------------------------------------------------
 
 GPU_CASES = (

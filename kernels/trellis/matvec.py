@@ -106,24 +106,28 @@ def xreg_fits(config: LaunchConfig, n_in: int, batch: int, bits: int = 4) -> boo
     return threads <= 1024 and threads * min(255, regs) <= 65536 and _pow2(config.rwu * batch) <= 32
 
 
-def default_config(n_out: int, n_in: int, batch: int, backend: str) -> LaunchConfig:
-    """The launch layout for one call (tuned table first, then a heuristic)."""
+def default_config(n_out: int, n_in: int, batch: int, backend: str, bits: int = 4) -> LaunchConfig:
+    """The launch layout for one call: the tuned table first, then a heuristic fitted to the H200
+    sweeps (bench/results/trellis_speed_h200_sweep*.json). One group of 32 columns a lane, 8 rows
+    a chunk at batch 1-2 (4 at batch 3-4), and as many chunks a warp (up to 8: 32-64 rows a warp
+    streamed best) as still leave ~512 warps. Rows wider than 8192 (14 warps of a row in one
+    threadgroup) take the smem body: measured faster at 4096x14336, and safe on registers."""
     if "all" in _override:
         cfg = _override["all"]
-    elif (n_out, n_in, batch) in TUNED:
+    elif backend == "cuda" and (n_out, n_in, batch) in TUNED:
         cfg = TUNED[(n_out, n_in, batch)]
-    elif batch > XREG_MAX_BATCH:
+    elif batch > XREG_MAX_BATCH or warp_columns(n_in, 1) > 8:
         cfg = SMEM
     else:
-        gpl = 2 if batch <= 2 else 1
-        rwu = max(1, 4 // _pow2(batch))
-        wc = warp_columns(n_in, gpl)
-        # about 12 warps a multiprocessor (132 on the H200) when there are enough rows
-        nch = max(1, min(8, (n_out * wc) // (1600 * rwu)))
-        rs = max(1, min(4, 8 // wc))
-        cfg = LaunchConfig("xreg", gpl, rwu, nch, rs, 1)
-        if not xreg_fits(cfg, n_in, batch):
-            cfg = SMEM  # e.g. batch 3-4 on 14336-wide rows: 14 warps of 128 x registers each
+        rwu = 8 if batch <= 2 else 4
+        wc = warp_columns(n_in, 1)
+        nch = max(1, min(8, (n_out * wc) // (512 * rwu)))
+        cfg = SMEM
+        for rs in (2, 1):
+            candidate = LaunchConfig("xreg", 1, rwu, nch, rs, 1)
+            if xreg_fits(candidate, n_in, batch, bits):
+                cfg = candidate
+                break
     if cfg.body == "xreg" and (batch > XREG_MAX_BATCH or backend != "cuda"):
         cfg = replace(cfg, den=0) if batch <= XREG_MAX_BATCH else SMEM
     return cfg
@@ -229,7 +233,7 @@ def trellis_matvec(
     if not 1 <= m <= MAX_FUSED_BATCH:
         raise ValueError(f"fused kernel takes 1..{MAX_FUSED_BATCH} rows, got {m}")
     n_out = int(packed.shape[0])
-    cfg = config or default_config(n_out, n_in, m, backend)
+    cfg = config or default_config(n_out, n_in, m, backend, bits)
     out_dtype = out_dtype or x_rot.dtype
     variant = _chosen.get(backend) or kernel_variant(backend)
     if backend == "metal" and cfg.body == "smem" and m > METAL_MAX_BATCH:
