@@ -27,6 +27,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine import kvcache
+from engine.admission import MemoryBudget
 from engine.api import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -38,10 +39,10 @@ from engine.api import (
     TokenEvent,
 )
 from engine.batch import EventSink, RowMeta
-from engine.admission import MemoryBudget
+from engine.host_memory import memory_readings, release_idle_memory
 from engine.kvcache import KVConfig
-from engine.prefix import PrefixIndex
 from engine.loader import LoadedModel
+from engine.prefix import PrefixIndex
 from engine.runner import InFlight, Runner
 from engine.scheduler import Scheduler, SchedulerConfig
 
@@ -55,7 +56,11 @@ class EngineConfig:
     prefix_cache_bytes: int = 1 << 30  # 0 = prefix cache off
     prefix_block_size: int = 16
     memory_budget: int | None = None  # None = 75 % of device memory
-    clear_cache_every: int = 256  # steps between mx.clear_cache() calls
+    # MLX keeps freed buffers for reuse up to this many bytes (None: the smaller of MLX's own
+    # default and a tenth of the memory budget); 0 = no buffer cache
+    mlx_cache_limit: int | None = None
+    release_every_s: float = 10.0  # while busy, give idle memory back this often
+    idle_release_s: float = 1.0  # and once the engine has been idle this long
     spec: Any = None  # engine.spec.SpecConfig: speculative decoding (None: off)
 
 
@@ -85,6 +90,11 @@ class Engine:
             loaded.model, cfg.memory_budget, kv_kwargs, cfg.scheduler.prefill_chunk
         )
         self.scheduler.budget = self.budget
+        self.mlx_cache_limit = self._apply_cache_limit(cfg.mlx_cache_limit)
+        self._steps_since_release = 0
+        self._last_release = time.monotonic()
+        self._num_releases = 0
+        self._release_seconds = 0.0
         self.spec = self._build_spec()
         self._sinks: dict[str, EventSink] = {}
         self._inbox: deque[tuple[str, Any]] = deque()
@@ -158,15 +168,35 @@ class Engine:
             s.spec = self.spec.stats()
         prefix = sched.prefix
         if prefix is not None:
-            ps = prefix.stats()
+            ps = dict(prefix.stats(), max_bytes=prefix.cache.max_bytes)
             s.prefix_cache_bytes = prefix.nbytes
             s.prefix_cache_hits, s.prefix_cache_queries = ps["hits"], ps["queries"]
             s.extra["prefix_cache"] = ps
         s.extra["memory_budget_bytes"] = self.budget.budget
+        s.extra["memory"] = dict(memory_readings(), mlx_cache_limit=self.mlx_cache_limit,
+                                 num_releases=self._num_releases,
+                                 release_seconds=round(self._release_seconds, 3))
         s.extra["weights_bytes"] = self.budget.weights
         if self._last_error:
             s.extra["last_error"] = self._last_error
         return s
+
+    def _apply_cache_limit(self, limit: int | None) -> int:
+        """Bound MLX's buffer cache (process-wide); returns the limit in force."""
+        mlx_default = mx.set_cache_limit(0)
+        if limit is None:
+            limit = min(mlx_default, self.budget.budget // 10)
+        mx.set_cache_limit(limit)
+        return limit
+
+    def _release_memory(self) -> None:
+        """MLX's cached buffers and malloc's free pages back to the OS (engine thread)."""
+        t0 = time.monotonic()
+        release_idle_memory()
+        self._last_release = now = time.monotonic()
+        self._release_seconds += now - t0
+        self._steps_since_release = 0
+        self._num_releases += 1
 
     def _validate(self, request: Request) -> RowMeta:
         n = len(request.prompt_ids)
@@ -238,10 +268,16 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._wake:
+                # with memory to give back, wait for work only idle_release_s, then release it
+                wait_s = self.config.idle_release_s if self._steps_since_release else None
                 while not (self._inbox or self._has_work() or self._stopping):
-                    self._wake.wait()
+                    if not self._wake.wait(wait_s):
+                        break
                 if self._stopping:
                     break
+            if not (self._inbox or self._has_work()):
+                self._release_memory()  # idle: give back what the last burst left behind
+                continue
             try:
                 self._drain_inbox()
                 if self._has_work():
@@ -300,8 +336,9 @@ class Engine:
                 events = self._collect(self._inflight)
             self._inflight = launched
         self._stats.num_steps += 1
-        if self._stats.num_steps % self.config.clear_cache_every == 0:
-            mx.clear_cache()
+        self._steps_since_release += 1
+        if time.monotonic() - self._last_release >= self.config.release_every_s:
+            self._release_memory()  # a server that is never idle must give memory back too
         if events:
             self._emit(events)
         if self.spec is not None:  # the speculation controller learns what a step costs
@@ -332,6 +369,9 @@ class Engine:
         rows = list(sched.waiting) + (sched.prefill.rows if sched.prefill else []) + sched.running.rows
         sched.waiting.clear()
         sched.prefill = None
+        if sched.prefix is not None:  # prefix hits looked up for rows that will never run
+            for row in rows:
+                sched.prefix.forget(row)
         sched.running.take([])
         self._inflight = None
         events = []

@@ -44,6 +44,7 @@ def build_client(args: argparse.Namespace | None = None, **overrides: Any):
         kv=kv,
         prefix_cache_bytes=parse_bytes(opts.get("prefix_cache_bytes", "1GiB")) or 0,
         memory_budget=parse_bytes(opts.get("memory_budget")),
+        mlx_cache_limit=parse_bytes(opts.get("mlx_cache_limit")),
         spec=_spec_config(opts),
     )
     client = AsyncEngine(Engine(loaded, config))

@@ -13,6 +13,8 @@ with no code in the endpoints); engine-level numbers are read from `client.stats
     mlxd_num_requests_running / _waiting / _prefilling  gauges (engine)
     mlxd_kv_cache_bytes{layout}, mlxd_prefix_cache_bytes, mlxd_prefix_cache_hits_total,
     mlxd_prefix_cache_queries_total, mlxd_engine_steps_total
+    mlxd_memory_bytes{owner}                            rss, MLX arrays / buffer cache / its limit,
+                                                        malloc in use / free (engine.host_memory)
     mlxd_spec_decode_<key>                              every number in stats.spec (when present),
     mlxd_spec_decode_acceptance_rate                    accepted / draft tokens
 
@@ -83,6 +85,15 @@ class _EngineCollector:
         if not s.kv_bytes_by_layout:
             kv.add_metric(["all"], float(s.kv_bytes))
         yield kv
+        mem = (s.extra or {}).get("memory") or {}
+        if mem:
+            g = GaugeMetricFamily("mlxd_memory_bytes", "Process memory by owner (rss, mlx_active, "
+                                  "mlx_cache, mlx_cache_limit, malloc_in_use, malloc_free, ...)",
+                                  labels=["owner"])
+            for owner, n in sorted(mem.items()):
+                if owner not in ("python_blocks", "num_releases", "release_seconds"):
+                    g.add_metric([str(owner)], float(n))
+            yield g
         for name, value, doc in (
             ("mlxd_prefix_cache_hits", s.prefix_cache_hits, "Prefix cache hits"),
             ("mlxd_prefix_cache_queries", s.prefix_cache_queries, "Prefix cache lookups"),

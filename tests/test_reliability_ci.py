@@ -38,6 +38,7 @@ def server(tinycoder_path: Path, tmp_path_factory: pytest.TempPathFactory):
         alive = srv.alive()
         rc = srv.stop()
         assert alive, f"mlxd died during the reliability tests (exit {rc}):\n{srv.log_tail(40)}"
+        assert rc == 0, f"mlxd did not exit cleanly on SIGINT (exit {rc}):\n{srv.log_tail(10)}"
 
 
 @pytest.fixture(scope="module")
