@@ -52,6 +52,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--soak-minutes", type=float, default=10.0)
     p.add_argument("--soak-concurrency", type=int, default=8)
     p.add_argument("--soak-warmup", type=float, default=0.3, help="fraction of the soak")
+    p.add_argument("--soak-no-fill", action="store_true",
+                   help="do not fill the server's prefix cache to its budget before the soak")
+    p.add_argument("--soak-fill-max-s", type=float, default=600.0,
+                   help="at most this long filling the prefix cache (seconds)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write every result (with details) here")
     return p.parse_args(argv)
@@ -93,7 +97,9 @@ async def run_suites(target: Target, args: argparse.Namespace, log=print) -> lis
         else:
             res = await soak.run(target, minutes=args.soak_minutes,
                                  concurrency=args.soak_concurrency,
-                                 warmup_frac=args.soak_warmup, seed=args.seed)
+                                 warmup_frac=args.soak_warmup, seed=args.seed,
+                                 fill_prefix_cache=not args.soak_no_fill,
+                                 fill_max_s=args.soak_fill_max_s)
         log(f"  {name}: {'PASS' if res.ok else 'FAIL'} — {res.summary}")
         results.append(res)
     return results
@@ -137,10 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             alive = server.alive()
             rc = server.stop()
-            crashed = CheckResult("server process", alive,
+            crashed = CheckResult("server process", alive and rc == 0,
                                   f"alive to the end; exit code {rc} after SIGINT" if alive
                                   else f"DIED during the run (exit {rc}); log {server.log_path}")
-            if not alive:
+            if not alive or rc != 0:
                 crashed.problems.append(server.log_tail(30))
             results.append(crashed)
     print()

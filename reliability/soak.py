@@ -1,5 +1,10 @@
 """Soak: minutes of mixed load; resident memory must level off and nothing may 5xx.
 
+When the server has a prefix cache, the soak first fills it to its budget (distinct long
+prompts, one token each; bounded in time): a cache filling up is memory held on purpose, and a
+server that runs for long holds a full cache, so growth is judged from that steady state on —
+with eviction churning under the mixed load, where a leak would hide.
+
 `concurrency` workers send a mix (streaming and not, chat and completions, short and long
 prompts, n=2 with logprobs, stop strings, streams cut mid-way, and a few bad requests that must
 get a 4xx) until `minutes` have passed (and at most `max_requests`). The server's RSS is read
@@ -63,6 +68,50 @@ def _request(rng: random.Random, model: str, i: int) -> tuple[str, str, dict[str
     return "bad", "/v1/completions", {"model": model, "prompt": short, "max_tokens": -5}
 
 
+def _fill_prompt(rng: random.Random, i: int) -> str:
+    """About 3,000 tokens that share no 16-token block with any other prompt."""
+    return f"# fill {i} {rng.random():.12f}\n" + _long_prompt(rng, 1200)
+
+
+async def _fill_prefix_cache(client: httpx.AsyncClient, target: Target, rng: random.Random, *,
+                             concurrency: int, max_s: float, target_frac: float = 0.95,
+                             ) -> dict[str, Any]:
+    """Send distinct long prompts until the prefix cache holds `target_frac` of its budget."""
+    pc = (engine_stats(await health(client, target)).get("extra") or {}).get("prefix_cache")
+    budget = int((pc or {}).get("max_bytes") or 0)
+    info: dict[str, Any] = {"budget": budget, "requests": 0, "statuses": {}}
+    if not budget:
+        info["skipped"] = "the server reports no prefix cache"
+        return info
+    t0 = time.monotonic()
+    full = asyncio.Event()
+    counter = iter(range(100_000))
+
+    async def worker() -> None:
+        while not full.is_set() and time.monotonic() - t0 < max_s:
+            i = next(counter)
+            body = {"model": target.model, "prompt": _fill_prompt(rng, i), "max_tokens": 1}
+            try:
+                r = await client.post(target.url + "/v1/completions", json=body)
+                st = str(r.status_code)
+            except httpx.HTTPError as exc:
+                st = type(exc).__name__
+            info["requests"] += 1
+            info["statuses"][st] = info["statuses"].get(st, 0) + 1
+
+    async def watch() -> None:
+        while not full.is_set() and time.monotonic() - t0 < max_s:
+            st = engine_stats(await health(client, target))
+            info["bytes"] = int(st.get("prefix_cache_bytes") or 0)
+            if info["bytes"] >= target_frac * budget:
+                full.set()
+            await asyncio.sleep(1.0)
+
+    await asyncio.gather(watch(), *[worker() for _ in range(concurrency)])
+    info.update(full=full.is_set(), seconds=round(time.monotonic() - t0, 1))
+    return info
+
+
 async def _send(client: httpx.AsyncClient, target: Target, rng: random.Random, i: int,
                 tally: dict[str, Any]) -> None:
     kind, path, body = _request(rng, target.model, i)
@@ -93,21 +142,48 @@ async def _send(client: httpx.AsyncClient, target: Target, rng: random.Random, i
         tally["good_not_200"][str(st)] = tally["good_not_200"].get(str(st), 0) + 1
 
 
+def _growth_by_owner(memory: list[dict[str, Any]], warm_end: float,
+                     window_s: float) -> dict[str, list[float]]:
+    """Per reading of the server's memory (MLX arrays, MLX cache, malloc in use / free, ...):
+    [mean MiB in the first window after warm-up, mean MiB in the last window]."""
+    if not memory:
+        return {}
+    base = [m for m in memory if warm_end <= m["t"] < warm_end + window_s]
+    last = [m for m in memory if m["t"] >= memory[-1]["t"] - window_s]
+    out: dict[str, list[float]] = {}
+    for key in memory[-1]:
+        if key in ("t", "python_blocks", "num_releases", "release_seconds") or not base or not last:
+            continue
+        out[key] = [round(sum(m.get(key, 0) for m in ms) / len(ms) / 2**20, 1) for ms in (base, last)]
+    return out
+
+
 async def run(target: Target, *, minutes: float = 10.0, concurrency: int = 8,
               warmup_frac: float = 0.3, window_s: float = 30.0, sample_s: float = 2.0,
-              max_growth: float = 0.05, max_requests: int = 1_000_000, seed: int = 0) -> CheckResult:
+              max_growth: float = 0.05, max_requests: int = 1_000_000, seed: int = 0,
+              fill_prefix_cache: bool = True, fill_max_s: float = 600.0) -> CheckResult:
+    rng = random.Random(seed)
+    fill: dict[str, Any] = {"skipped": "not asked"}
+    problems: list[str] = []
+    if fill_prefix_cache:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=10.0)) as client:
+            fill = await _fill_prefix_cache(client, target, random.Random(seed + 1),
+                                            concurrency=concurrency, max_s=fill_max_s)
+        bad = {s: n for s, n in fill["statuses"].items() if s != "200"} if "statuses" in fill else {}
+        if bad:
+            problems.append(f"prefix-cache fill requests not answered 200: {bad}")
     t0 = time.monotonic()
     duration = minutes * 60.0
     end = t0 + duration
-    rng = random.Random(seed)
     tally: dict[str, Any] = {"statuses": {}, "kinds": {}, "transport_errors": {},
                              "good_not_200": {}, "bad_not_4xx": 0, "stream_errors": 0}
     samples: list[tuple[float, int]] = []
     # engine memory next to RSS, to tell a leak from a cache filling up to its budget
     engine_mem: list[tuple[float, int, int]] = []  # (t, kv_bytes, prefix_cache_bytes)
+    # the server's own memory readings by owner (MLX arrays and buffer cache, malloc), when given
+    memory: list[dict[str, Any]] = []
     counter = iter(range(max_requests))
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
-    problems: list[str] = []
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(120.0, connect=10.0)) as client:
 
         async def worker(w: int) -> None:
@@ -127,6 +203,9 @@ async def run(target: Target, *, minutes: float = 10.0, concurrency: int = 8,
                 if st:
                     engine_mem.append((round(time.monotonic() - t0, 1), int(st.get("kv_bytes") or 0),
                                        int(st.get("prefix_cache_bytes") or 0)))
+                    mem = (st.get("extra") or {}).get("memory")
+                    if isinstance(mem, dict):
+                        memory.append({"t": round(time.monotonic() - t0, 1), **mem})
                 await asyncio.sleep(sample_s)
 
         tasks = [asyncio.create_task(worker(w)) for w in range(concurrency)]
@@ -167,6 +246,7 @@ async def run(target: Target, *, minutes: float = 10.0, concurrency: int = 8,
             rss_info.update(start_mib=samples[0][1] / 2**20, after_warmup_mib=b / 2**20,
                             end_mib=e / 2**20, max_mib=max(r for _, r in samples) / 2**20,
                             growth=growth)
+            rss_info["by_owner_mib"] = _growth_by_owner(memory, warm_end, window_s)
             if growth > max_growth:
                 problems.append(f"RSS grew {growth * 100:.1f}% after warm-up "
                                 f"({b / 2**20:.0f} → {e / 2**20:.0f} MiB), limit "
@@ -178,7 +258,11 @@ async def run(target: Target, *, minutes: float = 10.0, concurrency: int = 8,
     return CheckResult(
         name="soak",
         ok=not problems,
-        summary=(f"{minutes:g} min, {total} requests ({total / max(elapsed, 1e-9):.1f}/s), "
+        summary=((f"prefix cache filled to {fill.get('bytes', 0) / 2**20:.0f} of "
+                  f"{fill['budget'] / 2**20:.0f} MiB in "
+                  f"{fill.get('seconds', 0):.0f} s ({fill['requests']} requests), then "
+                  if "skipped" not in fill else "")
+                 + f"{minutes:g} min, {total} requests ({total / max(elapsed, 1e-9):.1f}/s), "
                  + (f"prefix cache {engine_mem[-1][2] / 2**20:.0f} MiB at the end, "
                     if engine_mem else "")
                  + f"{n5xx} 5xx, RSS "
@@ -186,8 +270,8 @@ async def run(target: Target, *, minutes: float = 10.0, concurrency: int = 8,
                     f"({growth * 100:+.1f}% after warm-up)" if growth is not None
                     else "not measured")),
         problems=problems,
-        details={"tally": tally, "rss": rss_info,
+        details={"tally": tally, "rss": rss_info, "prefix_cache_fill": fill,
                  "rss_samples": [(round(t, 1), r) for t, r in samples],
-                 "engine_memory_samples": engine_mem},
+                 "engine_memory_samples": engine_mem, "memory_samples": memory},
         seconds=elapsed,
     )
