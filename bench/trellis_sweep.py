@@ -300,7 +300,7 @@ def dispatch_paths() -> dict:
         call = lambda i: matvec.trellis_matvec(x, ws[i % 8], sc, bits=BITS, L=L, block=BLOCK)  # noqa: E731
         out["wrapper_us"] = round(timed(lambda: mx.eval([call(i) for i in range(96)]), 3) / 96 * 1e6, 2)
         kern = matvec._kernel("cuda", matvec.kernel_variant("cuda"), cfg.body)
-        kargs = matvec._launch_args(n_out, n_in, batch, BITS, L, BLOCK, "1mad", x.dtype, cfg, (batch,), x.dtype)
+        kargs = matvec._launch_args(n_out, n_in, batch, BITS, L, BLOCK, "1mad", x.dtype, cfg, (batch,), x.dtype, sc.dtype)
         out["kernel_object_us"] = round(
             timed(lambda: mx.eval([kern(inputs=[ws[i % 8], sc, x], **kargs)[0] for i in range(96)]), 3) / 96 * 1e6, 2
         )

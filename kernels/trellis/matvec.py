@@ -226,6 +226,11 @@ def trellis_matvec(
     One kernel launch, no reshape or cast around it: any leading shape, output in ``out_dtype``
     (default x_rot's dtype)."""
     backend = backend or fused_backend()
+    # dispatch is latency-bound: one dict lookup per call once a shape has been seen
+    key = (x_rot.shape, x_rot.dtype, packed.shape, scales.dtype, bits, L, block, code, backend, config, out_dtype)
+    hit = _CALLS.get(key)
+    if hit is not None:
+        return hit[0](inputs=[packed, scales, x_rot], **hit[1])[0]
     if backend is None:
         raise RuntimeError("no GPU backend for the fused trellis kernel")
     n_in = x_rot.shape[-1]
@@ -241,7 +246,16 @@ def trellis_matvec(
         parts = [x2[: m // 2], x2[m // 2 :]]
         ys = [_launch(backend, variant, p, packed, scales, bits, L, block, code, cfg, out_dtype) for p in parts]
         return mx.concatenate(ys, axis=0).reshape(*x_rot.shape[:-1], n_out)
-    return _launch(backend, variant, x_rot, packed, scales, bits, L, block, code, cfg, out_dtype)
+    y = _launch(backend, variant, x_rot, packed, scales, bits, L, block, code, cfg, out_dtype)
+    if len(_CALLS) < 4096:
+        args = _launch_args(
+            n_out, n_in, m, bits, L, block, code, out_dtype, cfg, tuple(x_rot.shape[:-1]), x_rot.dtype, scales.dtype
+        )
+        _CALLS[key] = (_kernel(backend, variant, cfg.body), args)
+    return y
+
+
+_CALLS: dict[tuple, tuple] = {}
 
 
 @lru_cache(maxsize=1024)
@@ -257,6 +271,7 @@ def _launch_args(
     config: LaunchConfig = SMEM,
     lead: tuple[int, ...] | None = None,
     x_dtype: mx.Dtype | None = None,
+    scales_dtype: mx.Dtype = mx.float16,
 ) -> dict:
     """Keyword arguments of one kernel call, built once per shape (dispatch is latency-bound)."""
     consts = kernel_constants(n_out, n_in, m, bits, L, block, code, config)
@@ -267,9 +282,9 @@ def _launch_args(
         threads = 32 * consts["WC"] * config.rs
         groups = -(-n_out // (config.rs * config.rwu * config.nch))
     return {
-        # XT is not used by the source, but MLX names (and caches) a compiled kernel by its template
-        # arguments only: x's dtype must be among them once it can differ from the output's
-        "template": [*consts.items(), ("XT", x_dtype or dtype), ("DT", dtype)],
+        # XT and ST are not used by the source, but MLX names (and caches) a compiled kernel by its
+        # template arguments only: the dtypes of x and of the scales must be among them
+        "template": [*consts.items(), ("ST", scales_dtype), ("XT", x_dtype or dtype), ("DT", dtype)],
         "grid": (groups * threads, 1, 1),
         "threadgroup": (threads, 1, 1),
         "output_shapes": [(*(lead if lead is not None else (m,)), n_out)],
@@ -283,7 +298,7 @@ def _launch(
     n_in = x_rot.shape[-1]
     args = _launch_args(
         int(packed.shape[0]), n_in, x_rot.size // n_in, bits, L, block, code,
-        out_dtype or x_rot.dtype, config, tuple(x_rot.shape[:-1]), x_rot.dtype,
+        out_dtype or x_rot.dtype, config, tuple(x_rot.shape[:-1]), x_rot.dtype, scales.dtype,
     )
     (y,) = _kernel(backend, variant, config.body)(inputs=[packed, scales, x_rot], **args)
     return y
