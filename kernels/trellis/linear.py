@@ -109,12 +109,13 @@ class TrellisLinear(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         x_rot = rotate(x, self._signs_f32())
         rows = x_rot.size // self.input_dims
-        if rows <= MAX_FUSED_BATCH and fused_backend() is not None:
+        backend = fused_backend() if rows <= MAX_FUSED_BATCH else None
+        if backend is not None:
             # decode path: sign flip, Hadamard, one kernel (any leading shape, output in x's dtype)
             if "bias" not in self:
                 return trellis_matvec(
                     x_rot, self.packed, self.scales, bits=self.bits, L=self.L, block=self.block, code=self.code,
-                    out_dtype=x.dtype,
+                    backend=backend, out_dtype=x.dtype,
                 )
             y = matmul_rotated(x_rot, self.trellis_weight(), use_fused=True)
         else:
