@@ -1,13 +1,21 @@
 """Perplexity of tinycoder-16m under weight quantization: bf16, MLX affine 4/3-bit g64, trellis.
 
-    python bench/trellis_quality.py [--L 12] [--bits 4 3 2] [--modes plain ldlq] [--out FILE.json]
+    python bench/trellis_quality.py [--L 12] [--bits 4 3 2] [--modes seq ldlq plain]
+                                    [--finetune-steps 100] [--out FILE.json]
 
 Data split (documented in docs/trellis.md): records of tinycoder-dev.jsonl at odd positions form
 the evaluation stream; ``--windows`` windows of ``--length`` tokens at evenly spaced starts are
-scored for every variant (the same windows). Records at even positions are the calibration data
-for BlockLDLQ (mode "ldlq"); mode "plain" uses none. Affine and trellis quantize the same layers
-(every Linear; tinycoder ties its embedding, which stays bf16). Activations are float32 for every
-variant, so only the weights differ. Writes JSON (after every variant) and a PNG beside it.
+scored for every variant (the same windows). The calibration data are the records at even
+positions minus any that shares a 128-character substring with an evaluation record (the file
+repeats some records and licence headers). Modes: "seq" is sequential BlockLDLQ (each layer's
+Hessian from the already-quantized earlier layers), "ldlq" BlockLDLQ with Hessians from the float
+model, "plain" no calibration. With ``--finetune-steps`` > 0 each trellis variant is scored before
+and after fine-tuning (kernels/trellis/finetune.py: row gains, real-valued signs and norms,
+distilled from the float model on the calibration text). Affine and trellis quantize the same
+layers (every Linear; tinycoder ties its embedding, which stays bf16 in both). The affine
+baselines are MLX's own quantize + dequantize at group 64 (the same numbers as its
+quantized_matmul, run as a dense float32 matmul, which is fast on a CPU). Activations are float32
+for every variant, so only the weights differ. Writes JSON (after every variant) and a PNG.
 """
 
 from __future__ import annotations
@@ -33,10 +41,12 @@ from mlx_lm.utils import load_model, load_tokenizer  # noqa: E402
 from kernels import trellis as tr  # noqa: E402
 from kernels.trellis.calibration import (  # noqa: E402
     collect_hessians,
+    disjoint_records,
     even_windows,
     read_records,
     token_stream,
 )
+from kernels.trellis.finetune import finetune, teacher_logprobs  # noqa: E402
 from kernels.trellis.linear import quantizable_linears  # noqa: E402
 from mlxd import DEFAULT_MODEL_DIR  # noqa: E402
 
@@ -61,6 +71,17 @@ def float32_model(path: Path) -> nn.Module:
     return model
 
 
+def affine_model(path: Path, bits: int, group: int = 64) -> nn.Module:
+    """Every Linear's weight replaced by MLX's affine quantize -> dequantize of it (float32)."""
+    model = float32_model(path)
+    for _, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            w, scales, biases = mx.quantize(m.weight, group_size=group, bits=bits)
+            m.weight = mx.dequantize(w, scales, biases, group_size=group, bits=bits)
+    mx.eval(model.parameters())
+    return model
+
+
 def affine_bits_per_weight(bits: int, group: int) -> float:
     return bits + 32 / group  # fp16 scale + fp16 bias per group
 
@@ -73,7 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--length", type=int, default=1024)
     p.add_argument("--bits", type=int, nargs="+", default=[4, 3, 2])
     p.add_argument("--L", type=int, nargs="+", default=[12])
-    p.add_argument("--modes", nargs="*", default=["ldlq", "plain"], choices=["ldlq", "plain"])
+    p.add_argument("--modes", nargs="*", default=["seq"], choices=["seq", "ldlq", "plain"])
+    p.add_argument("--finetune-steps", type=int, default=100, help="0: no fine-tuning rows")
+    p.add_argument("--finetune-windows", type=int, default=64)
+    p.add_argument("--finetune-length", type=int, default=256)
+    p.add_argument("--finetune-batch", type=int, default=4)
+    p.add_argument("--finetune-lr", type=float, default=1e-3)
+    p.add_argument("--append", action="store_true", help="add rows to --out instead of starting it afresh")
     p.add_argument("--dirs", type=Path, nargs="*", default=[], help="trellis model dirs (mlxd quantize) to score too")
     p.add_argument("--skip-affine", action="store_true", help="no affine baselines (slow on a CPU)")
     p.add_argument("--calib-windows", type=int, default=32)
@@ -84,18 +111,38 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(args.model)
     records = read_records(args.data)
     eval_windows = even_windows(token_stream(tokenizer, records[1::2]), args.windows, args.length + 1)
-    calib_windows = even_windows(token_stream(tokenizer, records[0::2]), args.calib_windows, args.calib_length)
+    eval_records = records[1::2]
+    calib_records = disjoint_records(records[0::2], eval_records)
+    calib_stream = token_stream(tokenizer, calib_records)
+    calib_windows = even_windows(calib_stream, args.calib_windows, args.calib_length)
+    ft_windows = even_windows(calib_stream, args.finetune_windows, args.finetune_length)
 
     result = {
         "model": args.model.name,
         "data": args.data.name,
         "eval": {"records": "odd positions", "windows": args.windows, "tokens_per_window": args.length},
-        "calibration": {"records": "even positions", "windows": args.calib_windows, "length": args.calib_length},
+        "calibration": {
+            "records": "even positions sharing no 128-char substring with an eval record",
+            "num_records": len(calib_records),
+            "tokens": len(calib_stream),
+            "windows": args.calib_windows,
+            "length": args.calib_length,
+        },
+        "finetune": {
+            "steps": args.finetune_steps,
+            "windows": args.finetune_windows,
+            "length": args.finetune_length,
+            "batch": args.finetune_batch,
+            "lr": args.finetune_lr,
+            "trains": "row gains, real-valued signs, norm weights; KL to the float model",
+        },
         "device": str(mx.default_device()),
         "machine": platform.machine(),
         "activations": "float32",
         "variants": [],
     }
+    if args.append and args.out.exists():
+        result["variants"] = json.loads(args.out.read_text())["variants"]
 
     def record(name: str, kind: str, bpw: float, ppl: float, **extra) -> None:
         row = {"name": name, "kind": kind, "bits_per_weight": round(bpw, 3), "perplexity": round(ppl, 4), **extra}
@@ -103,15 +150,16 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
+        plot(result, args.out.with_suffix(".png"))  # after every row too: a cut-short run keeps both
 
     t0 = time.perf_counter()
     base = float32_model(args.model)
-    record("bf16", "float", 16.0, perplexity(base, eval_windows), seconds=round(time.perf_counter() - t0, 1))
+    if not args.append:
+        record("bf16", "float", 16.0, perplexity(base, eval_windows), seconds=round(time.perf_counter() - t0, 1))
 
     for bits in () if args.skip_affine else (4, 3):
         t0 = time.perf_counter()
-        model = float32_model(args.model)
-        nn.quantize(model, group_size=64, bits=bits, class_predicate=lambda _p, m: isinstance(m, nn.Linear))
+        model = affine_model(args.model, bits)
         record(
             f"affine {bits}-bit g64",
             "affine",
@@ -120,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
             seconds=round(time.perf_counter() - t0, 1),
         )
 
+    teacher_lp = None
+    if args.finetune_steps > 0 and args.bits:
+        teacher_lp = teacher_logprobs(base, ft_windows)
     hessians = None
     if "ldlq" in args.modes:
         t0 = time.perf_counter()
@@ -133,18 +184,24 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.modes:
         for L in args.L:
             for bits in args.bits:
-                model, _ = load_model(args.model)  # quantize from the stored bf16 weights
+                # the stored bf16 weight values, in float32 (MLX's CPU matmuls are fast there)
+                model = float32_model(args.model)
                 t0 = time.perf_counter()
-                tr.quantize_model(model, bits, L, hessians=hessians if mode == "ldlq" else None)
+                tr.quantize_model(
+                    model,
+                    bits,
+                    L,
+                    hessians=hessians if mode == "ldlq" else None,
+                    calibration=calib_windows if mode == "seq" else None,
+                )
                 mx.eval(model.parameters())
                 seconds = time.perf_counter() - t0
                 num = sum(m.input_dims * m.output_dims for _, m in tr.trellis_layers(model))
-                bpw = tr.bits_per_weight(model)
-                model.set_dtype(mx.float32)
+                name = f"trellis {bits}-bit L={L} {mode}"
                 record(
-                    f"trellis {bits}-bit L={L} {mode}",
+                    name,
                     "trellis",
-                    bpw,
+                    tr.bits_per_weight(model),
                     perplexity(model, eval_windows),
                     bits=bits,
                     L=L,
@@ -152,19 +209,46 @@ def main(argv: list[str] | None = None) -> int:
                     quantize_seconds=round(seconds, 1),
                     weights_per_second=round(num / seconds),
                 )
+                if teacher_lp is None:
+                    continue
+                ft = finetune(
+                    model,
+                    teacher_lp,
+                    ft_windows,
+                    steps=args.finetune_steps,
+                    batch=args.finetune_batch,
+                    lr=args.finetune_lr,
+                )
+                record(
+                    name + " +ft",
+                    "trellis",
+                    tr.bits_per_weight(model),
+                    perplexity(model, eval_windows),
+                    bits=bits,
+                    L=L,
+                    mode=mode + "+ft",
+                    quantize_seconds=round(seconds, 1),
+                    finetune_seconds=round(ft.seconds, 1),
+                    finetune_kl_first=round(ft.loss_first, 5),
+                    finetune_kl_last=round(ft.loss_last, 5),
+                    finetune_trainable=ft.trainable,
+                )
     for d in args.dirs:
         model, config = tr.load_model(d)
         q = config["quantization"]
+        mode = ("seq" if q.get("sequential") else "ldlq") if q.get("ldlq") else "plain"
+        if q.get("finetune"):
+            mode += "+ft"
         bpw = tr.bits_per_weight(model)  # before the cast: scales are stored as float16
         model.set_dtype(mx.float32)
         record(
-            f"trellis {q['bits']}-bit L={q['L']} {'ldlq' if q.get('ldlq') else 'plain'} ({d.name})",
+            f"trellis {q['bits']}-bit L={q['L']} {mode} ({d.name})",
             "trellis",
             bpw,
             perplexity(model, eval_windows),
             bits=q["bits"],
             L=q["L"],
-            mode="ldlq" if q.get("ldlq") else "plain",
+            mode=mode,
             quantize_seconds=q.get("seconds"),
         )
     plot(result, args.out.with_suffix(".png"))
@@ -181,8 +265,8 @@ def plot(result: dict, path: Path) -> None:
     styles = {"float": ("k", "*"), "affine": ("#1f77b4", "s"), "trellis": ("#d62728", "o")}
     for row in result["variants"]:
         color, marker = styles[row["kind"]]
-        if row["kind"] == "trellis" and row.get("mode") == "plain":
-            color = "#ff9896"
+        if row["kind"] == "trellis" and not str(row.get("mode", "")).endswith("+ft"):
+            color = "#ff9896"  # before fine-tuning (or none)
         ax.scatter(row["bits_per_weight"], row["perplexity"], c=color, marker=marker, s=50)
         ax.annotate(row["name"], (row["bits_per_weight"], row["perplexity"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
     ax.set_xscale("log", base=2)

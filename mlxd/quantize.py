@@ -50,6 +50,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--calibration-windows", type=int, default=16, help="token windows to run")
     p.add_argument("--calibration-length", type=int, default=512, help="tokens per window")
+    p.add_argument(
+        "--no-sequential",
+        action="store_true",
+        help="BlockLDLQ Hessians from the float model (default: sequential, from the already-quantized layers)",
+    )
+    p.add_argument(
+        "--finetune-steps",
+        type=int,
+        default=100,
+        help="with --calibration: Adam steps of fine-tuning after quantization (row gains, signs, norms; "
+        "distilled from the float model on the calibration text); 0: none",
+    )
+    p.add_argument("--finetune-windows", type=int, default=64, help="calibration windows to fine-tune on")
+    p.add_argument("--finetune-length", type=int, default=256, help="tokens per fine-tuning window")
+    p.add_argument("--finetune-batch", type=int, default=4, help="windows per step")
+    p.add_argument("--finetune-lr", type=float, default=1e-3, help="Adam learning rate (cosine decay)")
+    p.add_argument("--finetune-no-signs", action="store_true", help="keep the signs +-1 (int8) when fine-tuning")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -75,8 +92,19 @@ def quantize_dir(
     calibration: Path | None = None,
     calibration_windows: int = 16,
     calibration_length: int = 512,
+    sequential: bool = True,
+    finetune_steps: int = 0,
+    finetune_windows: int = 64,
+    finetune_length: int = 256,
+    finetune_batch: int = 4,
+    finetune_lr: float = 1e-3,
+    finetune_signs: bool = True,
 ) -> dict:
-    """Quantize ``src`` into ``dst``; returns the "quantization" config entry written."""
+    """Quantize ``src`` into ``dst``; returns the "quantization" config entry written.
+
+    With ``calibration`` (a jsonl file): BlockLDLQ, sequential by default, then ``finetune_steps``
+    of fine-tuning. Keep the calibration text apart from any text you evaluate on.
+    """
     from mlx_lm.utils import load_model
     from tqdm import tqdm
 
@@ -90,10 +118,25 @@ def quantize_dir(
         raise SystemExit(f"{src} is already quantized; trellis quantization needs float weights")
     spec = TrellisSpec(bits=bits, L=L, code=code, max_block=max_block)
     start = time.perf_counter()
-    hessians = None
+    hessians = windows = ft_windows = teacher_lp = None
+    dtype = _float_dtype(model)
+    on_cpu = _on_cpu()
     if calibration is not None:
-        paths = [p for p, _ in quantizable_linears(model, spec, skip) if only is None or only(p)]
-        hessians = calibration_hessians(model, Path(src), calibration, paths, calibration_windows, calibration_length)
+        import mlx.core as mx
+
+        stream = calibration_stream(Path(src), calibration)
+        windows = even_windows(stream, calibration_windows, calibration_length)
+        if on_cpu:
+            model.set_dtype(mx.float32)  # MLX's CPU matmuls are fast in float32 only
+        if not sequential:
+            paths = [p for p, _ in quantizable_linears(model, spec, skip) if only is None or only(p)]
+            hessians = collect_hessians(model, windows, paths)
+            windows = None
+        if finetune_steps > 0:
+            from kernels.trellis.finetune import teacher_logprobs
+
+            ft_windows = even_windows(stream, finetune_windows, finetune_length)
+            teacher_lp = teacher_logprobs(model, ft_windows, finetune_batch)  # the float model, before
     total = quantizable_size(model, spec, skip)
     with tqdm(total=total, unit="w", unit_scale=True, disable=not progress, desc=f"trellis K={bits} L={L}") as bar:
         qconfig = quantize_model(
@@ -107,7 +150,41 @@ def quantize_dir(
             only=only,
             progress=bar.update,
             hessians=hessians,
+            calibration=windows,
         )
+    qconfig["quantize_seconds"] = round(time.perf_counter() - start, 1)
+    if teacher_lp is not None:
+        from kernels.trellis.finetune import finetune
+
+        with tqdm(total=finetune_steps, unit="step", disable=not progress, desc="fine-tune") as bar:
+
+            def step(_i: int, loss: float) -> None:
+                bar.set_postfix(kl=f"{loss:.4f}")
+                bar.update(1)
+
+            ft = finetune(
+                model,
+                teacher_lp,
+                ft_windows,
+                steps=finetune_steps,
+                batch=finetune_batch,
+                lr=finetune_lr,
+                train_signs=finetune_signs,
+                progress=step,
+            )
+        qconfig["finetune"] = {
+            "steps": finetune_steps,
+            "windows": finetune_windows,
+            "length": finetune_length,
+            "batch": finetune_batch,
+            "lr": finetune_lr,
+            "signs": finetune_signs,
+            "kl_first": round(ft.loss_first, 5),
+            "kl_last": round(ft.loss_last, 5),
+            "seconds": round(ft.seconds, 1),
+        }
+    if calibration is not None and on_cpu:
+        _cast_float_params(model, dtype)  # back to the stored dtype; trellis layers keep theirs
     qconfig["seconds"] = round(time.perf_counter() - start, 1)
     if calibration is not None:
         qconfig["calibration"] = {
@@ -120,30 +197,52 @@ def quantize_dir(
     return qconfig
 
 
-def calibration_hessians(model, src: Path, data: Path, paths, num_windows: int, length: int) -> dict:
-    """E[x x^T] per layer over evenly spaced windows of ``data`` (float32 forward on a CPU)."""
+def _float_dtype(model):
     import mlx.core as mx
     from mlx.utils import tree_flatten
+
+    return next(v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+
+
+def _on_cpu() -> bool:
+    import mlx.core as mx
+
+    return mx.default_device() == mx.cpu
+
+
+def _cast_float_params(model, dtype) -> None:
+    """Cast the float parameters outside TrellisLinear layers (their scales stay float16)."""
+    import mlx.core as mx
+
+    from kernels.trellis import TrellisLinear
+
+    for _, m in model.named_modules():
+        if isinstance(m, TrellisLinear):
+            continue
+        arrays = {k: v.astype(dtype) for k, v in m.items() if isinstance(v, mx.array) and mx.issubdtype(v.dtype, mx.floating)}
+        if arrays:
+            m.update(arrays)
+
+
+def calibration_stream(src: Path, data: Path) -> list[int]:
+    """The calibration file's records as one token stream (tokenizer of ``src``)."""
     from mlx_lm.utils import load_tokenizer
 
-    from kernels.trellis.calibration import (
-        collect_hessians,
-        even_windows,
-        read_records,
-        token_stream,
-    )
+    from kernels.trellis.calibration import read_records, token_stream
 
-    tokenizer = load_tokenizer(src)
-    windows = even_windows(token_stream(tokenizer, read_records(data)), num_windows, length)
-    dtype = next(v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
-    on_cpu = mx.default_device() == mx.cpu
-    if on_cpu:
-        model.set_dtype(mx.float32)  # MLX's CPU matmuls are fast in float32 only
-    try:
-        return collect_hessians(model, windows, paths)
-    finally:
-        if on_cpu:
-            model.set_dtype(dtype)
+    return token_stream(load_tokenizer(src), read_records(data))
+
+
+def even_windows(stream, num: int, length: int):
+    from kernels.trellis.calibration import even_windows as windows
+
+    return windows(stream, num, length)
+
+
+def collect_hessians(model, windows, paths) -> dict:
+    from kernels.trellis.calibration import collect_hessians as collect
+
+    return collect(model, windows, paths)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -163,6 +262,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         calibration=args.calibration,
         calibration_windows=args.calibration_windows,
         calibration_length=args.calibration_length,
+        sequential=not args.no_sequential,
+        finetune_steps=args.finetune_steps if args.calibration is not None else 0,
+        finetune_windows=args.finetune_windows,
+        finetune_length=args.finetune_length,
+        finetune_batch=args.finetune_batch,
+        finetune_lr=args.finetune_lr,
+        finetune_signs=not args.finetune_no_signs,
     )
     print(json.dumps({"dst": str(args.dst), "quantization": q}))
     return 0

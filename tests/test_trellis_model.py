@@ -117,7 +117,8 @@ def test_cli_logic_writes_a_loadable_dir_with_calibration(tmp_path, tiny_dir):
     )
     dst = tmp_path / "cli"
     argv = [str(tiny_dir), str(dst), "--trellis-bits", "3", "--trellis-L", "8", "--no-progress"]
-    assert main(argv + ["--calibration", str(calib), "--calibration-windows", "2", "--calibration-length", "64"]) == 0
+    calib_args = ["--calibration", str(calib), "--calibration-windows", "2", "--calibration-length", "64"]
+    assert main(argv + calib_args + ["--finetune-steps", "2", "--finetune-windows", "2", "--finetune-length", "32"]) == 0
     q = json.loads((dst / "config.json").read_text())["quantization"]
     assert q["method"] == "trellis" and q["bits"] == 3 and q["L"] == 8 and q["ldlq"] is True
     model, _ = tr.load_model(dst)

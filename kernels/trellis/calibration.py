@@ -55,7 +55,7 @@ class _HessianTap(nn.Module):
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.inner = inner
-        n = int(inner.weight.shape[1])
+        n = int(inner.weight.shape[1]) if "weight" in inner else int(inner.input_dims)  # Linear or TrellisLinear
         object.__setattr__(self, "acc", [mx.zeros((n, n), dtype=mx.float32), 0])
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -77,3 +77,27 @@ def collect_hessians(model: nn.Module, windows: mx.array, paths: Sequence[str]) 
     finally:
         model.update_modules(tree_unflatten([(p, t.inner) for p, t in taps.items()]))
     return {p: t.acc[0] / max(1, t.acc[1]) for p, t in taps.items()}
+
+
+def _text(record: dict[str, Any]) -> str:
+    return str(record["messages"]) if "messages" in record else str(record.get("text", ""))
+
+
+def disjoint_records(
+    records: Sequence[dict[str, Any]], held_out: Sequence[dict[str, Any]], k: int = 128
+) -> list[dict[str, Any]]:
+    """``records`` minus any that shares a k-character substring with a ``held_out`` record.
+
+    For calibration data that must not overlap the evaluation text: a data file can hold the same
+    record (or the same licence header, the same function) more than once.
+    """
+    seen = set()
+    for rec in held_out:
+        t = _text(rec)
+        seen.update(hash(t[i : i + k]) for i in range(max(1, len(t) - k + 1)))
+    keep = []
+    for rec in records:
+        t = _text(rec)
+        if not any(hash(t[i : i + k]) in seen for i in range(0, max(1, len(t) - k + 1), max(1, k // 4))):
+            keep.append(rec)
+    return keep

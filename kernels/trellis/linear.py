@@ -184,23 +184,38 @@ def quantize_model(
     only: Callable[[str], bool] | None = None,
     progress: Callable[[int], None] | None = None,
     hessians: dict[str, mx.array] | None = None,
+    calibration: mx.array | None = None,
+    calibration_batch: int = 4,
 ) -> dict[str, Any]:
     """Quantize the model's Linear layers in place; returns the config's "quantization" entry.
 
     only: optional filter on module paths (e.g. to quantize a few layers in a quick test).
     progress(n): called with the number of weights just quantized.
-    hessians: optional E[x x^T] per module path (``calibration.collect_hessians``): those layers
-    are quantized with BlockLDLQ.
+    hessians: optional E[x x^T] per module path (``calibration.collect_hessians``, from the float
+    model): those layers are quantized with BlockLDLQ.
+    calibration: optional token windows (n, length): sequential BlockLDLQ instead, every layer's
+    Hessian collected on these windows from the outputs of the already-quantized earlier layers
+    (``sequential.py``). Run the model in float32 on a CPU (MLX's CPU matmuls are fast there).
     """
+    if hessians is not None and calibration is not None:
+        raise ValueError("pass hessians (from the float model) or calibration windows, not both")
     spec = TrellisSpec(bits=bits, L=L, code=code, max_block=max_block)
     targets = [(p, m) for p, m in quantizable_linears(model, spec, skip) if only is None or only(p)]
-    swapped = []
-    for index, (path, linear) in enumerate(targets):
-        key = mx.random.key(seed * 100003 + index)
-        hessian = None if hessians is None else hessians.get(path)
-        layer = TrellisLinear.from_linear(linear, spec, key=key, progress=progress, hessian=hessian)
-        swapped.append((path, layer))
-        model.update_modules(tree_unflatten(swapped[-1:]))
+    keys = {path: mx.random.key(seed * 100003 + index) for index, (path, _) in enumerate(targets)}
+
+    def quantize_one(path: str, linear: nn.Linear, hessian: mx.array | None) -> TrellisLinear:
+        return TrellisLinear.from_linear(linear, spec, key=keys[path], progress=progress, hessian=hessian)
+
+    if calibration is not None:
+        from .sequential import quantize_sequential
+
+        swapped = quantize_sequential(model, targets, calibration, quantize_one, batch=calibration_batch)
+    else:
+        swapped = []
+        for path, linear in targets:
+            hessian = None if hessians is None else hessians.get(path)
+            swapped.append((path, quantize_one(path, linear, hessian)))
+            model.update_modules(tree_unflatten(swapped[-1:]))
     return {
         "method": METHOD,
         "bits": bits,
@@ -210,7 +225,8 @@ def quantize_model(
         "wrap_window": spec.wrap_window,
         "seed": seed,
         "num_layers": len(swapped),
-        "ldlq": hessians is not None,
+        "ldlq": hessians is not None or calibration is not None,
+        "sequential": calibration is not None,
     }
 
 
