@@ -199,8 +199,9 @@ def run_workload(
 
 
 def spec_config(
-    mode: str, args: argparse.Namespace, draft: LoadedModel | None
+    mode: str, args: argparse.Namespace, draft: LoadedModel | None, k: int = 0
 ) -> SpecConfig | None:
+    """The mode's speculation config (`k`: this ceiling instead of the mode's own)."""
     choice = MODES[mode]
     if choice is None:
         return None
@@ -208,7 +209,7 @@ def spec_config(
     return SpecConfig(
         method=method,
         draft_model=draft if method == "draft" else None,
-        num_draft_tokens=_ceiling(method, args),
+        num_draft_tokens=k or _ceiling(method, args),
         adaptive=adaptive,
     )
 
@@ -240,12 +241,7 @@ def warm_up(
     methods = {MODES[m][0] for m in modes if MODES[m] is not None}
     for method in sorted(methods):
         for k in range(1, _ceiling(method, args) + 1):
-            cfg = SpecConfig(
-                method=method,
-                draft_model=draft if method == "draft" else None,
-                num_draft_tokens=k,
-                adaptive=False,
-            )
+            cfg = spec_config(f"{method}-k", args, draft, k)
             run_workload(lm, cfg, sub, concurrency, args.temperature)
     if not plain_s:
         plain_s = run_workload(lm, None, sub, concurrency, args.temperature)["wall_s"] / len(sub)
