@@ -34,13 +34,16 @@ def bucket_width(width: int, cap: int) -> int:
 class Runner:
     """Runs prefill chunks and decode steps.
 
-    Stable shapes (`stable_shapes`, on by default where MLX runs attention over several queries
-    through cuDNN, i.e. CUDA): a cuDNN graph is built per (rows, queries, keys) shape, tens of ms
+    Stable shapes (`stable_shapes`; opt-in with MLXD_STABLE_SHAPES=1, CUDA only — where MLX runs
+    attention over several queries through cuDNN): a cuDNN graph is built per (rows, queries, keys) shape, tens of ms
     each, so a prompt of a new length would pay that on its time to first token. The last chunk
     of a prefill is right-padded to a power-of-two width (the layouts are told each row's real
     length, so the pad columns are never kept) and the keys are widened to the layout's
     allocated capacity (engine/spec/widekv.py), so prompts of any length reuse a few shapes;
-    `warmup()` builds those shapes at start-up.
+    `warmup()` builds those shapes at start-up. Off by default: on the H200 it cut the median
+    TTFT of one-row prompts of new lengths from 142 to 26 ms, but one benchmark run with groups of
+    4 rows and the prefix cache on aborted inside MLX-CUDA (cudaStreamEndCapture failed), which a
+    run with it off did not (bench/results/h200-session2/); not yet explained.
     """
 
     def __init__(
@@ -53,9 +56,8 @@ class Runner:
         self.model = model
         self.kv = kv or kvcache.KVConfig()
         prepare_model(model)  # once: recurrent mixers step through padding / rollback
-        if stable_shapes is None:  # MLXD_STABLE_SHAPES=0/1 overrides the per-backend default
-            env = os.environ.get("MLXD_STABLE_SHAPES", "")
-            stable_shapes = env == "1" if env in ("0", "1") else wide_enabled()
+        if stable_shapes is None:  # opt-in: MLXD_STABLE_SHAPES=1 (CUDA only; see below)
+            stable_shapes = os.environ.get("MLXD_STABLE_SHAPES", "") == "1" and wide_enabled()
         self.stable_shapes = stable_shapes
         self.prefill_chunk = prefill_chunk
         self.warmup_seconds = self.warmup()

@@ -29,6 +29,7 @@ def test_bucket_width():
 
 def _run(lm, prompts, stable, monkeypatch, kv_bits=16, prefix=0, chunk=32, together=True):
     monkeypatch.setattr(runner_mod, "wide_enabled", lambda: stable)
+    monkeypatch.setenv("MLXD_STABLE_SHAPES", "1")  # opt-in; wide_enabled() stands for CUDA
     cfg = EngineConfig(SchedulerConfig(prefill_chunk=chunk), kv=KVConfig(kv_bits=kv_bits, kv_group_size=32),
                        prefix_cache_bytes=prefix)
     eng = Engine(lm, cfg)
@@ -74,3 +75,14 @@ def test_stable_shapes_with_the_prefix_cache(monkeypatch):
     ref = _run(lm, prompts, False, monkeypatch, together=False)
     got = _run(lm, prompts, True, monkeypatch, prefix=1 << 26, together=False)
     assert got == ref
+
+
+def test_stable_shapes_are_opt_in(monkeypatch):
+    monkeypatch.setattr(runner_mod, "wide_enabled", lambda: True)  # as on CUDA
+    monkeypatch.delenv("MLXD_STABLE_SHAPES", raising=False)
+    model, cfg = tiny_model("llama")
+    assert runner_mod.Runner(model).stable_shapes is False
+    monkeypatch.setenv("MLXD_STABLE_SHAPES", "1")
+    assert runner_mod.Runner(model).stable_shapes is True
+    monkeypatch.setattr(runner_mod, "wide_enabled", lambda: False)  # CPU / Metal: never
+    assert runner_mod.Runner(model).stable_shapes is False
