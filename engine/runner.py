@@ -31,6 +31,15 @@ def bucket_width(width: int, cap: int) -> int:
     return max(width, min(b, cap))
 
 
+def bucket_widths(cap: int) -> list[int]:
+    """Every width `bucket_width` can return below `cap`, and `cap`: the shapes a warm-up builds."""
+    widths, w = [], MIN_BUCKET
+    while w < cap:
+        widths.append(w)
+        w *= 2
+    return [*widths, cap]
+
+
 class Runner:
     """Runs prefill chunks and decode steps.
 
@@ -70,17 +79,13 @@ class Runner:
         import time
 
         t0 = time.perf_counter()
-        width = MIN_BUCKET
-        while True:
+        for width in bucket_widths(self.prefill_chunk):
             caches = self.new_caches(1)
             kvcache.prepare_right_padded(caches, [width - 1], force=True)
             self.model(mx.zeros((1, width), dtype=mx.int32), cache=wide(caches, force=True))
             kvcache.finalize(caches)
             logits = self.model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
             mx.eval(logits)
-            if width >= self.prefill_chunk:
-                break
-            width = min(width * 2, self.prefill_chunk)
         return time.perf_counter() - t0
 
     def new_caches(self, num_rows: int) -> kvcache.Caches:

@@ -89,14 +89,12 @@ class DraftModelDrafter:
         """Build the stable feed shapes (one row, every padded width) and a decode step once,
         as the runner does for the target (CUDA's per-shape setup, before the first request)."""
         t0 = time.perf_counter()
-        width = 16
-        while True:
+        from engine.runner import bucket_widths
+
+        for width in bucket_widths(self.prefill_chunk):
             layouts = self._layouts(1)
             self._feed(layouts, [[0] * width])
             mx.eval(self.model(mx.zeros((1, 1), dtype=mx.int32), cache=layouts))
-            if width >= self.prefill_chunk:
-                break
-            width = min(2 * width, self.prefill_chunk)
         self.num_fed_tokens = 0
         return time.perf_counter() - t0
 
