@@ -182,9 +182,11 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--widths", default="1,2,3,5")
+    p.add_argument("--skinny", choices=("auto", "on", "off"), default="auto",
+                   help="engine.skinny's batched-gemv dispatch for 2-16 rows (auto: on CUDA)")
     p.add_argument("--out")
     a = p.parse_args(argv)
-    res = {"device": str(mx.default_device()), "cache": a.cache, "rows": []}
+    res = {"device": str(mx.default_device()), "cache": a.cache, "skinny": a.skinny, "rows": []}
     batches = [int(x) for x in a.batches.split(",")]
     widths = [int(x) for x in a.widths.split(",")]
     models = {}
@@ -192,6 +194,10 @@ def main(argv=None):
         if not path:
             continue
         m = models[name] = _load(path, a.dtype)
+        if a.skinny != "off":
+            from engine import skinny
+
+            res.setdefault("skinny_modules", {})[name] = skinny.install(m, force=a.skinny == "on")
         for b in batches:
             for w in widths:
                 r = dict(measure(m, b, w, a.steps, a.cache), model=name)

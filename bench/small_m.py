@@ -1,0 +1,133 @@
+"""What a matmul or an attention call with a few query rows costs, per call, inside a graph.
+
+    python -m bench.small_m [--dtype bfloat16] [--out FILE]
+
+Why: on MLX-CUDA a target forward of width 2..9 (a speculative verify) or a decode step of a
+batch of 2+ rows costs about twice a width-1 step for a small model (bench/step_costs.py on the
+H200), although the arithmetic hardly grows. This bench isolates the two suspects, each as a
+chain of `--chain` dependent calls evaluated once (so the per-call cost inside one graph is
+measured, not the launch/sync of a lone op):
+
+  * `matmul`: x[M, K] @ W.T for M rows. Variants: `plain` (what nn.Linear does: MLX-CUDA takes
+    its gemv kernel only when M == 1, else cuBLASLt), `gemv_batched` (x viewed as M batches of
+    one row, laid out so that MLX does not fold the batches back into M: one batched gemv that
+    reads W once per row) and `split` (M separate one-row matmuls, concatenated);
+  * `attention`: scaled_dot_product_attention with w queries over L keys, with an array mask
+    (the engine's case) or with none.
+
+Each row: median µs per call over `--repeats` timed chains, and the max abs difference of the
+variant's result from `plain`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from mlxd import blas
+
+blas.load()
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def rows_as_batches(x: mx.array) -> mx.array:
+    """x[M, K] as [M, 1, K] with strides (K, 1, 1): MLX reads it as a transposed one-row matrix
+    per batch, so it neither copies it nor folds the batches into M (which would send it to
+    cuBLASLt); with W.T as the shared matrix it runs one batched gemv."""
+    return mx.swapaxes(x[:, :, None], 1, 2)
+
+
+def mm_plain(x, w):
+    return x @ w.T
+
+
+def mm_gemv_batched(x, w):
+    return (rows_as_batches(x) @ w.T)[:, 0, :]
+
+
+def mm_split(x, w):
+    return mx.concatenate([x[i : i + 1] @ w.T for i in range(x.shape[0])], axis=0)
+
+
+MATMULS = {"plain": mm_plain, "gemv_batched": mm_gemv_batched, "split": mm_split}
+
+
+def _time_chain(fn, x0, chain, repeats):
+    # warm-up (JIT, cuBLAS plans)
+    y = x0
+    for _ in range(chain):
+        y = fn(y)
+    mx.eval(y)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        y = x0
+        for _ in range(chain):
+            y = fn(y)
+        mx.eval(y)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) / chain * 1e6, y
+
+
+def bench_matmul(dtype, chain, repeats):
+    rows = []
+    for n in (384, 1024, 4096):
+        w = (mx.random.normal((n, n)) / n**0.5).astype(dtype)
+        for m in (1, 2, 4, 8, 9, 16):
+            x0 = mx.random.normal((m, n)).astype(dtype)
+            ref = None
+            for name, f in MATMULS.items():
+                if name != "plain" and m == 1:
+                    continue
+                us, y = _time_chain(lambda v, f=f: f(v, w), x0, chain, repeats)
+                one = f(x0, w)
+                if ref is None:
+                    ref = one
+                diff = float(mx.max(mx.abs(one.astype(mx.float32) - ref.astype(mx.float32))))
+                row = {"kind": "matmul", "n": n, "m": m, "variant": name, "us_per_call": round(us, 2),
+                       "max_abs_diff": diff}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return rows
+
+
+def bench_attention(dtype, chain, repeats):
+    rows = []
+    heads, kv_heads, d = 6, 2, 64
+    for L in (256, 1024):
+        k = mx.random.normal((1, kv_heads, L, d)).astype(dtype)
+        v = mx.random.normal((1, kv_heads, L, d)).astype(dtype)
+        for w in (1, 2, 5, 9):
+            q0 = mx.random.normal((1, heads, w, d)).astype(dtype)
+            pos = mx.arange(L)[None, :] <= (L - w + mx.arange(w))[:, None]
+            mask = pos[None, None]
+            for name, m in (("arr_mask", mask), ("no_mask", None)):
+                def f(q, m=m):
+                    return mx.fast.scaled_dot_product_attention(q, k, v, scale=d**-0.5, mask=m)
+                us, _ = _time_chain(f, q0, chain, repeats)
+                row = {"kind": "attention", "L": L, "w": w, "variant": name, "us_per_call": round(us, 2)}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--chain", type=int, default=56)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--out")
+    a = p.parse_args()
+    dtype = getattr(mx, a.dtype)
+    out = {"device": str(mx.default_device()), "dtype": a.dtype, "chain": a.chain,
+           "rows": bench_matmul(dtype, a.chain, a.repeats) + bench_attention(dtype, a.chain, a.repeats)}
+    if a.out:
+        with open(a.out, "w") as fh:
+            json.dump(out, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
