@@ -189,10 +189,11 @@ class Engine:
         mx.set_cache_limit(limit)
         return limit
 
-    def _release_memory(self) -> None:
-        """MLX's cached buffers and malloc's free pages back to the OS (engine thread)."""
+    def _release_memory(self, background: bool = False) -> None:
+        """MLX's cached buffers and malloc's free pages back to the OS (engine thread; the
+        malloc trim on a helper thread when `background`, i.e. while requests are running)."""
         t0 = time.monotonic()
-        release_idle_memory()
+        release_idle_memory(background=background)
         self._last_release = now = time.monotonic()
         self._release_seconds += now - t0
         self._steps_since_release = 0
@@ -338,7 +339,7 @@ class Engine:
         self._stats.num_steps += 1
         self._steps_since_release += 1
         if time.monotonic() - self._last_release >= self.config.release_every_s:
-            self._release_memory()  # a server that is never idle must give memory back too
+            self._release_memory(background=True)  # a never-idle server gives memory back too
         if events:
             self._emit(events)
         if self.spec is not None:  # the speculation controller learns what a step costs
