@@ -90,6 +90,26 @@ class _Cache:
                 c.trim(width)
 
 
+def graph_nodes(model, batch, width, kind, prompt_len=64):
+    """Primitive counts of one step's graph (mx.export_to_dot): what MLX encodes per step.
+    The host cost of evaluating a graph grows with its node count (a few µs a node on CUDA)."""
+    import collections
+    import re
+    import tempfile
+
+    cache = _Cache(model, batch, prompt_len, kind)
+    cache.begin()
+    out = model(mx.zeros((batch, width), dtype=mx.int32), cache=cache.view(width))
+    nxt = mx.argmax(out[:, -1, :], axis=-1)
+    state = [a for layer in cache.layers for a in (getattr(layer, "state", None) or [])
+             if isinstance(a, mx.array)]
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as fh:
+        mx.export_to_dot(fh.name, nxt, *state)
+        ops = re.findall(r'label ="?([A-Za-z]+)', fh.read())
+    mx.eval(nxt, *state)
+    return collections.Counter(ops)
+
+
 def measure(model, batch, width, steps, kind, prompt_len=64):
     cache = _Cache(model, batch, prompt_len, kind)
     tok = mx.zeros((batch, width), dtype=mx.int32)
@@ -184,6 +204,8 @@ def main(argv=None):
     p.add_argument("--widths", default="1,2,3,5")
     p.add_argument("--skinny", choices=("auto", "on", "off"), default="auto",
                    help="engine.skinny's batched-gemv dispatch for 2-16 rows (auto: on CUDA)")
+    p.add_argument("--nodes", action="store_true",
+                   help="also count the primitives of one step's graph per (model, batch, width)")
     p.add_argument("--out")
     a = p.parse_args(argv)
     res = {"device": str(mx.default_device()), "cache": a.cache, "skinny": a.skinny, "rows": []}
@@ -201,6 +223,10 @@ def main(argv=None):
         for b in batches:
             for w in widths:
                 r = dict(measure(m, b, w, a.steps, a.cache), model=name)
+                if a.nodes:
+                    cnt = graph_nodes(m, b, w, a.cache)
+                    r["nodes"] = sum(cnt.values())
+                    r["top_nodes"] = dict(cnt.most_common(12))
                 print(json.dumps(r), flush=True)
                 res["rows"].append(r)
     if "draft" in models:
