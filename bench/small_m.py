@@ -9,14 +9,16 @@ chain of `--chain` dependent calls evaluated once (so the per-call cost inside o
 measured, not the launch/sync of a lone op):
 
   * `matmul`: x[M, K] @ W.T for M rows. Variants: `plain` (what nn.Linear does: MLX-CUDA takes
-    its gemv kernel only when M == 1, else cuBLASLt), `gemv_batched` (x viewed as M batches of
-    one row, laid out so that MLX does not fold the batches back into M: one batched gemv that
-    reads W once per row) and `split` (M separate one-row matmuls, concatenated);
+    its gemv kernel only when M == 1, else cuBLASLt), `kernel` (our fused skinny GEMM,
+    kernels/skinny: W read once for all M rows; CUDA only, M = 1..16), `gemv_batched` (x viewed
+    as M batches of one row, laid out so that MLX does not fold the batches back into M: one
+    batched gemv that reads W once per row) and `split` (M separate one-row matmuls,
+    concatenated);
   * `attention`: scaled_dot_product_attention with w queries over L keys, with an array mask
     (the engine's case) or with none.
 
 Each row: median µs per call over `--repeats` timed chains, and the max abs difference of the
-variant's result from `plain`.
+variant's result from `plain`. At the end a table per size: plain, kernel, and the M = 1 gemv.
 """
 
 from __future__ import annotations
@@ -52,7 +54,17 @@ def mm_split(x, w):
     return mx.concatenate([x[i : i + 1] @ w.T for i in range(x.shape[0])], axis=0)
 
 
-MATMULS = {"plain": mm_plain, "gemv_batched": mm_gemv_batched, "split": mm_split}
+def mm_kernel(x, w):
+    from kernels.skinny import skinny_matmul
+
+    return skinny_matmul(x, w)
+
+
+MATMULS = {"plain": mm_plain, "kernel": mm_kernel, "gemv_batched": mm_gemv_batched, "split": mm_split}
+
+
+def _has_kernel() -> bool:
+    return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
 
 
 def _time_chain(fn, x0, chain, repeats):
@@ -72,17 +84,19 @@ def _time_chain(fn, x0, chain, repeats):
     return float(np.median(times)) / chain * 1e6, y
 
 
-def bench_matmul(dtype, chain, repeats):
+def bench_matmul(dtype, chain, repeats, variants, sizes=(384, 1024, 2048, 4096), ms=(1, 2, 3, 4, 5, 8, 9, 16)):
     rows = []
-    for n in (384, 1024, 4096):
+    for n in sizes:
         w = (mx.random.normal((n, n)) / n**0.5).astype(dtype)
-        for m in (1, 2, 4, 8, 9, 16):
+        for m in ms:
             x0 = mx.random.normal((m, n)).astype(dtype)
             ref = None
             for name, f in MATMULS.items():
-                if name != "plain" and m == 1:
+                if name not in variants or (name not in ("plain", "kernel") and m == 1):
                     continue
-                us, y = _time_chain(lambda v, f=f: f(v, w), x0, chain, repeats)
+                if name == "kernel" and not _has_kernel():
+                    continue
+                us, y = _time_chain(lambda v, f=f, w=w: f(v, w), x0, chain, repeats)
                 one = f(x0, w)
                 if ref is None:
                     ref = one
@@ -105,7 +119,7 @@ def bench_attention(dtype, chain, repeats):
             pos = mx.arange(L)[None, :] <= (L - w + mx.arange(w))[:, None]
             mask = pos[None, None]
             for name, m in (("arr_mask", mask), ("no_mask", None)):
-                def f(q, m=m):
+                def f(q, m=m, k=k, v=v):
                     return mx.fast.scaled_dot_product_attention(q, k, v, scale=d**-0.5, mask=m)
                 us, _ = _time_chain(f, q0, chain, repeats)
                 row = {"kind": "attention", "L": L, "w": w, "variant": name, "us_per_call": round(us, 2)}
@@ -114,16 +128,42 @@ def bench_attention(dtype, chain, repeats):
     return rows
 
 
+def summary(rows):
+    """Per (n, m): µs per call of plain / kernel, the M = 1 gemv of that size, and kernel's
+    max_abs_diff from plain; printed as a table."""
+    by = {(r["n"], r["m"], r["variant"]): r for r in rows}
+    table = []
+    print(f"{'n':>5} {'m':>3} {'plain':>8} {'kernel':>8} {'gemv m=1':>9} {'kern diff':>10}")
+    for n, m in sorted({(r["n"], r["m"]) for r in rows}):
+        plain, kern = by.get((n, m, "plain")), by.get((n, m, "kernel"))
+        gemv = by.get((n, 1, "plain"))
+        row = {"n": n, "m": m, "plain_us": plain and plain["us_per_call"], "kernel_us": kern and kern["us_per_call"],
+               "gemv_m1_us": gemv and gemv["us_per_call"], "kernel_max_abs_diff": kern and kern["max_abs_diff"]}
+        table.append(row)
+
+        def f(v, w=8):
+            return f"{v:>{w}.2f}" if isinstance(v, float) else f"{'-':>{w}}"
+
+        print(f"{n:>5} {m:>3} {f(row['plain_us'])} {f(row['kernel_us'])} {f(row['gemv_m1_us'], 9)} "
+              f"{row['kernel_max_abs_diff'] if kern else '-':>10}", flush=True)
+    return table
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--chain", type=int, default=56)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--variants", default="plain,kernel,gemv_batched,split",
+                   help="matmul variants, comma-separated (" + ",".join(MATMULS) + ")")
+    p.add_argument("--no-attention", action="store_true")
     p.add_argument("--out")
     a = p.parse_args()
     dtype = getattr(mx, a.dtype)
-    out = {"device": str(mx.default_device()), "dtype": a.dtype, "chain": a.chain,
-           "rows": bench_matmul(dtype, a.chain, a.repeats) + bench_attention(dtype, a.chain, a.repeats)}
+    mm = bench_matmul(dtype, a.chain, a.repeats, a.variants.split(","))
+    att = [] if a.no_attention else bench_attention(dtype, a.chain, a.repeats)
+    out = {"device": str(mx.default_device()), "dtype": a.dtype, "chain": a.chain, "rows": mm + att,
+           "table": summary(mm)}
     if a.out:
         with open(a.out, "w") as fh:
             json.dump(out, fh, indent=1)

@@ -1,22 +1,24 @@
-"""Skinny matmuls on CUDA: a few rows of x times a weight through MLX's gemv kernel.
+"""Skinny matmuls on CUDA: a few rows of x times a weight through our fused kernel.
 
 MLX-CUDA multiplies by its own gemv kernel only when x has one row; from two rows on it calls
-cuBLASLt, which costs tens of µs of setup per call. A small model's forward has ~60 matmuls,
-so a decode step of 2+ rows or a speculative verify of 2–9 columns costs about twice a one-row
-step on the H200 (bench/step_costs.py), although the arithmetic barely grows.
+cuBLASLt, which costs 2-3x the gemv per call at decode sizes (bench/small_m.py on the H200:
+22 µs against 8 µs at 384x384, 30-35 µs against 15 µs at 4096x4096). A small model's forward
+has ~60 matmuls, so a decode step of 2+ rows or a speculative verify of 2-9 columns cost ~1.7x
+a one-row step (bench/step_costs.py), although the arithmetic barely grows.
 
-`rows_matmul` views x[M, K] as M batches of one row, laid out so that MLX neither copies it nor
-folds the batches back into M (shape [M, 1, K], strides (K, 1, 1): each batch is a one-row
-"transposed" matrix), and multiplies by the shared W.T: one batched gemv launch that reads W
-once per row. That trade — M reads of W against one cuBLASLt setup — pays while the extra
-reads are cheap: `max_rows` allows it only while (M − 1) · bytes(W) stays under
-`MLXD_SKINNY_BYTES` (default 64 MiB, ~15 µs of H200 bandwidth), and never beyond
-`MLXD_SKINNY_ROWS` rows (16). Large models keep cuBLASLt.
+`kernels.skinny.skinny_matmul` reads the weight once for all rows of x (docs/kernels.md).
+`SkinnyLinear` / `SkinnyEmbedding.as_linear` (a tied lm_head) route x with 2..`MAX_ROWS` rows
+in all (leading dims flattened) to it when it takes the call (same dtype for x and the weight,
+float32/float16/bfloat16, K % 8 == 0) and the default device is the GPU; everything else goes
+to the plain matmul. One row stays on MLX's gemv.
 
-`install(model)` swaps the class of every plain `nn.Linear` (and of a tied embedding's
-`as_linear`) for a subclass with that dispatch; parameters, names and saving are unchanged.
-It is a no-op unless the default device is a CUDA GPU (or `force`); bench/small_m.py measures
-the per-call costs and tests/test_skinny.py checks that results equal the plain matmul.
+`install(model)` swaps the class of every plain `nn.Linear` and `nn.Embedding` (exact types:
+nn.QuantizedLinear, TrellisLinear and other subclasses are untouched) for these subclasses;
+parameters, names and saving are unchanged. It is a no-op unless the default device is a CUDA
+GPU (or `force`). engine/loader.py calls it at model load (target and draft models).
+
+Environment: MLXD_SKINNY=0 turns it off; MLXD_SKINNY_ROWS (default 8, at most 16) is the most
+rows of x that take the kernel.
 """
 
 from __future__ import annotations
@@ -27,54 +29,62 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-MAX_ROWS = int(os.environ.get("MLXD_SKINNY_ROWS", "16"))
-MAX_EXTRA_BYTES = int(os.environ.get("MLXD_SKINNY_BYTES", str(64 << 20)))
+from kernels.skinny import kernel as _sk
+
+MAX_ROWS = max(1, min(_sk.MAX_ROWS, int(os.environ.get("MLXD_SKINNY_ROWS", "8"))))
 
 
 def enabled() -> bool:
     if os.environ.get("MLXD_SKINNY", "") == "0":
         return False
     cuda = getattr(mx, "cuda", None)
-    return mx.default_device().type == mx.gpu and cuda is not None and bool(cuda.is_available())
+    return mx.default_device() == mx.gpu and cuda is not None and bool(cuda.is_available())
 
 
-def max_rows(weight: mx.array) -> int:
-    """The most rows of x for which the batched gemv beats cuBLASLt on this weight."""
-    if weight.ndim != 2 or weight.shape[1] % 32:
-        return 0  # MLX's gemv needs K % 32 == 0 here
-    return min(MAX_ROWS, 1 + MAX_EXTRA_BYTES // max(1, weight.nbytes))
+# (x shape, x dtype, w shape, w dtype) -> the kernel's prepared launch, or None (plain matmul):
+# one dict lookup a call once a shape has been seen
+_PLAN: dict[tuple, tuple | None] = {}
 
 
-def rows_matmul(x: mx.array, weight: mx.array) -> mx.array:
-    """x @ weight.T as one batched gemv (see the module docstring)."""
-    k = x.shape[-1]
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    y = mx.swapaxes(x2[:, :, None], 1, 2) @ weight.T
-    return y.reshape(*lead, weight.shape[0])
+def plan(x: mx.array, w: mx.array) -> tuple | None:
+    """The kernel's prepared launch when it takes x @ w.T, else None."""
+    key = (x.shape, x.dtype, w.shape, w.dtype)
+    try:
+        hit = _PLAN[key]
+    except KeyError:
+        m = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
+        hit = _sk.prepare(x, w) if 2 <= m <= MAX_ROWS and _sk.supported(x, w) else None
+        if len(_PLAN) < 4096:
+            _PLAN[key] = hit
+    # the kernel is a GPU kernel: a forward placed on the CPU (mx.stream(mx.cpu)) takes the matmul
+    return hit if hit is not None and _on_gpu() else None
 
 
-def _rows(x: mx.array) -> int:
-    return x.size // x.shape[-1] if x.ndim else 0
+def _on_gpu() -> bool:
+    return mx.default_device() == mx.gpu
+
+
+def matmul(x: mx.array, w: mx.array) -> mx.array:
+    """x @ w.T, through the skinny kernel when it takes the call."""
+    p = plan(x, w)
+    return x @ w.T if p is None else _sk.launch(x, w, p)
 
 
 class SkinnyLinear(nn.Linear):
     def __call__(self, x: mx.array) -> mx.array:
         w = self["weight"]
-        m = _rows(x)
-        if 2 <= m <= max_rows(w):
-            y = rows_matmul(x, w)
-            return y + self["bias"] if "bias" in self else y
-        return super().__call__(x)
+        p = plan(x, w)
+        if p is None:
+            return super().__call__(x)
+        y = _sk.launch(x, w, p)
+        return y + self["bias"] if "bias" in self else y
 
 
 class SkinnyEmbedding(nn.Embedding):
     def as_linear(self, x: mx.array) -> mx.array:
         w = self["weight"]
-        m = _rows(x)
-        if 2 <= m <= max_rows(w):
-            return rows_matmul(x, w)
-        return super().as_linear(x)
+        p = plan(x, w)
+        return super().as_linear(x) if p is None else _sk.launch(x, w, p)
 
 
 def install(model: Any, force: bool = False) -> int:
@@ -88,5 +98,18 @@ def install(model: Any, force: bool = False) -> int:
             count += 1
         elif type(module) is nn.Embedding:
             module.__class__ = SkinnyEmbedding
+            count += 1
+    return count
+
+
+def uninstall(model: Any) -> int:
+    """Back to the plain classes (for A/B measurements); returns how many."""
+    count = 0
+    for _, module in model.named_modules():
+        if type(module) is SkinnyLinear:
+            module.__class__ = nn.Linear
+            count += 1
+        elif type(module) is SkinnyEmbedding:
+            module.__class__ = nn.Embedding
             count += 1
     return count
