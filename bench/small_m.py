@@ -34,6 +34,8 @@ blas.load()
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
+from kernels.skinny import skinny_matmul  # noqa: E402
+
 
 def rows_as_batches(x: mx.array) -> mx.array:
     """x[M, K] as [M, 1, K] with strides (K, 1, 1): MLX reads it as a transposed one-row matrix
@@ -55,8 +57,6 @@ def mm_split(x, w):
 
 
 def mm_kernel(x, w):
-    from kernels.skinny import skinny_matmul
-
     return skinny_matmul(x, w)
 
 

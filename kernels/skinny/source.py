@@ -85,7 +85,7 @@ BODY = r"""
                     for (int r = 0; r < R; ++r) {
                         SK_UNROLL
                         for (int e = 0; e < VEC; ++e) {
-                            acc[r * M + m] = fmaf(wf[r * VEC + e], xf[e], acc[r * M + m]);
+                            acc[r * M + m] += wf[r * VEC + e] * xf[e];  // one FMA (contracted)
                         }
                     }
                 }
