@@ -18,7 +18,7 @@ parameters, names and saving are unchanged. It is a no-op unless the default dev
 GPU (or `force`). engine/loader.py calls it at model load (target and draft models).
 
 Environment: MLXD_SKINNY=0 turns it off; MLXD_SKINNY_ROWS (default 8, at most 16) is the most
-rows of x that take the kernel.
+rows of x that take the kernel; MLXD_SKINNY_WARMUP=0 skips compiling every variant at install.
 """
 
 from __future__ import annotations
@@ -87,8 +87,12 @@ class SkinnyEmbedding(nn.Embedding):
         return super().as_linear(x) if p is None else _sk.launch(x, w, p)
 
 
-def install(model: Any, force: bool = False) -> int:
-    """Swap plain Linear / Embedding modules of `model` to the skinny dispatch; returns how many."""
+def install(model: Any, force: bool = False, warm: bool | None = None) -> int:
+    """Swap plain Linear / Embedding modules of `model` to the skinny dispatch; returns how many.
+
+    On a CUDA GPU it then compiles the kernel for every row count and weight layout the model
+    will use (`warm_up`, unless MLXD_SKINNY_WARMUP=0), so no request pays the compiles later;
+    if that fails, the model is put back to the plain classes (with a warning) and 0 returned."""
     if not (force or enabled()):
         return 0
     count = 0
@@ -99,7 +103,41 @@ def install(model: Any, force: bool = False) -> int:
         elif type(module) is nn.Embedding:
             module.__class__ = SkinnyEmbedding
             count += 1
+    if warm is None:
+        warm = enabled() and os.environ.get("MLXD_SKINNY_WARMUP", "1") != "0"
+    if warm and count:
+        try:
+            warm_up(model)
+        except Exception as exc:  # a kernel that does not build here must not stop the server
+            import warnings
+
+            warnings.warn(f"engine.skinny: kernel warm-up failed, using plain matmuls: {exc}", stacklevel=2)
+            uninstall(model)
+            return 0
     return count
+
+
+def warm_up(model: Any, rows: range | None = None) -> int:
+    """Run the kernel once for every (rows, layout, dtype) the model's skinny modules can take,
+    so MLX compiles (or loads from its disk cache) each variant now; returns how many."""
+    rows = rows or range(2, MAX_ROWS + 1)
+    seen: set[tuple] = set()
+    outs = []
+    for _, module in model.named_modules():
+        if type(module) not in (SkinnyLinear, SkinnyEmbedding):
+            continue
+        w = module["weight"]
+        for m in rows:
+            x = mx.zeros((m, w.shape[-1]), dtype=w.dtype)
+            if not _sk.supported(x, w):
+                continue
+            lay = _sk.layout(m, w.shape[0], w.shape[1], w.dtype.size)
+            key = (lay, w.dtype)
+            if key not in seen:
+                seen.add(key)
+                outs.append(_sk.skinny_matmul(x, w))
+    mx.eval(outs)
+    return len(seen)
 
 
 def uninstall(model: Any) -> int:

@@ -264,6 +264,32 @@ def test_install_leaves_quantized_and_subclasses(monkeypatch):
     assert not skinny.enabled()
 
 
+def test_warm_up_builds_each_variant_once(monkeypatch, tinycoder_path):
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(tinycoder_path)
+    model.set_dtype(mx.bfloat16)
+    assert skinny.install(model, force=True, warm=False) > 0
+    calls = []
+    monkeypatch.setattr(skinny._sk, "skinny_matmul", lambda x, w: calls.append((x.shape, w.shape)) or x @ w.T)
+    n = skinny.warm_up(model, range(2, 5))
+    # tinycoder: K = 384 (U = 2) and K = 1024 (U = 4) rows at R = 1, the 8192-row lm_head at R = 4
+    assert n == len(calls) == 3 * 3
+    assert {c[0][0] for c in calls} == {2, 3, 4}
+
+
+def test_install_falls_back_when_the_kernel_fails(monkeypatch):
+    lin = nn.Linear(64, 32)
+
+    def broken(x, w):
+        raise RuntimeError("Failed to compile kernel")
+
+    monkeypatch.setattr(skinny._sk, "skinny_matmul", broken)
+    with pytest.warns(UserWarning, match="warm-up failed"):
+        assert skinny.install(lin, force=True, warm=True) == 0
+    assert type(lin) is nn.Linear
+
+
 def test_installed_model_on_cpu_is_unchanged(tinycoder_path):
     """install(force) on the CPU: every call takes the plain matmul, logits bit-identical."""
     from mlx_lm.utils import load_model
