@@ -19,6 +19,8 @@ measured, not the launch/sync of a lone op):
 
 Each row: median µs per call over `--repeats` timed chains, and the max abs difference of the
 variant's result from `plain`. At the end a table per size: plain, kernel, and the M = 1 gemv.
+`--sweep` (CUDA) also times the kernel under every launch layout (rows a warp R, vectors in
+flight U) per size and row count, to check what `kernels.skinny.layout` picks.
 """
 
 from __future__ import annotations
@@ -108,6 +110,36 @@ def bench_matmul(dtype, chain, repeats, variants, sizes=(384, 1024, 2048, 4096),
     return rows
 
 
+def sweep_layouts(dtype, chain, repeats, sizes=(384, 1024, 2048, 4096), ms=(2, 4, 8, 16)):
+    """The kernel under every launch layout (R rows a warp, U vectors a row in flight) per (n, m):
+    what kernels.skinny.layout should pick. One NVRTC compile per layout."""
+    from kernels.skinny.kernel import Layout, _pow2, layout
+
+    rows = []
+    for n in sizes:
+        w = (mx.random.normal((n, n)) / n**0.5).astype(dtype)
+        for m in ms:
+            x0 = mx.random.normal((m, n)).astype(dtype)
+            ref = mm_plain(x0, w)
+            default = layout(m, n, n, dtype.size)
+            best = None
+            for r in (1, 2, 4):
+                for u in (1, 2, 4, 8):
+                    if r * m > 32 or r * u > 16:
+                        continue
+                    lay = Layout(m, r, u, _pow2(r * m))
+                    us, _ = _time_chain(lambda v, w=w, lay=lay: skinny_matmul(v, w, lay), x0, chain, repeats)
+                    diff = float(mx.max(mx.abs(skinny_matmul(x0, w, lay).astype(mx.float32) - ref.astype(mx.float32))))
+                    row = {"kind": "sweep", "n": n, "m": m, "r": r, "u": u, "us_per_call": round(us, 2),
+                           "max_abs_diff": diff, "default": lay == default}
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+                    if best is None or us < best["us_per_call"]:
+                        best = row
+            print(json.dumps({"kind": "sweep_best", **best}), flush=True)
+    return rows
+
+
 def bench_attention(dtype, chain, repeats):
     rows = []
     heads, kv_heads, d = 6, 2, 64
@@ -157,6 +189,7 @@ def main():
     p.add_argument("--variants", default="plain,kernel,gemv_batched,split",
                    help="matmul variants, comma-separated (" + ",".join(MATMULS) + ")")
     p.add_argument("--no-attention", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="also time every kernel launch layout (CUDA)")
     p.add_argument("--out")
     a = p.parse_args()
     dtype = getattr(mx, a.dtype)
@@ -164,6 +197,8 @@ def main():
     att = [] if a.no_attention else bench_attention(dtype, a.chain, a.repeats)
     out = {"device": str(mx.default_device()), "dtype": a.dtype, "chain": a.chain, "rows": mm + att,
            "table": summary(mm)}
+    if a.sweep and _has_kernel():
+        out["sweep"] = sweep_layouts(dtype, a.chain, a.repeats)
     if a.out:
         with open(a.out, "w") as fh:
             json.dump(out, fh, indent=1)

@@ -25,7 +25,8 @@ from . import source as src
 
 MAX_ROWS = 16  # rows of x the kernel takes (R * M <= 32 sums a warp)
 WARPS_PER_BLOCK = 4
-TARGET_WARPS = 2048  # ~16 warps a multiprocessor on an H200 (132 SMs): enough loads in flight
+# ~16 warps a multiprocessor on an H200 (132 SMs): enough loads in flight
+TARGET_WARPS = int(os.environ.get("MLXD_SKINNY_TARGET_WARPS", "2048"))
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
 
@@ -91,9 +92,12 @@ def _dims(n: int, k: int) -> mx.array:
 
 
 @lru_cache(maxsize=1024)
-def launch_args(m: int, n: int, k: int, dtype: mx.Dtype, lead: tuple[int, ...]) -> dict:
-    """Keyword arguments of one kernel call, built once per shape (dispatch is latency-bound)."""
-    lay = layout(m, n, k, dtype.size)
+def launch_args(m: int, n: int, k: int, dtype: mx.Dtype, lead: tuple[int, ...], lay: Layout | None = None) -> dict:
+    """Keyword arguments of one kernel call, built once per shape (dispatch is latency-bound).
+    lay: another layout than ``layout``'s (for sweeps; R * M <= 32, NP = pow2(R * M))."""
+    lay = lay or layout(m, n, k, dtype.size)
+    if lay.m != m or lay.r * m > 32 or lay.np != _pow2(lay.r * m) or lay.u < 1:
+        raise ValueError(f"bad layout {lay} for {m} rows")
     warps = -(-n // lay.r)
     blocks = -(-warps // WARPS_PER_BLOCK)
     threads = 32 * WARPS_PER_BLOCK
@@ -120,14 +124,16 @@ def launch(x: mx.array, w: mx.array, prepared: tuple) -> mx.array:
 _CALLS: dict[tuple, tuple] = {}
 
 
-def skinny_matmul(x: mx.array, w: mx.array) -> mx.array:
-    """x[..., K] @ w[N, K].T in one kernel launch (see ``supported`` for what it takes)."""
-    key = (x.shape, x.dtype, w.shape)
+def skinny_matmul(x: mx.array, w: mx.array, lay: Layout | None = None) -> mx.array:
+    """x[..., K] @ w[N, K].T in one kernel launch (see ``supported`` for what it takes).
+    lay: force a launch layout (bench sweeps); default ``layout(...)``."""
+    key = (x.shape, x.dtype, w.shape, lay)
     hit = _CALLS.get(key)
     if hit is None:
         if not supported(x, w):
             raise ValueError(f"skinny kernel does not take x {x.shape} {x.dtype} @ w {w.shape} {w.dtype}")
-        hit = prepare(x, w)
+        n, k = w.shape
+        hit = (launch_args(x.size // k, n, k, x.dtype, tuple(x.shape[:-1]), lay), _dims(n, k))
         if len(_CALLS) < 4096:
             _CALLS[key] = hit
     return launch(x, w, hit)
