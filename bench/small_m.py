@@ -110,7 +110,7 @@ def bench_matmul(dtype, chain, repeats, variants, sizes=(384, 1024, 2048, 4096),
     return rows
 
 
-def sweep_layouts(dtype, chain, repeats, sizes=(384, 1024, 2048, 4096), ms=(2, 4, 8, 16)):
+def sweep_layouts(dtype, chain, repeats, sizes=(1024, 4096), ms=(2, 8)):
     """The kernel under every launch layout (R rows a warp, U vectors a row in flight) per (n, m):
     what kernels.skinny.layout should pick. One NVRTC compile per layout."""
     from kernels.skinny.kernel import Layout, _pow2, layout
