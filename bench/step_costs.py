@@ -203,7 +203,7 @@ def main(argv=None):
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--widths", default="1,2,3,5")
     p.add_argument("--skinny", choices=("auto", "on", "off"), default="auto",
-                   help="engine.skinny's batched-gemv dispatch for 2-16 rows (auto: on CUDA)")
+                   help="engine.skinny few-row kernel dispatch (auto: MLXD_SKINNY=1 on CUDA; on: forced; off: never)")
     p.add_argument("--nodes", action="store_true",
                    help="also count the primitives of one step's graph per (model, batch, width)")
     p.add_argument("--out")

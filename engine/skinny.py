@@ -14,10 +14,19 @@ to the plain matmul. One row stays on MLX's gemv.
 
 `install(model)` swaps the class of every plain `nn.Linear` and `nn.Embedding` (exact types:
 nn.QuantizedLinear, TrellisLinear and other subclasses are untouched) for these subclasses;
-parameters, names and saving are unchanged. It is a no-op unless the default device is a CUDA
-GPU (or `force`). engine/loader.py calls it at model load (target and draft models).
+parameters, names and saving are unchanged. engine/loader.py calls it at model load (target and
+draft models); it is a no-op unless MLXD_SKINNY=1 and the default device is a CUDA GPU (or
+`force`).
 
-Environment: MLXD_SKINNY=0 turns it off; MLXD_SKINNY_ROWS (default 8, at most 16) is the most
+**Off by default.** Measured on the H200 (session 3, bench/results/h200-session3/skinny/): the
+kernel is correct (62 of 63 CUDA cases; the one failure was cuBLASLt's own TF32 float32 matmul
+used as the twin), but inside a graph an `mx.fast.cuda_kernel` call costs 27-57 µs against
+15-35 µs for cuBLASLt, so the fused read of W never pays: MLX's per-call cost of a custom
+kernel, not the arithmetic, decides. Decode steps of tinycoder-16m were no faster with it on.
+It stays for the day MLX's custom-kernel dispatch gets cheaper (precompiled kernels), and as
+the measured answer to "why not a skinny kernel".
+
+Environment: MLXD_SKINNY=1 turns it on; MLXD_SKINNY_ROWS (default 8, at most 16) is the most
 rows of x that take the kernel; MLXD_SKINNY_WARMUP=0 skips compiling every variant at install.
 """
 
@@ -35,7 +44,8 @@ MAX_ROWS = max(1, min(_sk.MAX_ROWS, int(os.environ.get("MLXD_SKINNY_ROWS", "8"))
 
 
 def enabled() -> bool:
-    if os.environ.get("MLXD_SKINNY", "") == "0":
+    """Opt-in (MLXD_SKINNY=1) and on a CUDA GPU: measured slower than cuBLASLt (docstring)."""
+    if os.environ.get("MLXD_SKINNY", "") != "1":
         return False
     cuda = getattr(mx, "cuda", None)
     return mx.default_device() == mx.gpu and cuda is not None and bool(cuda.is_available())
