@@ -70,9 +70,8 @@ class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
         self.loaded = loaded
         self.config = config or EngineConfig(SchedulerConfig())
-        spec_cfg = self.config.spec
-        if spec_cfg is not None and spec_cfg.enabled:  # ring slack for rollback across the wrap
-            self.config.kv.max_draft = max(self.config.kv.max_draft, spec_cfg.num_draft_tokens)
+        # no ring slack for speculation: a round writes only its accepted columns into the target's
+        # rings (engine/spec/ringcommit.py), so they keep the plain engine's shape and masks
         self.runner = Runner(
             loaded.model, self.config.kv, prefill_chunk=self.config.scheduler.prefill_chunk
         )

@@ -108,3 +108,78 @@ def test_cli_flags_map_to_spec_config():
         SpecConfig(method="draft")
     with pytest.raises(ValueError, match="at least 1"):
         SpecConfig(method="ngram", num_draft_tokens=0)
+
+
+def _simulate_engine(ctl, cost, alphas, steps, spikes=(), seed=0):
+    """Like `_simulate` on a given controller; the first speculative steps cost `spikes`
+    seconds (CUDA: an engine's first speculative steps set up new shapes). Returns
+    (spec tokens/s) / (plain tokens/s) and the number of speculative steps."""
+    rng = np.random.default_rng(seed)
+    B = len(alphas)
+    acc, judged = np.zeros(B), np.zeros(B)
+    tokens, seconds, spec_steps = 0, 0.0, 0
+    for _ in range(steps):
+        alpha = ctl.alpha(acc, judged)
+        caps = ctl.caps(alpha, np.full(B, 1000))
+        width = ctl.decide(alpha, caps).width
+        k = np.minimum(caps, width - 1)
+        run = (rng.random((B, 8)) < alphas[:, None]).cumprod(axis=1).sum(axis=1)
+        a = np.minimum(run, k) if width > 1 else np.zeros(B, np.int64)
+        step = cost(B, width) * rng.uniform(0.95, 1.05)
+        if width > 1:
+            step = spikes[spec_steps] if spec_steps < len(spikes) else step
+            spec_steps += 1
+            acc, judged = 0.9 * acc + a, 0.9 * judged + a + (a < k)
+            ctl.learn(k, a)
+        ctl.record(B, width, step, typical=True)
+        tokens += int((a + 1).sum())
+        seconds += step
+    return tokens / seconds / (B / cost(B, 1)), spec_steps
+
+
+def _gpu_draft_cost(B, W):
+    """H200, tinycoder-16m + draft-4m at one row: a plain step 1.5 ms, a round 4-6 ms."""
+    return 0.0015 if W == 1 else 0.0045 + 0.0005 * W
+
+
+def test_one_hopeless_sample_ends_an_exploration():
+    """A measured round that could not pay even if every draft were accepted stops the
+    exploration at once (1 unmeasured + 1 measured step), not after `min_samples`."""
+    ctl = Controller(ControllerConfig(max_draft=4, explore_budget=1.0))
+    _, spec_steps = _simulate_engine(ctl, _gpu_draft_cost, np.full(1, 0.7), steps=60)
+    assert spec_steps == 2, spec_steps  # then plain until the next probe (64 steps later)
+
+
+def test_dear_first_speculative_steps_stay_within_the_exploration_budget():
+    """H200 pattern: each engine's first speculative steps cost 40-120 ms (vs a 1.5 ms plain
+    step). The first engine of a process pays one exploration (ended by the hopeless rule);
+    the next engines on the same model remember its cost and explore only when the budget
+    (3 % of the decoded time) covers it: short workloads stay at ~1x plain."""
+    from engine.spec.adaptive import EXPLORE_MEMORY
+
+    key = ("test-drafter", object())
+    spikes = (0.12, 0.056, 0.047)
+    ratios = []
+    for engine_no in range(3):
+        ctl = Controller(ControllerConfig(max_draft=4), memory_key=key)
+        ratio, _ = _simulate_engine(ctl, _gpu_draft_cost, np.full(1, 0.7), 1500, spikes, engine_no)
+        ratios.append(ratio)
+        assert ctl.explore_excess <= 0.18, ctl.explore_excess
+    assert EXPLORE_MEMORY.first_cost(key) is not None
+    assert min(ratios[1:]) >= 0.97, ratios  # 2.3 s workloads: no exploration fits the budget
+
+
+def test_exploration_budget_still_finds_speculation_that_pays():
+    """Dear first steps, but verification nearly free afterwards (memory-bound): a long run
+    still explores (after the budget covers it), re-probes past the dear steps and speculates."""
+    key = ("test-drafter-2", object())
+
+    def cost(B, W):
+        return 0.0015 * (1 + 0.04 * (W - 1))
+
+    spikes = (0.12, 0.056, 0.047)
+    for engine_no in range(2):
+        ctl = Controller(ControllerConfig(max_draft=4), memory_key=key)
+        ratio, spec_steps = _simulate_engine(ctl, cost, np.full(1, 0.7), 30000, spikes, engine_no)
+    assert ratio > 1.5 and spec_steps > 15000, (ratio, spec_steps)
+    assert ctl.explore_excess <= ctl.config.explore_budget * ctl.busy + 0.25

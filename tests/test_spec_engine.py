@@ -254,6 +254,7 @@ def test_adaptive_switching_between_plain_and_spec_keeps_greedy_exact():
         spec = SpecConfig(method, draft_model=draft, num_draft_tokens=3, ngram_min=1)
         eng = _engine(lm, spec, prefill_chunk=32)
         eng.spec.controller.config.probe_every = 3
+        eng.spec.controller.config.explore_budget = 1.0  # explore at once, as often as due
         try:
             outs = _run(eng, reqs, stagger=True)
             st = eng.stats().spec[method]
@@ -364,3 +365,57 @@ def test_sampled_distribution_end_to_end_matches_the_model():
     stat, pvalue = chisquare(obs, exp / exp.sum() * obs.sum())
     assert pvalue > 1e-3, (stat, pvalue)
     assert 0.05 < st["acceptance_rate"] < 0.95, st  # both outcomes of the rule happened
+
+
+class _CountingModel:
+    """A model wrapper that counts forwards (the draft model's work while idle)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.calls = model, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_idle_draft_model_does_no_work_then_catches_up_past_the_window():
+    """While the controller decodes plainly the draft model runs no forward (no prefill at
+    admission, no per-token feed); when speculation starts again it catches up in one chunked
+    forward on everything the row decoded meanwhile — here 90 tokens, far past the draft's own
+    24-token ring — and the output stays exactly plain greedy decoding's."""
+    model, cfg = tiny_model("llama")
+    lm = loaded(model, cfg)
+    prompt = _repetitive_prompts(cfg["vocab_size"], 1, seed=21)[0]
+    reqs = [greedy("r0", prompt, max_tokens=130)]
+    want, _ = _outputs(lm, None, reqs, stagger=False)
+    draft = _perturbed(model, cfg, 0.01, seed=3)
+    eng = _engine(lm, SpecConfig("draft", draft_model=draft, num_draft_tokens=3))
+    drafter = eng.spec.drafter
+    counter = drafter.model = _CountingModel(drafter.model)
+    plain_steps = 90
+    seen: dict[str, int] = {}
+    decide = eng.spec.decide
+
+    def forced(batch):  # plain for `plain_steps` steps, then speculation (3 drafts) every step
+        decide(batch)  # the controller's own bookkeeping still runs
+        steps = eng.stats().num_steps
+        if steps < plain_steps:
+            return 1
+        seen.setdefault("calls_while_idle", counter.calls)
+        seen.setdefault("fed_while_idle", drafter.num_fed_tokens)
+        return 4
+
+    eng.spec.decide = forced
+    try:
+        got = _run(eng, reqs, stagger=False)["r0"].tokens
+        st = eng.stats().spec["draft"]
+    finally:
+        eng.stop()
+    assert seen == {"calls_while_idle": 0, "fed_while_idle": 0}, seen
+    assert got == want["r0"]
+    assert st["spec_steps"] > 0 and st["catch_up_seconds"] > 0, st
+    # one catch-up: the prompt and the ~90 plainly decoded tokens, fed once
+    assert len(prompt) + plain_steps - 4 <= st["fed_tokens"] <= len(prompt) + plain_steps + 4, st

@@ -141,3 +141,39 @@ def test_draft_rounds_keep_pending_and_accepted_drafts(case, prompt_lengths, rou
             kept = first[b, : pending[b]].tolist() + drafts[b, : min(accepted[b], k - 1)].tolist()
             histories[b] = histories[b] + kept
     _check_against_fresh(model, bits, batch, histories, rng)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@SETTINGS
+@given(
+    prompt_lengths=st.lists(st.integers(2, 12), min_size=3, max_size=3),
+    rounds=rounds,
+    seed=st.integers(0, 2**16),
+)
+def test_target_rounds_on_rings_without_slack_write_only_the_kept_columns(
+    case, prompt_lengths, rounds, seed
+):
+    """The engine's target pattern (engine/spec/ringcommit.py): rings have no slack, the verify
+    forward writes into shadow copies, and only each row's kept columns reach the real ring."""
+    from engine.spec.ringcommit import RingRound, defers
+
+    arch, bits = CASES[case]
+    model = _model(arch)
+    rng = np.random.default_rng(seed)
+    histories = [rng.integers(1, 256, n).tolist() for n in prompt_lengths]
+    rows = [_layouts(model, 1, bits, 0) for _ in histories]
+    for row, hist in zip(rows, histories, strict=True):
+        model(mx.array([hist]), cache=row)
+    batch = kvb.merge_rows(None, rows)
+    has_ring = any(getattr(layer, "is_ring", False) for layer in batch)
+    for k, raw in rounds:
+        num_drafts = [r % (k + 1) for r in raw]
+        accepted = [r % (n + 1) for r, n in zip(raw[::-1], num_drafts, strict=True)]
+        cols = rng.integers(1, 256, (len(histories), k + 1))
+        ring_round = RingRound(batch, k + 1)
+        assert any(defers(layer, k + 1) for layer in batch) == has_ring
+        model(mx.array(cols), cache=ring_round.model_caches)
+        ring_round.finish([a + 1 for a in accepted])
+        for b, a in enumerate(accepted):
+            histories[b] = histories[b] + cols[b, : a + 1].tolist()
+    _check_against_fresh(model, bits, batch, histories, rng)

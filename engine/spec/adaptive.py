@@ -34,6 +34,20 @@ the first are measured): while speculating, plain decoding after `plain_probe_ev
 `probe_every` steps (doubling to `max_probe_every`: a draft model's probe must first catch up
 on the tokens decoded plainly). A changed choice restarts the interval.
 
+Exploration budget. Trying speculation where it is not yet known to pay (an untrusted width,
+or a probe while decoding plainly) costs whatever those steps take beyond a plain step: on a
+reference-BLAS CPU a step or two, but on CUDA the first speculative steps of an engine cost
+40-120 ms each against a ~1.5 ms plain step (new attention and graph shapes; H200
+measurements in bench/results/h200-spec-idle/), i.e. 5-10 % of a few-second workload. So the
+excess time of exploratory steps is accounted (`explore_excess`), and an exploration starts
+only while `explore_excess + expected <= explore_budget * busy` (busy: the engine's recorded
+step time): exploring costs at most a few percent of the time decoded, whatever the device.
+`expected` is what the last exploration of this engine cost, and for an engine's first one,
+what the first exploration of an earlier engine on the same model and drafter cost in this
+process (`ExploreMemory`; else `explore_prior_steps` plain steps). A measured sample that
+cannot pay even if every draft were accepted (`cost(W) > hopeless * W * cost(1)`) ends the
+exploration of that width at once, without waiting for `min_samples`.
+
 Worked example: batch of 4 with alpha = 0.6, plain 10 ms, W = 3 measured at 13 ms:
 E(0.6, 2) = 1.96 tokens/row -> 7.84 tokens / 13 ms = 603 tok/s vs 400 tok/s plain: W = 3.
 At 16 rows, plain 20 ms and W = 3 at 45 ms: 31.4 / 45 ms = 697 vs 800 tok/s: plain.
@@ -160,6 +174,31 @@ class ControllerConfig:
     plain_probe_every: int = 32  # speculating: re-measure plain decoding after this many steps
     max_plain_probe_every: int = 256
     probe_steps: int = 3  # a probe's length (its first step is not measured)
+    # exploring may cost this share of the engine's time (excess over plain steps)
+    explore_budget: float = 0.03
+    explore_prior_steps: float = 4.0  # expected excess of a first exploration, in plain steps
+    hopeless: float = 1.5  # a sample above hopeless * W * plain ends exploring width W
+
+
+class ExploreMemory:
+    """What the first exploration of an engine cost (excess seconds), per (model, drafter),
+    for the engines that follow in this process (the cost is the device's and the backend's:
+    on CUDA, shapes and graphs set up per engine)."""
+
+    def __init__(self) -> None:
+        self._first: dict[Any, tuple[Any, float]] = {}
+
+    def first_cost(self, key: Any) -> float | None:
+        entry = self._first.get(key)
+        if entry is None or (entry[0] is not None and entry[0]() is None):
+            return None
+        return entry[1]
+
+    def remember(self, key: Any, seconds: float, ref: Any = None) -> None:
+        self._first[key] = (ref, seconds)
+
+
+EXPLORE_MEMORY = ExploreMemory()
 
 
 @dataclass(slots=True)
@@ -182,6 +221,16 @@ class Controller:
     _interval: dict[int, int] = field(default_factory=dict)  # bucket -> probe interval
     _chosen_spec: dict[int, bool] = field(default_factory=dict)  # bucket -> last exploit choice
     overhead: float = 0.0  # EMA of drafter seconds outside the measured steps, per spec step
+    busy: float = 0.0  # seconds of every recorded step
+    explore_excess: float = 0.0  # seconds exploratory steps cost beyond plain steps
+    memory_key: Any = None  # (model, drafter) key into EXPLORE_MEMORY (None: not shared)
+    memory_ref: Any = None  # a weak reference that invalidates the key (the model)
+    _exploring: bool = False  # the current decision explores (its steps are accounted)
+    _episode: float = 0.0  # excess of the exploration under way
+    _episodes: int = 0  # explorations finished in this engine
+    _last_episode: float | None = None  # excess of the last finished exploration
+    _gated_until: float = 0.0  # busy seconds before which exploring is not reconsidered
+    _probe_start: int = 0  # step at which the current probe began
 
     def __post_init__(self) -> None:
         self.pooled_alpha = self.config.prior_alpha
@@ -229,37 +278,91 @@ class Controller:
         if self._probe_left > 0:
             return True
         nxt = self._next_probe.get(bucket_of(max(num_rows, 1)))
-        return nxt is None or self.step >= nxt
+        return (nxt is None or self.step >= nxt) and self.busy >= self._gated_until
 
     def decide(self, alpha: np.ndarray, caps: np.ndarray) -> Decision:
         """`caps` already include what the drafter can offer (n-gram: the match length)."""
         cfg = self.config
         B = len(caps)
         if B == 0 or caps.max(initial=0) == 0:
-            return Decision(1, caps)
+            return self._plain(caps)
         if not cfg.adaptive:
             return Decision(int(caps.max()) + 1, caps)
         if self._probe_left > 0:
+            bucket = bucket_of(B)
+            plain = self.costs.estimate(bucket, 1)
+            if (
+                self._probe_width > 1
+                and plain is not None
+                and self._hopeless(bucket, self._probe_width, plain, since=self._probe_start)
+            ):
+                self._probe_left = 0  # this probe's sample already says it cannot pay
+                return self._plain(caps)
             self._probe_left -= 1
             w = min(self._probe_width, int(caps.max()) + 1)
+            self._exploring = w > 1
             return Decision(w, np.minimum(caps, w - 1), probe=True)
         bucket = bucket_of(B)
         plain = self.costs.estimate(bucket, 1)
         if plain is None:
-            return Decision(1, caps)  # measure plain decoding first
+            return self._plain(caps)  # measure plain decoding first
         plain_spread = self.costs.spread(bucket, 1) or 0.0
         best_w, best_rate = 1, B / plain
         for w in range(2, int(caps.max()) + 2):
             cost = self.costs.estimate(bucket, w)
             if cost is None or (w > 2 and self.costs.measured(bucket, w - 1) is None):
                 break  # one width at a time: never try w before w - 1 is measured here
+            if self._hopeless(bucket, w, plain):
+                break  # wider is dearer still
+            if self.costs.measured(bucket, w) is None and not self.may_explore(plain):
+                break  # untried here, and exploring now would exceed the budget
             cost += self.overhead
             rate = float(expected_tokens(alpha, np.minimum(caps, w - 1)).sum()) / cost
             spread = max(plain_spread, self.costs.spread(bucket, w) or 0.0)
             margin = cfg.margin + cfg.noise_margin * spread
             if rate > best_rate * (margin if best_w == 1 else 1.0):
                 best_w, best_rate = w, rate
-        return self._maybe_probe(bucket, best_w, caps)
+        decision = self._maybe_probe(bucket, best_w, caps)
+        self._exploring = decision.width > 1 and (
+            decision.probe or self.costs.measured(bucket, decision.width) is None
+        )
+        return decision
+
+    def _plain(self, caps: np.ndarray) -> Decision:
+        self._exploring = False
+        return Decision(1, caps)
+
+    def _hopeless(self, bucket: int, width: int, plain: float, since: int | None = None) -> bool:
+        """Samples of this width (even fewer than `min_samples`) cost more than the width could
+        ever repay: all W tokens of every row accepted would not reach plain decoding's rate.
+        With `since`: only the latest sample, if taken at or after that step (a probe's own)."""
+        cell = self.costs.cells.get((bucket, width))
+        if cell is None or not cell.samples:
+            return False
+        limit = self.config.hopeless * width * plain
+        if since is not None:
+            return cell.last_step >= since and cell.samples[-1] > limit
+        return cell.seconds > limit
+
+    def expected_explore_cost(self, plain: float) -> float:
+        """Excess seconds the next exploration is expected to cost (see the module doc)."""
+        if self._last_episode is not None:
+            return self._last_episode
+        first = EXPLORE_MEMORY.first_cost(self.memory_key) if self.memory_key else None
+        if first is not None:
+            return first
+        return self.config.explore_prior_steps * plain
+
+    def may_explore(self, plain: float) -> bool:
+        """Whether an exploration may start now within the budget (and if not, no re-check
+        until enough busy time has passed: the gate costs nothing per plain step)."""
+        if self._exploring or self._probe_left > 0:
+            return True
+        need = self.explore_excess + self.expected_explore_cost(plain)
+        ok = need <= self.config.explore_budget * self.busy
+        if not ok:
+            self._gated_until = need / self.config.explore_budget
+        return ok
 
     def _maybe_probe(self, bucket: int, width: int, caps: np.ndarray) -> Decision:
         """Now and then run the mode not chosen for `probe_steps` steps (the first unmeasured);
@@ -277,11 +380,15 @@ class Controller:
             self._next_probe[bucket] = self.step + first
         if self.step < self._next_probe.setdefault(bucket, self.step + first):
             return Decision(width, caps)
+        plain = self.costs.estimate(bucket, 1)
+        if not spec and plain is not None and not self.may_explore(plain):
+            return Decision(width, caps)  # not within the exploration budget yet: plain
         interval = min(2 * self._interval.get(bucket, first), most)
         self._interval[bucket] = interval
         self._next_probe[bucket] = self.step + interval
         self._probe_width = 1 if spec else 2
         self._probe_left = cfg.probe_steps - 1
+        self._probe_start = self.step
         w = self._probe_width
         return Decision(w, np.minimum(caps, w - 1), probe=True)
 
@@ -292,15 +399,33 @@ class Controller:
         refills the pipeline, so only a step in the same mode as the one before is measured.
         """
         same_mode = self._last_width > 0 and (self._last_width > 1) == (width > 1)
+        bucket = bucket_of(num_rows)
+        if width > 1 and self._exploring:  # account what exploring costs beyond plain steps
+            plain = self.costs.estimate(bucket, 1)
+            excess = max(0.0, seconds - (plain or 0.0))
+            self.explore_excess += excess
+            self._episode += excess
+        elif self._episode > 0.0:  # an exploration just ended
+            self._end_episode()
         if typical and same_mode and num_rows > 0:
-            self.costs.observe(bucket_of(num_rows), width, seconds, self.step)
+            self.costs.observe(bucket, width, seconds, self.step)
+        self.busy += seconds
         self._last_width = width
         self.step += 1
+
+    def _end_episode(self) -> None:
+        if self._episodes == 0 and self.memory_key is not None:
+            EXPLORE_MEMORY.remember(self.memory_key, self._episode, self.memory_ref)
+        self._last_episode = self._episode
+        self._episodes += 1
+        self._episode = 0.0
 
     def summary(self) -> dict[str, Any]:
         return {
             "pooled_acceptance": round(float(self.pooled_alpha), 4),
             "overhead_ms_per_spec_step": round(self.overhead * 1e3, 3),
+            "explore_ms": round(self.explore_excess * 1e3, 3),
+            "busy_s": round(self.busy, 3),
             "speculating_by_bucket": {str(b): v for b, v in sorted(self._chosen_spec.items())},
             "step_ms": self.costs.summary(),
         }

@@ -16,19 +16,21 @@ same counter RNG).
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from engine.kv import batch as kvb
 from engine.spec.accept import column_states, plain_greedy, record_ragged, verify
 from engine.spec.adaptive import Controller, ControllerConfig
 from engine.spec.base import Drafter, Proposal, ProposeContext
+from engine.spec.ringcommit import RingRound
 from engine.spec.widekv import wide
 
-PLAIN_HOLD = 7  # decide() re-decides a plain choice every PLAIN_HOLD + 1 steps
+PLAIN_HOLD = 15  # decide() re-decides a plain choice every PLAIN_HOLD + 1 steps
+NOT_FOUND_HOLD = 3  # ... and every NOT_FOUND_HOLD + 1 steps when a lookup drafter found nothing
 
 
 class SpecRows:
@@ -80,6 +82,12 @@ class SpecDecoder:
         self.model = model
         self.drafter = drafter
         self.controller = Controller(config)
+        # what an engine's first exploration cost, remembered for the next engine on this model
+        self.controller.memory_key = (drafter.name, id(model))
+        try:
+            self.controller.memory_ref = weakref.ref(model)
+        except TypeError:
+            self.controller.memory_key = None
         if drafter.point_mass:
             self.controller.pooled_alpha = min(self.controller.pooled_alpha, 0.5)
         if getattr(drafter, "catches_up", False):  # a probe first catches rows up: probe rarely
@@ -88,7 +96,7 @@ class SpecDecoder:
         self._catch_up = False
         self._overhead_seen = 0.0  # drafter seconds outside the measured steps, already counted
         self._plain_hold = 0  # further decide() calls answered "plain" without re-deciding
-        self._plain_rows: tuple[int, ...] = ()
+        self._plain_rows: list[Any] | None = None  # the batch's row list when it was decided
 
     @property
     def max_draft(self) -> int:
@@ -138,18 +146,18 @@ class SpecDecoder:
         if batch.spec is None or not len(batch):
             return 1
         ctl = self.controller
-        rows = tuple(map(id, batch.rows))
-        if self._plain_hold > 0 and rows == self._plain_rows and not ctl.probe_due(len(rows)):
+        rows = batch.rows  # a new list object whenever rows join or leave (take / concat)
+        if self._plain_hold > 0 and rows is self._plain_rows and not ctl.probe_due(len(rows)):
             self._plain_hold -= 1
             return 1
         alpha, caps = self._caps(batch, explore=False)  # what the batch would gain when warm
         if self.drafter.point_mass and caps.max(initial=0) > 0:
             caps = np.minimum(caps, self._available(batch, caps))
         decision = ctl.decide(alpha, caps)
-        # hold a choice made on costs; a lookup drafter that found nothing looks again next step
+        # hold a choice made on costs; a lookup drafter that found nothing looks again soon
         found = not self.drafter.point_mass or caps.max(initial=0) > 0
-        hold = decision.width == 1 and not decision.probe and ctl.config.adaptive and found
-        self._plain_hold = PLAIN_HOLD if hold else 0
+        hold = decision.width == 1 and not decision.probe and ctl.config.adaptive
+        self._plain_hold = (PLAIN_HOLD if found else NOT_FOUND_HOLD) if hold else 0
         self._plain_rows = rows
         return decision.width
 
@@ -183,10 +191,11 @@ class SpecDecoder:
             while len(states) < W:
                 states.append(states[-1].record(proposal.tokens[:, len(states) - 1]))
         num_drafts = mx.array(proposal.num_drafts.astype(np.int32))
-        caches = batch.caches
-        kvb.checkpoint(caches)
+        # rings are written after the verdict (accepted columns only): no ring slack needed, so
+        # the target's layouts are the plain engine's (engine/spec/ringcommit.py)
+        ring_round = RingRound(batch.caches, W)
         inp = mx.concatenate([batch.next_tokens[:, None], proposal.tokens.astype(mx.int32)], axis=1)
-        logits = self.model(inp, cache=wide(caches))
+        logits = self.model(inp, cache=wide(ring_round.model_caches))
         constrained = batch.constrained_rows()
         if constrained:
             from engine.runner import _mask_logits
@@ -197,7 +206,7 @@ class SpecDecoder:
         extra = _logprobs(logits, verdict.tokens, batch.sampler)
         mx.eval(verdict.num_accepted, verdict.tokens, *[x for x in extra if x is not None])
         accepted = np.array(verdict.num_accepted).astype(np.int64)
-        kvb.rollback(caches, accepted + 1)
+        ring_round.finish(accepted + 1)
         if K:
             self.drafter.observe(ctx, proposal, accepted)
         self._learn(batch.spec, proposal.num_drafts, accepted)

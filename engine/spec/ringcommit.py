@@ -1,0 +1,116 @@
+"""A verify round on sliding-window rings without ring slack: write only the accepted columns.
+
+Why. Rolling a ring back after a round needs `slack >= K` spare columns (engine/kv/attention.py),
+so a ring of `window + slack` columns holds `slack` positions that are outside every query's
+window. Plain decode steps then need an array mask for those columns on every sliding layer,
+and on MLX-CUDA an array mask takes single-query attention off its vector kernel (cuDNN or the
+unfused fallback instead). With one row and a full ring the plain engine passes no mask at all,
+so a speculative engine's *plain* steps were not the plain engine's steps. Here the target's
+rings keep the plain engine's shape (no slack), and a round never needs to roll them back:
+
+    views = RingRound(caches, width)     # before the verify forward
+    model(tokens, cache=wide(views.model_caches))
+    views.finish(accepted + 1)           # after the verdict
+
+`model_caches` hands the forward, for each ring that a `width`-column chunk would write past
+its slack, a view over a shallow copy of the layout: the forward attends over [ring, chunk]
+exactly as the layout itself does for a chunk wider than its slack (engine.kv.geometry), the
+copy takes the writes, and the view records the chunk's keys and values. `finish(keep)` drops
+the copies and writes each row's first `keep[b]` columns into the real ring as a right-padded
+chunk (`prepare(lengths=keep)`), the layouts' own path for ragged prefill chunks, so the ring
+ends exactly as if only the kept tokens had ever been decoded. Every other layout (full
+attention, recurrent, a ring whose slack covers the round) is checkpointed and rolled back as
+before.
+
+Worked example (window 4, no slack, one row that has seen 10 tokens: columns hold positions
+[8 9 6 7]). A round of width 3 (positions 10, 11, 12): the forward attends over the 4 ring
+columns and the 3 new ones (position 12 sees 9..12, position 10 sees 7..10). One draft
+accepted: keep 2, so positions 10 and 11 are written (columns 2, 3): the ring holds
+[8 9 10 11], what plain decoding of those two tokens would have left. Position 12's keys are
+dropped; the columns of positions 6 and 7, still needed by position 10's query during the
+round, were never overwritten in the real ring.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from engine.kv import batch as kvb
+
+
+def defers(layout: Any, width: int) -> bool:
+    """Whether a round of `width` columns writes `layout` deferred (a ring without the slack
+    to roll it back; its own multi-column path never writes the real buffers in place)."""
+    return bool(getattr(layout, "is_ring", False)) and width > int(layout.slack) + 1
+
+
+class _Deferred:
+    """The model-side face of a ring for one verify forward: a shallow copy takes the writes
+    (the layout's wide-chunk path rebinds its buffers, so the real layout is untouched) and
+    the chunk's keys and values are kept for `RingRound.finish`."""
+
+    __slots__ = ("shadow", "keys", "values")
+
+    def __init__(self, layout: Any) -> None:
+        self.shadow = copy.copy(layout)
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.shadow, name)
+
+    @property
+    def offset(self) -> mx.array:
+        return self.shadow.offset
+
+    @property
+    def state(self) -> list[mx.array]:
+        return self.shadow.state
+
+    def make_mask(self, *args: Any, **kwargs: Any) -> Any:
+        return self.shadow.make_mask(*args, **kwargs)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
+        if self.keys is not None:
+            raise RuntimeError("a deferred ring takes one chunk per round")
+        self.keys, self.values = keys, values
+        return self.shadow.update_and_fetch(keys, values)
+
+
+class RingRound:
+    """One verify round over the target's layouts (see the module docstring)."""
+
+    __slots__ = ("layouts", "model_caches", "_deferred", "_others")
+
+    def __init__(self, layouts: list[Any], width: int) -> None:
+        self.layouts = layouts
+        self.model_caches: list[Any] = []
+        self._deferred: list[tuple[Any, _Deferred]] = []
+        self._others: list[Any] = []
+        for layout in layouts:
+            if defers(layout, width):
+                view = _Deferred(layout)
+                self._deferred.append((layout, view))
+                self.model_caches.append(view)
+            else:
+                self._others.append(layout)
+                self.model_caches.append(layout)
+        kvb.checkpoint(self._others)
+
+    def finish(self, keep: Sequence[int] | np.ndarray) -> None:
+        """Row b keeps the first `keep[b]` columns of the round."""
+        keep = np.asarray(keep, dtype=np.int64)
+        kvb.rollback(self._others, keep)
+        lengths = keep.tolist()
+        for layout, view in self._deferred:
+            if view.keys is None or view.values is None:
+                raise RuntimeError("the verify forward never reached a deferred ring")
+            layout.prepare(lengths=lengths)
+            layout.update_and_fetch(view.keys, view.values)  # folds in the kept columns only
+            layout.finalize()
+        self._deferred = []
