@@ -11,15 +11,13 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+
+from kernels.common import compile_cpu_library, cpu_compiler  # noqa: F401 (cpu_compiler: tests)
 
 from . import source as src
 
@@ -142,27 +140,9 @@ def skinny_matmul(x: mx.array, w: mx.array, lay: Layout | None = None) -> mx.arr
 # ---- the shared body on the CPU, compiled with a C++ compiler (for CI without a GPU) ------------
 
 
-def cpu_compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
-
-
 @lru_cache(maxsize=64)
 def _cpu_library(source: str) -> ctypes.CDLL:
-    cxx = cpu_compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler for the CPU harness")
-    digest = hashlib.sha1(source.encode()).hexdigest()[:16]
-    root = Path(tempfile.gettempdir()) / "mlxd-skinny-harness"
-    root.mkdir(exist_ok=True)
-    lib = root / f"skinny_{digest}.so"
-    if not lib.exists():
-        cpp = root / f"skinny_{digest}.{os.getpid()}.cpp"
-        cpp.write_text(source)
-        tmp = root / f"skinny_{digest}.{os.getpid()}.so"
-        subprocess.run([cxx, "-O1", "-std=c++17", "-shared", "-fPIC", "-pthread", str(cpp), "-o", str(tmp)],
-                       check=True)
-        tmp.replace(lib)
-    return ctypes.CDLL(str(lib))
+    return compile_cpu_library(source, "skinny", flags=("-O1", "-pthread"))
 
 
 _NP_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.uint16}

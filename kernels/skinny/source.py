@@ -31,6 +31,8 @@ No Metal prelude: MLX on Metal has its own small-M matmul kernels, and no Metal 
 
 from __future__ import annotations
 
+from kernels.common import warp_reduce_source
+
 BODY = r"""
     constexpr int VEC = 16 / (int)sizeof(DT);  // elements of DT in one 16-byte vector
     const u32 n_rows = (u32)dims[0];
@@ -106,34 +108,7 @@ BODY = r"""
 # all: each lane keeps the half of the pairs that its lane bit selects and adds the partner's copy
 # of it), then plain butterflies over the remaining lane bits. idx: which of the NP sums this
 # lane ends with (bit b of idx = lane bit 16 >> b).
-SHARED_HELPERS = r"""
-template <int NV>
-SK_FN float sk_warp_reduce(float* v, u32 lane, u32& idx) {
-    int n = NV;
-    int bit = 0;
-    idx = 0u;
-    SK_UNROLL
-    for (int o = 16; o > 0; o >>= 1) {
-        if (n > 1) {
-            const bool up = (lane & (u32)o) != 0u;
-            SK_UNROLL
-            for (int j = 0; j < NV / 2; ++j) {
-                if (j < n / 2) {
-                    const float send = up ? v[2 * j] : v[2 * j + 1];
-                    const float keep = up ? v[2 * j + 1] : v[2 * j];
-                    v[j] = keep + SK_SHFL_XOR(send, o);
-                }
-            }
-            idx |= (up ? 1u : 0u) << bit;
-            ++bit;
-            n >>= 1;
-        } else {
-            v[0] += SK_SHFL_XOR(v[0], o);
-        }
-    }
-    return v[0];
-}
-"""
+SHARED_HELPERS = warp_reduce_source("sk_warp_reduce", "SK_FN", "SK_UNROLL", "SK_SHFL_XOR({v}, o)", nv="NV")
 
 # ---- CUDA -------------------------------------------------------------------------------------
 CUDA_HEADER = (

@@ -25,6 +25,8 @@ one lane at a time, so CPU-only CI compiles and checks this exact text with g++.
 
 from __future__ import annotations
 
+from kernels.common import warp_reduce_source
+
 # Shared by every backend: the code functions and the per-lane arithmetic.
 SHARED_HELPERS = r"""
 TRELLIS_FN float trellis_1mad(u32 s) {
@@ -303,34 +305,9 @@ TRELLIS_FN u32 trellis_byte_sum_plus(u32 x, u32 c) {
 # step trades half of the values with the partner lane, so after log2(N) steps a lane holds one
 # value (index idx, from its lane bits) and plain butterflies finish it. The xreg body calls it
 # through TRELLIS_REDUCE_CHUNK once per chunk of rows.
-CUDA_REDUCE = r"""
-template <int N>
-TRELLIS_FN float trellis_lane_reduce(float* v, u32 lane, u32& idx) {
-    int n = N;
-    int bit = 0;
-    idx = 0u;
-    TRELLIS_UNROLL
-    for (int o = 16; o > 0; o >>= 1) {
-        if (n > 1) {
-            const bool up = (lane & (u32)o) != 0u;
-            TRELLIS_UNROLL
-            for (int j = 0; j < N / 2; ++j) {
-                if (j < n / 2) {
-                    const float send = up ? v[2 * j] : v[2 * j + 1];
-                    const float keep = up ? v[2 * j + 1] : v[2 * j];
-                    v[j] = keep + __shfl_xor_sync(0xffffffffu, send, o);
-                }
-            }
-            idx |= (up ? 1u : 0u) << bit;
-            ++bit;
-            n >>= 1;
-        } else {
-            v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
-        }
-    }
-    return v[0];
-}
-#define TRELLIS_REDUCE_CHUNK(acc, slot0, chunk_row0)                                            \
+CUDA_REDUCE = warp_reduce_source(
+    "trellis_lane_reduce", "TRELLIS_FN", "TRELLIS_UNROLL", "__shfl_xor_sync(0xffffffffu, {v}, o)"
+) + r"""#define TRELLIS_REDUCE_CHUNK(acc, slot0, chunk_row0)                                            \
     do {                                                                                       \
         u32 idx_;                                                                              \
         const float s_ = trellis_lane_reduce<NP>(acc, lane, idx_);                             \

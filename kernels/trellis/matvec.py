@@ -10,15 +10,14 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+
+from kernels.common import compile_cpu_library, cpu_compiler  # noqa: F401 (cpu_compiler: tests)
 
 from . import kernel_source as ks
 from .codes import CODES
@@ -321,26 +320,9 @@ def matmul_rotated(x_rot: mx.array, w: TrellisWeight, use_fused: bool | None = N
 # ---- the shared body on the CPU, compiled with a C++ compiler (for CI without a GPU) ------------
 
 
-def cpu_compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
-
-
-@lru_cache(maxsize=32)
+@lru_cache(maxsize=64)
 def _cpu_library(source: str) -> ctypes.CDLL:
-    cxx = cpu_compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler for the CPU harness")
-    digest = hashlib.sha1(source.encode()).hexdigest()[:16]
-    root = Path(tempfile.gettempdir()) / "mlxd-trellis-harness"
-    root.mkdir(exist_ok=True)
-    lib = root / f"trellis_{digest}.so"
-    if not lib.exists():
-        src = root / f"trellis_{digest}.cpp"
-        src.write_text(source)
-        tmp = root / f"trellis_{digest}.{os.getpid()}.so"
-        subprocess.run([cxx, "-O2", "-std=c++17", "-shared", "-fPIC", str(src), "-o", str(tmp)], check=True)
-        tmp.replace(lib)
-    return ctypes.CDLL(str(lib))
+    return compile_cpu_library(source, "trellis")
 
 
 def trellis_matvec_cpu_harness(

@@ -1,0 +1,80 @@
+"""Pieces the fused kernels share: the warp reduction's source and the CPU harness's compiler.
+
+`warp_reduce_source` writes the one reduction both kernel families use (kernels/trellis xreg
+body, kernels/skinny): sum NV values (NV a power of two <= 32) over a warp in NV - 1 shuffles
+plus 5 - log2(NV) butterflies. Each halving step trades half of the values with the partner lane
+(the lane keeps the half its lane bit selects and adds the partner's copy of it), so after
+log2(NV) steps a lane holds one sum, whose index it returns in `idx` (bit b of idx = lane bit
+16 >> b), and plain butterflies finish it. Each family passes its own spelling of the function
+qualifier, the unroll pragma and the shuffle, so the text serves CUDA, Metal and the g++ harness.
+
+`compile_cpu_library` builds a kernel body behind a CPU prelude into a shared library (cached
+per source digest under the temp dir) for the g++ harnesses that check the arithmetic on CI.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+def warp_reduce_source(name: str, qualifier: str, unroll: str, shfl_xor: str, nv: str = "N") -> str:
+    """C++ template `float name<nv>(float* v, u32 lane, u32& idx)`; `shfl_xor` is a format
+    string with `{v}` for the value and `o` as the lane offset, e.g. "__shfl_xor_sync(0xffffffffu, {v}, o)"."""
+    send = shfl_xor.format(v="send")
+    own = shfl_xor.format(v="v[0]")
+    return f"""
+template <int {nv}>
+{qualifier} float {name}(float* v, u32 lane, u32& idx) {{
+    int n = {nv};
+    int bit = 0;
+    idx = 0u;
+    {unroll}
+    for (int o = 16; o > 0; o >>= 1) {{
+        if (n > 1) {{
+            const bool up = (lane & (u32)o) != 0u;
+            {unroll}
+            for (int j = 0; j < {nv} / 2; ++j) {{
+                if (j < n / 2) {{
+                    const float send = up ? v[2 * j] : v[2 * j + 1];
+                    const float keep = up ? v[2 * j + 1] : v[2 * j];
+                    v[j] = keep + {send};
+                }}
+            }}
+            idx |= (up ? 1u : 0u) << bit;
+            ++bit;
+            n >>= 1;
+        }} else {{
+            v[0] += {own};
+        }}
+    }}
+    return v[0];
+}}
+"""
+
+
+def cpu_compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+
+
+def compile_cpu_library(source: str, tag: str, flags: tuple[str, ...] = ("-O2",)) -> ctypes.CDLL:
+    """g++ `source` into lib<tag>_<digest>.so under the temp dir (once per source) and load it."""
+    cxx = cpu_compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler for the CPU harness")
+    digest = hashlib.sha1((source + " ".join(flags)).encode()).hexdigest()[:16]
+    root = Path(tempfile.gettempdir()) / f"mlxd-{tag}-harness"
+    root.mkdir(exist_ok=True)
+    lib = root / f"{tag}_{digest}.so"
+    if not lib.exists():
+        cpp = root / f"{tag}_{digest}.{os.getpid()}.cpp"
+        cpp.write_text(source)
+        tmp = root / f"{tag}_{digest}.{os.getpid()}.so"
+        subprocess.run([cxx, *flags, "-std=c++17", "-shared", "-fPIC", str(cpp), "-o", str(tmp)], check=True)
+        tmp.replace(lib)  # atomic: a parallel test process never loads a half-written library
+    return ctypes.CDLL(str(lib))
