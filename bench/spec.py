@@ -231,20 +231,21 @@ def warm_up(
     modes: list[str],
 ) -> float:
     """Every mode once on one request per stream, then forced draft lengths 1..k (every verify
-    width at every batch size); untimed. Returns the plain run's seconds per request."""
+    width at every batch size); untimed. Returns a last plain run's seconds per request.
+    The adaptive modes' runs here also teach the controller what an engine's first exploration
+    costs on this device (engine.spec.adaptive.EXPLORE_MEMORY), as a long-running server's
+    engine would know it after its first minutes."""
     sub = prompts[: max(concurrency, 1)]
-    plain_s = 0.0
     for mode in modes:
-        res = run_workload(lm, spec_config(mode, args, draft), sub, concurrency, args.temperature)
-        if mode == "plain":
-            plain_s = res["wall_s"] / len(sub)
+        run_workload(lm, spec_config(mode, args, draft), sub, concurrency, args.temperature)
     methods = {MODES[m][0] for m in modes if MODES[m] is not None}
     for method in sorted(methods):
         for k in range(1, _ceiling(method, args) + 1):
             cfg = spec_config(f"{method}-k", args, draft, k)
             run_workload(lm, cfg, sub, concurrency, args.temperature)
-    if not plain_s:
-        plain_s = run_workload(lm, None, sub, concurrency, args.temperature)["wall_s"] / len(sub)
+    # the rate that sizes the rounds, measured once everything above is compiled (the first
+    # plain run of a fresh process carries MLX-CUDA's JIT: 7.8 s for a 0.6 s request once)
+    plain_s = run_workload(lm, None, sub, concurrency, args.temperature)["wall_s"] / len(sub)
     return plain_s
 
 

@@ -131,7 +131,7 @@ def _simulate_engine(ctl, cost, alphas, steps, spikes=(), seed=0):
             spec_steps += 1
             acc, judged = 0.9 * acc + a, 0.9 * judged + a + (a < k)
             ctl.learn(k, a)
-        ctl.record(B, width, step, typical=True)
+        ctl.record(B, width, step, typical=True, emitted=float((a + 1).mean()))
         tokens += int((a + 1).sum())
         seconds += step
     return tokens / seconds / (B / cost(B, 1)), spec_steps
@@ -183,3 +183,17 @@ def test_exploration_budget_still_finds_speculation_that_pays():
         ratio, spec_steps = _simulate_engine(ctl, cost, np.full(1, 0.7), 30000, spikes, engine_no)
     assert ratio > 1.5 and spec_steps > 15000, (ratio, spec_steps)
     assert ctl.explore_excess <= ctl.config.explore_budget * ctl.busy + 0.25
+
+
+def test_exploration_budget_lets_paying_speculation_in_early():
+    """Reference-BLAS CPU, edit workload (n-gram): W = 2 costs 1.3x a plain step and drafts are
+    mostly accepted. A fresh engine explores after a few dozen steps and, since paying rounds
+    cost the budget nothing, climbs to wider rounds within a short workload."""
+    ctl = Controller(ControllerConfig(max_draft=4), memory_key=("test-drafter-3", object()))
+
+    def cost(B, W):
+        return 0.020 * (1 + 0.3 * (W - 1))
+
+    ratio, spec_steps = _simulate_engine(ctl, cost, np.full(1, 0.85), steps=250)
+    assert spec_steps > 150 and ratio > 1.3, (ratio, spec_steps)
+    assert ctl.explore_excess < 0.1, ctl.explore_excess

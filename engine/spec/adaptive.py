@@ -39,7 +39,8 @@ or a probe while decoding plainly) costs whatever those steps take beyond a plai
 reference-BLAS CPU a step or two, but on CUDA the first speculative steps of an engine cost
 40-120 ms each against a ~1.5 ms plain step (new attention and graph shapes; H200
 measurements in bench/results/h200-spec-idle/), i.e. 5-10 % of a few-second workload. So the
-excess time of exploratory steps is accounted (`explore_excess`), and an exploration starts
+time exploratory steps took beyond plain decoding of the tokens they emitted is accounted
+(`explore_excess`: a round that already pays costs nothing), and an exploration starts
 only while `explore_excess + expected <= explore_budget * busy` (busy: the engine's recorded
 step time): exploring costs at most a few percent of the time decoded, whatever the device.
 `expected` is what the last exploration of this engine cost, and for an engine's first one,
@@ -176,7 +177,7 @@ class ControllerConfig:
     probe_steps: int = 3  # a probe's length (its first step is not measured)
     # exploring may cost this share of the engine's time (excess over plain steps)
     explore_budget: float = 0.03
-    explore_prior_steps: float = 4.0  # expected excess of a first exploration, in plain steps
+    explore_prior_steps: float = 2.0  # expected excess of a first exploration, in plain steps
     hopeless: float = 1.5  # a sample above hopeless * W * plain ends exploring width W
 
 
@@ -392,17 +393,20 @@ class Controller:
         w = self._probe_width
         return Decision(w, np.minimum(caps, w - 1), probe=True)
 
-    def record(self, num_rows: int, width: int, seconds: float, typical: bool) -> None:
-        """Wall time of the engine step just run (`typical`: no prefill, nothing unusual).
+    def record(
+        self, num_rows: int, width: int, seconds: float, typical: bool, emitted: float = 1.0
+    ) -> None:
+        """Wall time of the engine step just run (`typical`: no prefill, nothing unusual;
+        `emitted`: tokens per row it produced, 1 for a plain step).
 
         The first step after a switch between plain and speculative decoding drains or
         refills the pipeline, so only a step in the same mode as the one before is measured.
         """
         same_mode = self._last_width > 0 and (self._last_width > 1) == (width > 1)
         bucket = bucket_of(num_rows)
-        if width > 1 and self._exploring:  # account what exploring costs beyond plain steps
-            plain = self.costs.estimate(bucket, 1)
-            excess = max(0.0, seconds - (plain or 0.0))
+        if width > 1 and self._exploring:  # what exploring cost beyond plain decoding of the
+            plain = self.costs.estimate(bucket, 1)  # same tokens (a paying round costs nothing)
+            excess = max(0.0, seconds - (plain or 0.0) * max(emitted, 1.0))
             self.explore_excess += excess
             self._episode += excess
         elif self._episode > 0.0:  # an exploration just ended

@@ -94,6 +94,7 @@ class SpecDecoder:
             config.probe_every = max(config.probe_every, 256)
         self.totals = _Totals()
         self._catch_up = False
+        self._emitted = 1.0  # tokens per row of the last speculative step
         self._overhead_seen = 0.0  # drafter seconds outside the measured steps, already counted
         self._plain_hold = 0  # further decide() calls answered "plain" without re-deciding
         self._plain_rows: list[Any] | None = None  # the batch's row list when it was decided
@@ -210,6 +211,7 @@ class SpecDecoder:
         if K:
             self.drafter.observe(ctx, proposal, accepted)
         self._learn(batch.spec, proposal.num_drafts, accepted)
+        self._emitted = float(accepted.mean()) + 1.0 if len(accepted) else 1.0
         batch.sampler = record_ragged(batch.sampler, verdict.tokens, verdict.num_accepted + 1)
         batch.next_tokens = verdict.last
         mx.async_eval(batch.next_tokens, *batch.arrays(), *_state_arrays(batch.sampler))
@@ -254,7 +256,7 @@ class SpecDecoder:
             self.totals.plain_steps += 1
         typical = typical and not (width > 1 and self._catch_up)
         self._catch_up = False
-        self.controller.record(num_rows, width, seconds, typical)
+        self.controller.record(num_rows, width, seconds, typical, self._emitted if width > 1 else 1.0)
         if width > 1:  # draft prefill / catch-up since the last speculative step
             overhead = float(getattr(self.drafter, "prefill_seconds", 0.0)) + float(
                 getattr(self.drafter, "catch_up_seconds", 0.0)
