@@ -10,7 +10,8 @@ measured, not the launch/sync of a lone op):
 
   * `matmul`: x[M, K] @ W.T for M rows. Variants: `plain` (what nn.Linear does: MLX-CUDA takes
     its gemv kernel only when M == 1, else cuBLASLt), `kernel` (our fused skinny GEMM,
-    kernels/skinny: W read once for all M rows; CUDA only, M = 1..16), `gemv_batched` (x viewed
+    kernels/skinny: W read once for all M rows; CUDA only, M = 1..16), `q4` (MLX's affine 4-bit
+    quantized_matmul, group 64: does the quantized path have the same one-row cliff?), `gemv_batched` (x viewed
     as M batches of one row, laid out so that MLX does not fold the batches back into M: one
     batched gemv that reads W once per row) and `split` (M separate one-row matmuls,
     concatenated);
@@ -62,7 +63,20 @@ def mm_kernel(x, w):
     return skinny_matmul(x, w)
 
 
-MATMULS = {"plain": mm_plain, "kernel": mm_kernel, "gemv_batched": mm_gemv_batched, "split": mm_split}
+_Q4: dict[int, tuple] = {}
+
+
+def mm_q4(x, w):
+    """MLX's affine 4-bit (group 64) quantized_matmul: what most MLX users decode with. Its
+    max_abs_diff against `plain` is the quantization error, not a kernel error."""
+    if id(w) not in _Q4:
+        _Q4[id(w)] = (w, *mx.quantize(w, group_size=64, bits=4))
+    _, wq, scales, biases = _Q4[id(w)]
+    return mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=64, bits=4)
+
+
+MATMULS = {"plain": mm_plain, "kernel": mm_kernel, "q4": mm_q4, "gemv_batched": mm_gemv_batched,
+           "split": mm_split}
 
 
 def _has_kernel() -> bool:
@@ -94,7 +108,7 @@ def bench_matmul(dtype, chain, repeats, variants, sizes=(384, 1024, 2048, 4096),
             x0 = mx.random.normal((m, n)).astype(dtype)
             ref = None
             for name, f in MATMULS.items():
-                if name not in variants or (name not in ("plain", "kernel") and m == 1):
+                if name not in variants or (name not in ("plain", "kernel", "q4") and m == 1):
                     continue
                 if name == "kernel" and not _has_kernel():
                     continue
@@ -186,7 +200,7 @@ def main():
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--chain", type=int, default=56)
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--variants", default="plain,kernel,gemv_batched,split",
+    p.add_argument("--variants", default="plain,kernel,q4,gemv_batched,split",
                    help="matmul variants, comma-separated (" + ",".join(MATMULS) + ")")
     p.add_argument("--no-attention", action="store_true")
     p.add_argument("--sweep", action="store_true", help="also time every kernel launch layout (CUDA)")
