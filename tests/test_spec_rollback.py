@@ -59,7 +59,7 @@ def _next_logits(model, cache, tokens: list[int]) -> np.ndarray:
     return np.array(model(mx.array([tokens]), cache=cache)[:, -1, :].astype(mx.float32))
 
 
-def _check_against_fresh(model, bits, batch, histories, rng):
+def _check_against_fresh(model, bits, batch, histories, rng, tol=2e-3):
     probe = [int(t) for t in rng.integers(1, 256, len(histories))]
     got = np.array(model(mx.array(probe)[:, None], cache=batch)[:, -1, :].astype(mx.float32))
     assert kvb.num_tokens(batch) == [len(h) + 1 for h in histories]
@@ -67,7 +67,7 @@ def _check_against_fresh(model, bits, batch, histories, rng):
         fresh = _layouts(model, 1, bits, 0)
         model(mx.array([hist]), cache=fresh)
         want = _next_logits(model, fresh, [probe[b]])[0]
-        np.testing.assert_allclose(got[b], want, rtol=2e-3, atol=2e-3)
+        np.testing.assert_allclose(got[b], want, rtol=tol, atol=tol)
 
 
 rounds = st.lists(
@@ -143,6 +143,7 @@ def test_draft_rounds_keep_pending_and_accepted_drafts(case, prompt_lengths, rou
     _check_against_fresh(model, bits, batch, histories, rng)
 
 
+@pytest.mark.parametrize("widen", [False, True])
 @pytest.mark.parametrize("case", sorted(CASES))
 @SETTINGS
 @given(
@@ -151,10 +152,11 @@ def test_draft_rounds_keep_pending_and_accepted_drafts(case, prompt_lengths, rou
     seed=st.integers(0, 2**16),
 )
 def test_target_rounds_on_rings_without_slack_write_only_the_kept_columns(
-    case, prompt_lengths, rounds, seed
+    case, widen, prompt_lengths, rounds, seed
 ):
     """The engine's target pattern (engine/spec/ringcommit.py): rings have no slack, the verify
-    forward writes into shadow copies, and only each row's kept columns reach the real ring."""
+    forward writes into shadow copies, and only each row's kept columns reach the real ring;
+    `widen` (CUDA's stable shapes) pads the ring part of the keys and mask to the ring size."""
     from engine.spec.ringcommit import RingRound, defers
 
     arch, bits = CASES[case]
@@ -170,10 +172,35 @@ def test_target_rounds_on_rings_without_slack_write_only_the_kept_columns(
         num_drafts = [r % (k + 1) for r in raw]
         accepted = [r % (n + 1) for r, n in zip(raw[::-1], num_drafts, strict=True)]
         cols = rng.integers(1, 256, (len(histories), k + 1))
-        ring_round = RingRound(batch, k + 1)
+        ring_round = RingRound(batch, k + 1, widen=widen)
         assert any(defers(layer, k + 1) for layer in batch) == has_ring
         model(mx.array(cols), cache=ring_round.model_caches)
         ring_round.finish([a + 1 for a in accepted])
         for b, a in enumerate(accepted):
             histories[b] = histories[b] + cols[b, : a + 1].tolist()
-    _check_against_fresh(model, bits, batch, histories, rng)
+    # 8-bit KV: a cache fed token by token and one prefilled at once differ by up to ~5e-3 in
+    # a few logits (with OpenBLAS, e.g. prompt_lengths [2, 2, 2], seed 93 — the slack
+    # rollback pattern above too); a wrong kept column moves them by far more
+    _check_against_fresh(model, bits, batch, histories, rng, tol=1e-2 if bits < 16 else 2e-3)
+
+
+def test_widened_ring_rounds_have_one_shape_per_width():
+    """CUDA builds a cuDNN graph per attention shape: with `widen`, a slack-free ring's round
+    attends over `ring + W` columns whatever the rows' lengths (before and after the wrap)."""
+    from engine.spec.ringcommit import RingRound
+
+    model = _model("llama")
+    shapes = set()
+    for n in (3, 6, 20):  # window 8: 3 and 6 have not filled the ring, 20 has wrapped
+        batch = _layouts(model, 1, 16, 0)
+        model(mx.array([list(range(1, n + 1))]), cache=batch)
+        ring_round = RingRound(batch, 3, widen=True)
+        views = [v for v in ring_round.model_caches if getattr(v, "ring", None)]
+        assert views, "no ring layout was deferred"
+        view = views[0]
+        mask = view.make_mask(3, window_size=view.window)
+        H, D = view.state[0].shape[1], view.state[0].shape[3]
+        k, _ = view.update_and_fetch(mx.zeros((1, H, 3, D)), mx.zeros((1, H, 3, D)))
+        shapes.add((tuple(mask.shape), tuple(k.shape)))
+        assert int(mask.sum()) <= 3 * 8  # the padding columns are masked out
+    assert len(shapes) == 1, shapes
