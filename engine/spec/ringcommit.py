@@ -57,14 +57,18 @@ def defers(layout: Any, width: int) -> bool:
 
 
 class _Deferred:
-    """The model-side face of a ring for one verify forward: a shallow copy takes the writes
-    (the layout's wide-chunk path rebinds its buffers, so the real layout is untouched) and
-    the chunk's keys and values are kept for `RingRound.finish`."""
+    """The model-side face of a ring for one verify forward: a shallow copy takes the write
+    (announced as 0 real columns a row, and the layout's wide-chunk path rebinds rather than
+    mutates, so the real layout is untouched) and the chunk's keys and values are kept for
+    `RingRound.finish`."""
 
     __slots__ = ("shadow", "keys", "values", "ring")
 
     def __init__(self, layout: Any, widen: bool = False) -> None:
         self.shadow = copy.copy(layout)
+        # the shadow keeps nothing of the chunk (0 real columns a row): the forward still
+        # attends over [ring, chunk], and no fold-in is built on the host for nothing
+        self.shadow.prepare(lengths=[0] * layout.num_rows)
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         # pad the ring part of the keys to this many columns (None: as the layout gives them)
