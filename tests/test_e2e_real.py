@@ -119,20 +119,21 @@ def test_disconnect_frees_row(real_server):
     observed = []
     for _attempt in range(4):
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            stream = r.iter_lines()
             lines = []
-            for line in r.iter_lines():
+            for line in stream:
                 if line.startswith("data: "):
                     lines.append(line)
                 if len(lines) >= 2:
                     break
-            assert all('"error"' not in x and "[DONE]" not in x for x in lines), lines
             health = httpx.get(url + "/health").json()["engine"]
-            observed.append(health)
+            observed.append((health, lines))
+            assert all('"error"' not in x and "[DONE]" not in x for x in lines), observed
             alive = health["num_running"] + health["num_prefilling"] + health["num_waiting"] >= 1
             if not alive:  # finished before we looked: it must have ended cleanly; try again
-                rest = [x for x in r.iter_lines() if x.startswith("data: ")]
-                assert rest and rest[-1] == "data: [DONE]", (health, rest[-3:])
-                assert not any('"error"' in x for x in rest), (health, [x for x in rest if '"error"' in x])
+                rest = [x for x in stream if x.startswith("data: ")]
+                assert rest and rest[-1] == "data: [DONE]", (observed, rest[-3:])
+                assert not any('"error"' in x for x in rest), (observed, [x for x in rest if '"error"' in x])
                 continue
         break  # left the stream while the row was decoding
     else:
