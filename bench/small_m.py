@@ -80,7 +80,9 @@ MATMULS = {"plain": mm_plain, "kernel": mm_kernel, "q4": mm_q4, "gemv_batched": 
 
 
 def _has_kernel() -> bool:
-    return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
+    from kernels.common import gpu_backend
+
+    return gpu_backend() == "cuda"
 
 
 def _time_chain(fn, x0, chain, repeats):

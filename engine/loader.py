@@ -108,7 +108,7 @@ def load_model(
     want = pick_dtype(dtype)
     if want is not None:
         net.set_dtype(want)
-    skinny.install(net)  # CUDA only (MLXD_SKINNY=0: off): fused few-row matmuls, engine/skinny.py
+    skinny.install(net)  # opt-in, CUDA only (MLXD_SKINNY=1): fused few-row matmuls, engine/skinny.py
     wrapper = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     hf_tok = wrapper._tokenizer
     template = chat_template

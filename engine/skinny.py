@@ -38,6 +38,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from kernels.common import gpu_backend
 from kernels.skinny import kernel as _sk
 
 MAX_ROWS = max(1, min(_sk.MAX_ROWS, int(os.environ.get("MLXD_SKINNY_ROWS", "8"))))
@@ -45,10 +46,7 @@ MAX_ROWS = max(1, min(_sk.MAX_ROWS, int(os.environ.get("MLXD_SKINNY_ROWS", "8"))
 
 def enabled() -> bool:
     """Opt-in (MLXD_SKINNY=1) and on a CUDA GPU: measured slower than cuBLASLt (docstring)."""
-    if os.environ.get("MLXD_SKINNY", "") != "1":
-        return False
-    cuda = getattr(mx, "cuda", None)
-    return mx.default_device() == mx.gpu and cuda is not None and bool(cuda.is_available())
+    return os.environ.get("MLXD_SKINNY", "") == "1" and gpu_backend() == "cuda"
 
 
 # (x shape, x dtype, w shape, w dtype) -> the kernel's prepared launch, or None (plain matmul):

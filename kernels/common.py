@@ -8,6 +8,8 @@ log2(NV) steps a lane holds one sum, whose index it returns in `idx` (bit b of i
 16 >> b), and plain butterflies finish it. Each family passes its own spelling of the function
 qualifier, the unroll pragma and the shuffle, so the text serves CUDA, Metal and the g++ harness.
 
+`gpu_backend` says which GPU backend the default device has ("cuda", "metal" or None).
+
 `compile_cpu_library` builds a kernel body behind a CPU prelude into a shared library (cached
 per source digest under the temp dir) for the g++ harnesses that check the arithmetic on CI.
 """
@@ -21,6 +23,8 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+import mlx.core as mx
 
 
 def warp_reduce_source(name: str, qualifier: str, unroll: str, shfl_xor: str, nv: str = "N") -> str:
@@ -56,6 +60,40 @@ template <int {nv}>
     return v[0];
 }}
 """
+
+
+def cpu_half_to_float_source(name: str, as_float: str) -> str:
+    """C++ `float name(u32 h)`: IEEE binary16 bits to binary32 (zero, subnormal, normal, inf/nan)
+    for the CPU harness preludes; `as_float` is the prelude's u32-bits-to-float function."""
+    return f"""static inline float {name}(u32 h) {{
+    const u32 sign = (h & 0x8000u) << 16;
+    const u32 e = (h >> 10) & 0x1Fu;
+    const u32 m = h & 0x3FFu;
+    if (e == 0) {{
+        const float v = (float)m * (1.0f / 16777216.0f);
+        return sign ? -v : v;
+    }}
+    if (e == 31) return {as_float}(sign | 0x7F800000u | (m << 13));
+    return {as_float}(sign | ((e + 112u) << 23) | (m << 13));
+}}
+"""
+
+
+_GPU_BACKEND: list[str | None] = []
+
+
+def gpu_backend() -> str | None:
+    """'cuda' or 'metal' when the default device is a GPU with that backend, else None."""
+    if mx.default_device() != mx.gpu:
+        return None
+    if not _GPU_BACKEND:  # which GPU backend this process has does not change: ask once
+        if hasattr(mx, "cuda") and mx.cuda.is_available():
+            _GPU_BACKEND.append("cuda")
+        elif mx.metal.is_available():
+            _GPU_BACKEND.append("metal")
+        else:
+            _GPU_BACKEND.append(None)
+    return _GPU_BACKEND[0]
 
 
 def cpu_compiler() -> str | None:

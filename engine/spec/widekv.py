@@ -26,16 +26,14 @@ from typing import Any
 import mlx.core as mx
 
 from engine.kv.attention import PlainLayout, RotatingLayout
+from kernels.common import gpu_backend
 
 STEP = 256  # the layouts allocate columns in multiples of this
 _FORCE = os.environ.get("MLXD_WIDE_KV", "") == "1"  # tests: exercise the views on a CPU
 
 
 def wide_enabled() -> bool:
-    if _FORCE:
-        return True
-    cuda = getattr(mx, "cuda", None)
-    return mx.default_device().type == mx.gpu and cuda is not None and bool(cuda.is_available())
+    return _FORCE or gpu_backend() == "cuda"
 
 
 def wide(caches: list[Any], force: bool = False) -> list[Any]:

@@ -31,7 +31,7 @@ No Metal prelude: MLX on Metal has its own small-M matmul kernels, and no Metal 
 
 from __future__ import annotations
 
-from kernels.common import warp_reduce_source
+from kernels.common import cpu_half_to_float_source, warp_reduce_source
 
 BODY = r"""
     constexpr int VEC = 16 / (int)sizeof(DT);  // elements of DT in one 16-byte vector
@@ -236,19 +236,9 @@ static inline void sk_load16(const T* p, bool aligned, u32* q) {
     std::memcpy(q, p, 16);
 }
 static inline float sk_bits_float(u32 b) { float f; std::memcpy(&f, &b, 4); return f; }
-static inline float sk_half_float(u32 h) {
-    // IEEE binary16 -> binary32: zero, subnormal, normal, inf/nan
-    const u32 sign = (h & 0x8000u) << 16;
-    const u32 e = (h >> 10) & 0x1Fu;
-    const u32 m = h & 0x3FFu;
-    if (e == 0) {
-        const float v = (float)m * (1.0f / 16777216.0f);
-        return sign ? -v : v;
-    }
-    if (e == 31) return sk_bits_float(sign | 0x7F800000u | (m << 13));
-    return sk_bits_float(sign | ((e + 112u) << 23) | (m << 13));
-}
-static inline void sk_unpack(const u32* q, float* f, float*) {
+"""
+    + cpu_half_to_float_source("sk_half_float", "sk_bits_float")
+    + r"""static inline void sk_unpack(const u32* q, float* f, float*) {
     for (int e = 0; e < 4; ++e) f[e] = sk_bits_float(q[e]);
 }
 static inline void sk_unpack(const u32* q, float* f, sk_bf16*) {

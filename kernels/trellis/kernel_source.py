@@ -25,7 +25,7 @@ one lane at a time, so CPU-only CI compiles and checks this exact text with g++.
 
 from __future__ import annotations
 
-from kernels.common import warp_reduce_source
+from kernels.common import cpu_half_to_float_source, warp_reduce_source
 
 # Shared by every backend: the code functions and the per-lane arithmetic.
 SHARED_HELPERS = r"""
@@ -464,18 +464,9 @@ template <class T>
 static inline void trellis_load4(const T* p, float* v) {
     for (int e = 0; e < 4; ++e) v[e] = (float)p[e];
 }
-static inline float trellis_half_bits(u32 h) {
-    // IEEE binary16 -> binary32 (normal, subnormal, zero; the codes never make inf/nan).
-    const u32 sign = (h & 0x8000u) << 16;
-    const u32 e = (h >> 10) & 0x1Fu;
-    const u32 m = h & 0x3FFu;
-    if (e == 0) {
-        const float v = (float)m * (1.0f / 16777216.0f);
-        return sign ? -v : v;
-    }
-    return trellis_as_float(sign | ((e + 112u) << 23) | (m << 13));
-}
-static inline u32 trellis_byte_sum_plus(u32 x, u32 c) {
+"""
+    + cpu_half_to_float_source("trellis_half_bits", "trellis_as_float")
+    + r"""static inline u32 trellis_byte_sum_plus(u32 x, u32 c) {
     const u32 t = (x & 0x00FF00FFu) + ((x >> 8) & 0x00FF00FFu);
     return (t & 0xFFFFu) + (t >> 16) + c;
 }

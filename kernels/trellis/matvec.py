@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from kernels.common import compile_cpu_library, cpu_compiler  # noqa: F401 (cpu_compiler: tests)
+from kernels.common import compile_cpu_library, cpu_compiler, gpu_backend  # noqa: F401 (cpu_compiler: tests)
 
 from . import kernel_source as ks
 from .codes import CODES
@@ -29,21 +29,7 @@ METAL_MAX_BATCH = 7  # smem body: 8 staged rows of x (33.8 KB) exceed Metal's 32
 XREG_MAX_BATCH = 4  # xreg body: x lives in registers (32 * GPL * batch floats a lane)
 
 
-_GPU_BACKEND: list[str | None] = []
-
-
-def fused_backend() -> str | None:
-    """'cuda' or 'metal' when the default device is a GPU with that backend, else None."""
-    if mx.default_device() != mx.gpu:
-        return None
-    if not _GPU_BACKEND:  # which GPU backend this process has does not change: ask once
-        if hasattr(mx, "cuda") and mx.cuda.is_available():
-            _GPU_BACKEND.append("cuda")
-        elif mx.metal.is_available():
-            _GPU_BACKEND.append("metal")
-        else:
-            _GPU_BACKEND.append(None)
-    return _GPU_BACKEND[0]
+fused_backend = gpu_backend  # which fused trellis kernel can run here
 
 
 VARIANTS = {"cuda": ("dp4a", "portable"), "metal": ("portable",)}
