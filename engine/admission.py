@@ -47,7 +47,6 @@ class MemoryBudget:
     budget: int
     weights: int
     footprint: ModelFootprint
-    max_draft: int = 0
     prefill_bytes_per_token: int = 0  # activation transient of a prefill forward
 
     @classmethod
@@ -61,10 +60,10 @@ class MemoryBudget:
         hidden = int(getattr(args, "hidden_size", 4096) or 4096)
         vocab = int(getattr(args, "vocab_size", 32000) or 32000)
         per_token = 4 * (8 * hidden + vocab)
-        return cls(budget, weights, footprint, kv_kwargs.get("max_draft", 0), per_token)
+        return cls(budget, weights, footprint, per_token)
 
     def row_bytes(self, num_prompt_tokens: int, max_new_tokens: int) -> int:
-        return self.footprint.request_bytes(num_prompt_tokens, max_new_tokens, self.max_draft)
+        return self.footprint.request_bytes(num_prompt_tokens, max_new_tokens)
 
     def transient(self, prefill_tokens: int) -> int:
         return self.prefill_bytes_per_token * prefill_tokens

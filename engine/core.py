@@ -84,7 +84,7 @@ class Engine:
                 cfg.scheduler.prefill_chunk,
             )
         kv_kwargs = dict(kv_bits=cfg.kv.kv_bits, kv_group_size=cfg.kv.kv_group_size,
-                         max_kv_size=cfg.kv.max_kv_size, max_draft=cfg.kv.max_draft)
+                         max_kv_size=cfg.kv.max_kv_size)
         self.budget = MemoryBudget.for_model(
             loaded.model, cfg.memory_budget, kv_kwargs, cfg.scheduler.prefill_chunk
         )

@@ -33,7 +33,6 @@ class KVConfig:
     kv_bits: int = 16  # 16 = model dtype; 8 / 4 = MLX affine quantized KV
     kv_group_size: int = 64
     max_kv_size: int | None = None  # cap full-attention layers to a ring of this many tokens
-    max_draft: int = 0  # ring slack so speculative rounds can roll back across the wrap
 
 
 def new_batch(model: Any, num_rows: int, cfg: KVConfig | None = None) -> Caches:
@@ -44,7 +43,6 @@ def new_batch(model: Any, num_rows: int, cfg: KVConfig | None = None) -> Caches:
         kv_bits=cfg.kv_bits,
         kv_group_size=cfg.kv_group_size,
         max_kv_size=cfg.max_kv_size,
-        max_draft=cfg.max_draft,
     )
 
 
