@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-import engine  # noqa: F401  (loads OpenBLAS before mlx on Linux)
+import os
+
+# MLX-CUDA multiplies float32 matrices in TF32 (10-bit mantissas) unless told otherwise; the
+# exact tier compares float32 forwards of different widths, so the GPU runs of this suite use
+# full float32 (no effect on a CPU or on 16-bit models).
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
+import engine  # noqa: E402, F401  (loads OpenBLAS before mlx on Linux)
 
 from pathlib import Path
 

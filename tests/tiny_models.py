@@ -100,3 +100,53 @@ def run_alone(eng: Engine, req: Request, timeout: float = 120) -> Collected:
     c = submit(eng, req)
     assert c.done.wait(timeout), f"{req.req_id} did not finish"
     return c
+
+
+def on_gpu() -> bool:
+    """True when MLX's default device is a CUDA or Metal GPU."""
+    from kernels.common import gpu_backend
+
+    return gpu_backend() is not None
+
+
+def greedy_deviations(model: Any, prompt: list[int], tokens: list[int]) -> tuple[int, float]:
+    """Teacher-forced check of a greedy output: one forward of the model over prompt + tokens
+    with mlx-lm's own caches. Returns how many emitted tokens are not the argmax of the logits
+    at their position, and the largest gap max(logits) - logits[token] among them."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if not tokens:
+        return 0, 0.0
+    seq = mx.array([list(prompt) + list(tokens[:-1])])
+    logits = model(seq, cache=make_prompt_cache(model))[0, len(prompt) - 1 :].astype(mx.float32)
+    picked = mx.take_along_axis(logits, mx.array(tokens)[:, None], axis=-1)[:, 0]
+    gaps = (logits.max(axis=-1) - picked).tolist()
+    off = [g for g in gaps if g > 0]
+    return len(off), max(off, default=0.0)
+
+
+def assert_same_greedy(
+    lm: LoadedModel, req: Request, got: list[int], want: list[int], label: Any = None
+) -> None:
+    """The exact tier's comparison of a speculative (or batched) greedy output with plain decoding.
+
+    On the CPU the two must be equal token for token. On a GPU a forward of 2+ columns or rows
+    runs other kernels than a one-row step (MLX-CUDA: cuBLASLt instead of its gemv, another
+    attention kernel), whose rounding differs, so where two logits are tied to within that
+    rounding the greedy paths may part. There both outputs must instead be the model's greedy
+    choice at every position of a teacher-forced forward, up to near-ties (a gap of at most
+    1e-2 in float32, 0.3 in 16-bit), and such ties must be rare: a bug in the KV rollback
+    feeds the model a wrong context and shows up as a large gap."""
+    label = label if label is not None else req.req_id
+    if got == want:
+        return
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    assert on_gpu(), (label, "outputs part at token", first)
+    assert len(got) == len(want), (label, len(got), len(want))
+    from mlx.utils import tree_flatten
+
+    dtype = tree_flatten(lm.model.parameters())[0][1].dtype
+    tol = 1e-2 if dtype == mx.float32 else 0.3
+    for name, toks in (("speculative", got), ("plain", want)):
+        n_off, gap = greedy_deviations(lm.model, req.prompt_ids, toks)
+        assert gap <= tol and n_off <= max(2, len(toks) // 20), (label, name, first, n_off, gap, len(toks))
