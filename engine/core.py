@@ -244,6 +244,13 @@ class Engine:
         from engine.spec import build_decoder
 
         decoder = build_decoder(cfg, self.loaded.model, self.loaded.vocab_size)
+        warm = cfg.warmup
+        if warm is None:
+            from kernels.common import gpu_backend
+
+            warm = gpu_backend() is not None
+        if warm and decoder is not None:  # the speculative shapes built now, not while serving
+            decoder.warm_up(self.runner.new_caches, self.loaded.vocab_size)
         sched = self.scheduler
         sched.admit_spec = lambda rows: decoder.admit(rows, len(sched.running) + len(rows))
         return decoder

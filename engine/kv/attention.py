@@ -214,6 +214,8 @@ class KVLayout:
     def _fold_in(self, new: list[mx.array], real: np.ndarray) -> None:
         """Ring only: after a wide chunk, each ring column takes the chunk's latest token for it."""
         assert self._bufs is not None
+        if not real.any():  # nothing real in the chunk (a speculative round's shadow ring)
+            return
         cap = self._bufs[0].shape[2]
         num_new = new[0].shape[2]
         ends = (self._n + real)[:, None]
@@ -228,6 +230,59 @@ class KVLayout:
             mx.where(sel, mx.take_along_axis(nb, idx, axis=2), b)
             for b, nb in zip(self._bufs, new, strict=True)
         ]
+
+    def append_columns(
+        self, keys: mx.array, values: mx.array, keep: np.ndarray, memo: dict | None = None
+    ) -> None:
+        """Row b appends the first `keep[b]` columns of the chunk `keys`/`values` ([B, H, W, D],
+        already computed by a forward that attended over them) at its next positions; nothing is
+        attended or returned. The result is the layout's own `prepare(lengths=keep)`,
+        `update_and_fetch`, `finalize`, without the wide-chunk fold-in: one column write per
+        buffer (a slice when every row writes the same columns, else one scatter in which a
+        row's columns past `keep[b]` repeat its last kept column with the same value). The
+        write plan depends only on the rows' lengths, `keep` and the geometry, so layers of one
+        kind share it through `memo` (a dict the caller keeps for one round)."""
+        keep = np.asarray(keep, dtype=np.int64).reshape(-1)
+        W = int(keys.shape[2])
+        M = None if self.ring_size is None else self.ring_size - self.keep
+        if (
+            self._bufs is None
+            or keep.shape != self._n.shape
+            or self._ckpt is not None
+            or self._skip.any()
+            or (self._remaining < UNBOUNDED).any()
+            or not len(keep)
+            or keep.min() < 1
+            or keep.max() > W
+            or (M is not None and keep.max() > M)
+        ):  # the general path
+            self.prepare(lengths=keep.tolist())
+            self.update_and_fetch(keys, values)
+            self.finalize()
+            return
+        key = (self.geometry, self._n.tobytes(), keep.tobytes())
+        plan = None if memo is None else memo.get(key)
+        if plan is None:
+            plan = _append_plan(self.geometry, self._n, keep)
+            if memo is not None:
+                memo[key] = plan
+        start, idx, src, cap = plan
+        new = self.codec.encode(keys, values)
+        kmax = int(keep.max())
+        if src is not None:
+            new = [mx.take_along_axis(nb, src, axis=2) for nb in new]
+        elif kmax < W:
+            new = [nb[..., :kmax, :] for nb in new]
+        self._ensure_capacity(cap)
+        assert self._bufs is not None
+        if start is not None:
+            for b, nb in zip(self._bufs, new, strict=True):
+                b[..., start : start + kmax, :] = nb
+        else:
+            self._bufs = [
+                mx.put_along_axis(b, idx, nb, axis=2) for b, nb in zip(self._bufs, new, strict=True)
+            ]
+        self._n = self._n + keep
 
     @property
     def state(self) -> list[mx.array]:
@@ -412,6 +467,27 @@ class KVLayout:
 
     def __repr__(self) -> str:
         return f"<{self.describe()} rows={self.num_tokens}>"
+
+
+def _append_plan(
+    geo: Geometry, n: np.ndarray, keep: np.ndarray
+) -> tuple[int | None, mx.array | None, mx.array | None, int]:
+    """(slice start or None, scatter index [B, 1, k, 1], source columns [B, 1, k, 1] or None,
+    columns needed) for `KVLayout.append_columns` (k = keep.max())."""
+    kmax = int(keep.max())
+    j = np.arange(kmax)[None]
+    src = None
+    if not (keep == kmax).all():  # ragged: a row's extra columns repeat its last kept one
+        j = np.minimum(j, keep[:, None] - 1)
+        src = mx.array(j, dtype=mx.int32)[:, None, :, None]
+    cols = geo.col_of(n[:, None] + j)
+    end = int((n + keep).max())
+    R = geo.ring_size
+    cap = end if R is None else min(R, end)
+    c0 = int(cols[0, 0])
+    if src is None and bool((cols == c0 + np.arange(kmax)[None]).all()):
+        return c0, None, None, cap
+    return None, mx.array(cols, dtype=mx.int32)[:, None, :, None], src, cap
 
 
 class PlainLayout(KVLayout):

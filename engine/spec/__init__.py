@@ -38,6 +38,9 @@ class SpecConfig:
     ngram_max: int = 4
     ngram_min: int = 2
     draft_dtype: str = "auto"
+    # one speculative round per verify width at engine start (MLX-CUDA's per-engine setup paid
+    # at load): None = when the default device is a GPU; True / False force it on / off
+    warmup: bool | None = None
 
     def __post_init__(self) -> None:
         if self.method == "none" and self.draft_model:

@@ -34,6 +34,7 @@ import copy
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
+import numpy as np
 
 from engine.sampling import SamplerState, draw, gumbel_noise, uniform_noise
 
@@ -193,11 +194,11 @@ def _state_at(states: list[SamplerState], col: mx.array) -> SamplerState:
 
 def record_ragged(state: SamplerState, tokens: mx.array, num: mx.array) -> SamplerState:
     """`SamplerState.record` of the first `num[b]` tokens of each row ([B, T] tokens)."""
-    tokens = tokens.astype(mx.int32)
-    T = tokens.shape[1]
-    keep = mx.arange(T)[None, :] < num[:, None]  # [B, T]
     counts, seen = state.counts, state.seen
-    if counts is not None or seen is not None:
+    if counts is not None or seen is not None:  # (nothing else reads the tokens)
+        tokens = tokens.astype(mx.int32)
+        T = tokens.shape[1]
+        keep = mx.arange(T)[None, :] < num[:, None]  # [B, T]
         rows = mx.arange(tokens.shape[0], dtype=mx.int32)[:, None]
         added = mx.zeros(counts.shape if counts is not None else seen.shape, mx.int32)  # type: ignore[union-attr]
         added = added.at[rows, tokens].add(keep.astype(mx.int32))
@@ -209,3 +210,18 @@ def record_ragged(state: SamplerState, tokens: mx.array, num: mx.array) -> Sampl
     out = copy.copy(state)
     out.steps, out.counts, out.seen = state.steps + num.astype(mx.uint32), counts, seen
     return out
+
+
+def greedy_verdict_host(
+    plain: np.ndarray, drafts: np.ndarray, num_drafts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """`verify`'s greedy fast path on the host: (accepted [B], the new token [B]) from the
+    argmax of each verify column `plain` [B, W] and the drafts [B, W-1] (columns past
+    `num_drafts[b]` are padding). A handful of numpy calls on a [B, W] array instead of a dozen
+    device ops: on a GPU every op is a launch and host work of its own."""
+    B, W = plain.shape
+    K = W - 1
+    match = (plain[:, :K] == drafts[:, :K]) & (np.arange(K)[None, :] < num_drafts[:, None])
+    accepted = np.cumprod(match, axis=1).sum(axis=1) if K else np.zeros(B, np.int64)
+    accepted = accepted.astype(np.int64)
+    return accepted, plain[np.arange(B), accepted]

@@ -59,6 +59,9 @@ class Proposal:
     # the sampler state after recording drafts[:, :j], for j = 0..K-1 (reused by verification)
     column_states: list[SamplerState] | None = None
     drafter_info: Any = None  # private to the drafter, handed back to observe()
+    # `tokens` on the host ([B, K] int), when the drafter has them there (n-gram): the verify
+    # input and a greedy verdict are then built without reading the device
+    host_tokens: np.ndarray | None = None
 
 
 class DrafterState(Protocol):

@@ -23,7 +23,13 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from engine.spec.accept import column_states, plain_greedy, record_ragged, verify
+from engine.spec.accept import (
+    column_states,
+    greedy_verdict_host,
+    plain_greedy,
+    record_ragged,
+    verify,
+)
 from engine.spec.adaptive import Controller, ControllerConfig
 from engine.spec.base import Drafter, Proposal, ProposeContext
 from engine.spec.ringcommit import RingRound
@@ -98,6 +104,8 @@ class SpecDecoder:
         self._overhead_seen = 0.0  # drafter seconds outside the measured steps, already counted
         self._plain_hold = 0  # further decide() calls answered "plain" without re-deciding
         self._plain_rows: list[Any] | None = None  # the batch's row list when it was decided
+        self.warmup_seconds = 0.0  # warm_up(): the speculative shapes built at engine start
+        self.warmup_ms: dict[int, float] = {}
 
     @property
     def max_draft(self) -> int:
@@ -185,17 +193,21 @@ class SpecDecoder:
         proposal = self._propose(ctx)
         K = int(proposal.tokens.shape[1])
         W = K + 1
-        if plain_greedy(batch.sampler):  # argmax of the raw logits: no per-column states
-            states = [batch.sampler]
-        else:
+        greedy = plain_greedy(batch.sampler)  # argmax of the raw logits: no per-column states
+        if not greedy:
             states = proposal.column_states or column_states(batch.sampler, proposal.tokens, W)
             while len(states) < W:
                 states.append(states[-1].record(proposal.tokens[:, len(states) - 1]))
-        num_drafts = mx.array(proposal.num_drafts.astype(np.int32))
         # rings are written after the verdict (accepted columns only): no ring slack needed, so
         # the target's layouts are the plain engine's (engine/spec/ringcommit.py)
         ring_round = RingRound(batch.caches, W)
-        inp = mx.concatenate([batch.next_tokens[:, None], proposal.tokens.astype(mx.int32)], axis=1)
+        host = proposal.host_tokens
+        if host is not None:  # drafts on the host: the whole input goes over as one array
+            nxt = np.fromiter((c[-1] for c in ctx.contexts), np.int32, len(ctx.contexts))
+            inp = mx.array(np.concatenate([nxt[:, None], host[:, :K].astype(np.int32)], axis=1))
+        else:
+            drafts = proposal.tokens.astype(mx.int32)
+            inp = mx.concatenate([batch.next_tokens[:, None], drafts], axis=1)
         logits = self.model(inp, cache=wide(ring_round.model_caches))
         constrained = batch.constrained_rows()
         if constrained:
@@ -203,24 +215,40 @@ class SpecDecoder:
 
             first = _mask_logits(logits[:, 0, :], constrained)
             logits = mx.concatenate([first[:, None], logits[:, 1:]], axis=1)
-        verdict = verify(logits, states, proposal.tokens, num_drafts, proposal.draft_logits)
-        extra = _logprobs(logits, verdict.tokens, batch.sampler)
-        mx.eval(verdict.num_accepted, verdict.tokens, *[x for x in extra if x is not None])
-        accepted = np.array(verdict.num_accepted).astype(np.int64)
-        ring_round.finish(accepted + 1)
+        if greedy:  # the verdict on the host: one argmax on the device, then numpy on [B, W]
+            plain = mx.argmax(logits, axis=-1).astype(mx.int32)  # [B, W]
+            extra = _logprobs(logits, plain, batch.sampler)
+            reads = [plain, *[x for x in extra if x is not None]]
+            mx.eval(*reads, *([proposal.tokens] if host is None and K else []))
+            tokens = np.array(plain)
+            drafts_np = host if host is not None else np.array(proposal.tokens)
+            accepted, last = greedy_verdict_host(tokens, drafts_np, proposal.num_drafts)
+            ring_round.finish(accepted + 1)
+            num = mx.array(accepted.astype(np.int32) + 1)
+            batch.sampler = record_ragged(batch.sampler, plain, num)
+            batch.next_tokens = mx.array(last.astype(np.int32))
+        else:
+            num_drafts = mx.array(proposal.num_drafts.astype(np.int32))
+            verdict = verify(logits, states, proposal.tokens, num_drafts, proposal.draft_logits)
+            extra = _logprobs(logits, verdict.tokens, batch.sampler)
+            mx.eval(verdict.num_accepted, verdict.tokens, *[x for x in extra if x is not None])
+            accepted = np.array(verdict.num_accepted).astype(np.int64)
+            tokens = np.array(verdict.tokens)
+            ring_round.finish(accepted + 1)
+            batch.sampler = record_ragged(batch.sampler, verdict.tokens, verdict.num_accepted + 1)
+            batch.next_tokens = verdict.last
+        # the ring commit and the state updates run while the host does the bookkeeping
+        mx.async_eval(batch.next_tokens, *batch.arrays(), *_state_arrays(batch.sampler))
         if K:
             self.drafter.observe(ctx, proposal, accepted)
         self._learn(batch.spec, proposal.num_drafts, accepted)
         self._emitted = float(accepted.mean()) + 1.0 if len(accepted) else 1.0
-        batch.sampler = record_ragged(batch.sampler, verdict.tokens, verdict.num_accepted + 1)
-        batch.next_tokens = verdict.last
-        mx.async_eval(batch.next_tokens, *batch.arrays(), *_state_arrays(batch.sampler))
         self._catch_up = bool(getattr(self.drafter, "caught_up", False)) and K > 0
         tot = self.totals
         tot.spec_steps += 1
         tot.width_sum += W
         tot.seconds_spec += time.perf_counter() - t0
-        return _host_result(np.array(verdict.tokens), accepted, extra, batch.sampler)
+        return _host_result(tokens, accepted, extra, batch.sampler)
 
     def _propose(self, ctx: ProposeContext) -> Proposal:
         B = len(ctx.contexts)
@@ -231,6 +259,8 @@ class SpecDecoder:
                 return _empty(B)
             if K < proposal.tokens.shape[1]:  # trim columns nobody uses
                 proposal.tokens = proposal.tokens[:, :K]
+                if proposal.host_tokens is not None:
+                    proposal.host_tokens = proposal.host_tokens[:, :K]
                 if proposal.draft_logits is not None:
                     proposal.draft_logits = proposal.draft_logits[:, :K]
                 if proposal.column_states is not None:
@@ -249,6 +279,61 @@ class SpecDecoder:
         tot.accepted += int(accepted.sum())
         tot.emitted += int((accepted + 1).sum())
         tot.row_rounds += int((num_drafts > 0).sum())
+
+    # -- warm-up ---------------------------------------------------------------------------
+    def warm_up(self, new_caches: Any, vocab_size: int, prompt_len: int = 24) -> float:
+        """One speculative round per verify width the controller can choose (2 .. ceiling + 1),
+        on a throwaway one-row batch (its own caches, drafter state and sampler), greedy: on
+        MLX-CUDA an engine's first rounds of each shape cost 40-550 ms (graphs and kernels set up
+        per engine), paid here at load instead of while serving. Leaves nothing behind: the
+        rows, caches and drafter state are dropped, and the statistics (totals, the controller's
+        pooled acceptance, the drafter's counters) are restored. Returns the seconds taken."""
+        from engine.api import Request, SamplingParams
+        from engine.batch import RowMeta, RunningBatch
+        from engine.sampling import SamplerState
+
+        t0 = time.perf_counter()
+        saved = (
+            self.totals, self.controller.pooled_alpha, dict(vars(self.drafter)), self._emitted,
+            self._catch_up,
+        )
+        drafter = self.drafter
+        self.totals = _Totals()
+        ms: dict[int, float] = {}
+        try:
+            period = 16  # a repeating prompt (token ids 1..16): every lookup finds a match
+            prompt = [1 + i % period for i in range(max(prompt_len, 2 * period))]
+            K = self.max_draft
+            params = SamplingParams(temperature=0.0, max_tokens=4 * (K + 2) * (K + 1))
+            row = RowMeta(Request("spec-warmup", prompt, params), len(prompt),
+                          params.max_tokens, frozenset())
+            caches = new_caches(1)
+            from engine import kvcache
+
+            self.model(mx.array([prompt[:-1]], dtype=mx.int32), cache=caches)
+            kvcache.eval_state(caches)
+            sampler = SamplerState.from_params([params], [prompt], vocab_size, [0])
+            spec = SpecRows(1, drafter.admit([prompt], True))
+            spec.accepted[:] = spec.judged[:] = 1e3  # high acceptance: the ceiling's drafts
+            batch = RunningBatch([row], mx.array([prompt[-1]], dtype=mx.int32), sampler, caches,
+                                 spec)
+            if drafter.point_mass:  # a lookup drafter: exactly W - 1 drafts whatever it finds
+                self.drafter = _FixedDrafter(drafter)
+            for width in range(2, K + 2):
+                t1 = time.perf_counter()
+                result = self.step(batch, width)
+                mx.eval(batch.next_tokens, *batch.arrays())
+                ms[width] = round((time.perf_counter() - t1) * 1e3, 2)
+                row.output_ids.extend(result.tokens[0])
+                row.num_generated += len(result.tokens[0])
+        finally:
+            self.drafter = drafter
+            (self.totals, self.controller.pooled_alpha, state, self._emitted,
+             self._catch_up) = saved
+            vars(drafter).update(state)
+        self.warmup_ms = ms
+        self.warmup_seconds = time.perf_counter() - t0
+        return self.warmup_seconds
 
     # -- timing and stats ------------------------------------------------------------------
     def record(self, num_rows: int, width: int, seconds: float, typical: bool) -> None:
@@ -284,11 +369,36 @@ class SpecDecoder:
         }
         out.update(self.controller.summary())
         out.update(self.drafter.stats())
+        if self.warmup_ms:
+            out["warmup_s"] = round(self.warmup_seconds, 3)
+            out["warmup_ms_by_width"] = {str(w): v for w, v in self.warmup_ms.items()}
         return {self.drafter.name: out}
 
 
+class _FixedDrafter:
+    """`warm_up`'s stand-in for a lookup drafter: exactly the drafts asked for (token 1), so
+    every verify width is built whatever the lookup would find."""
+
+    point_mass = True
+    catches_up = False
+
+    def __init__(self, inner: Any) -> None:
+        self.name = inner.name
+
+    def propose(self, ctx: ProposeContext) -> Proposal:
+        tokens = np.ones((len(ctx.contexts), ctx.max_drafts), np.int32)
+        return Proposal(mx.array(tokens), ctx.num_drafts.copy(), host_tokens=tokens)
+
+    def observe(self, ctx: ProposeContext, proposal: Proposal, num_accepted: np.ndarray) -> None:
+        del ctx, proposal, num_accepted
+
+
 def _empty(B: int) -> Proposal:
-    return Proposal(tokens=mx.zeros((B, 0), mx.int32), num_drafts=np.zeros(B, np.int64))
+    return Proposal(
+        tokens=mx.zeros((B, 0), mx.int32),
+        num_drafts=np.zeros(B, np.int64),
+        host_tokens=np.zeros((B, 0), np.int32),
+    )
 
 
 def _state_arrays(state: Any) -> list[mx.array]:

@@ -28,12 +28,15 @@ from engine.spec.base import Proposal, ProposeContext, register_drafter
 class NGramIndex:
     """Last end position of every n-gram (n in [min_n, max_n]) of a token list's prefix."""
 
-    __slots__ = ("min_n", "max_n", "ends", "num_indexed")
+    __slots__ = ("min_n", "max_n", "ends", "num_indexed", "_last")
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
         self.ends: dict[tuple[int, ...], int] = {}
         self.num_indexed = 0  # n-grams ending before this position are in `ends`
+        # (context length, k, result) of the last lookup: a row's context only grows, so its
+        # length names it; the step's `propose` repeats the decision's `available` lookup
+        self._last: tuple[int, int, list[int]] = (-1, 0, [])
 
     def extend(self, tokens: Sequence[int], upto: int) -> None:
         """Index n-grams ending at positions [num_indexed, upto)."""
@@ -45,6 +48,14 @@ class NGramIndex:
 
     def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest earlier occurrence of the context's suffix."""
+        n_tok, k_last, found = self._last
+        if n_tok == len(tokens) and (k <= k_last or len(found) < k_last):
+            return found[:k]
+        found = self._lookup(tokens, k)
+        self._last = (len(tokens), k, found)
+        return list(found)
+
+    def _lookup(self, tokens: Sequence[int], k: int) -> list[int]:
         last = len(tokens) - 1
         self.extend(tokens, last)  # never the suffix itself
         for n in range(min(self.max_n, last), self.min_n - 1, -1):
@@ -99,7 +110,7 @@ class NGramDrafter:
                 self._num_found += 1
                 drafts[b, : len(found)] = found
                 num[b] = len(found)
-        return Proposal(tokens=mx.array(drafts), num_drafts=num)
+        return Proposal(tokens=mx.array(drafts), num_drafts=num, host_tokens=drafts)
 
     def available(self, ctx: ProposeContext) -> np.ndarray:
         """[B] how many drafts `propose` would offer each row (no device arrays)."""

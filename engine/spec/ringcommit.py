@@ -16,9 +16,10 @@ rings keep the plain engine's shape (no slack), and a round never needs to roll 
 its slack, a view over a shallow copy of the layout: the forward attends over [ring, chunk]
 exactly as the layout itself does for a chunk wider than its slack (engine.kv.geometry), the
 copy takes the writes, and the view records the chunk's keys and values. `finish(keep)` drops
-the copies and writes each row's first `keep[b]` columns into the real ring as a right-padded
-chunk (`prepare(lengths=keep)`), the layouts' own path for ragged prefill chunks, so the ring
-ends exactly as if only the kept tokens had ever been decoded. Every other layout (full
+the copies and writes each row's first `keep[b]` columns into the real ring
+(`KVLayout.append_columns`: what `prepare(lengths=keep)` + the chunk would leave, as one column
+write per buffer, its plan shared by every ring of the round), so the ring ends exactly as if
+only the kept tokens had ever been decoded. Every other layout (full
 attention, recurrent, a ring whose slack covers the round) is checkpointed and rolled back as
 before.
 
@@ -65,7 +66,7 @@ class _Deferred:
     __slots__ = ("shadow", "keys", "values", "ring")
 
     def __init__(self, layout: Any, widen: bool = False) -> None:
-        self.shadow = copy.copy(layout)
+        self.shadow = _shallow_copy(layout)
         # the shadow keeps nothing of the chunk (0 real columns a row): the forward still
         # attends over [ring, chunk], and no fold-in is built on the host for nothing
         self.shadow.prepare(lengths=[0] * layout.num_rows)
@@ -120,6 +121,15 @@ class _Deferred:
         return mx.concatenate([head, mx.zeros(shape, dtype=x.dtype), tail], axis=axis)
 
 
+def _shallow_copy(layout: Any) -> Any:
+    """`copy.copy` without the reduce protocol (a round makes one per ring layer)."""
+    if not hasattr(layout, "__dict__"):
+        return copy.copy(layout)
+    out = object.__new__(type(layout))
+    out.__dict__.update(layout.__dict__)
+    return out
+
+
 class RingRound:
     """One verify round over the target's layouts (see the module docstring)."""
 
@@ -145,11 +155,9 @@ class RingRound:
         """Row b keeps the first `keep[b]` columns of the round."""
         keep = np.asarray(keep, dtype=np.int64)
         kvb.rollback(self._others, keep)
-        lengths = keep.tolist()
+        memo: dict = {}  # one write plan for every ring of the same geometry
         for layout, view in self._deferred:
             if view.keys is None or view.values is None:
                 raise RuntimeError("the verify forward never reached a deferred ring")
-            layout.prepare(lengths=lengths)
-            layout.update_and_fetch(view.keys, view.values)  # folds in the kept columns only
-            layout.finalize()
+            layout.append_columns(view.keys, view.values, keep, memo)  # the kept columns only
         self._deferred = []
