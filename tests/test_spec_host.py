@@ -149,7 +149,7 @@ def test_warm_up_leaves_nothing_behind_and_outputs_stay_exact(method):
     are untouched, and greedy speculative output still equals plain output."""
     from engine.spec import SpecConfig
     from tests.test_spec_engine import _perturbed, _repetitive_prompts
-    from tests.tiny_models import greedy, loaded, tiny_model
+    from tests.tiny_models import assert_same_greedy, greedy, loaded, on_gpu, tiny_model
 
     model, cfg = tiny_model("llama")
     lm = loaded(model, cfg)
@@ -163,7 +163,8 @@ def test_warm_up_leaves_nothing_behind_and_outputs_stay_exact(method):
         spec = SpecConfig(method, draft_model=draft, num_draft_tokens=K, adaptive=False,
                           warmup=warm)
         got, st, fresh, dec = _spec_engine_outputs(lm, spec, reqs)
-        assert got == want
+        for r in reqs:
+            assert_same_greedy(lm, r, got[r.req_id], want[r.req_id], (method, warm, r.req_id))
         outs[warm] = st[method]
         assert fresh.num_running == 0 and fresh.kv_bytes == 0
         if warm:
@@ -171,6 +172,8 @@ def test_warm_up_leaves_nothing_behind_and_outputs_stay_exact(method):
             assert sorted(st[method]["warmup_ms_by_width"]) == [str(w) for w in range(2, K + 2)]
         else:
             assert dec.warmup_seconds == 0 and "warmup_s" not in st[method]
+    if on_gpu():
+        return  # GPU near-ties may change the rounds; the counts below hold on the CPU
     for key in ("spec_steps", "drafted_tokens", "accepted_tokens", "pooled_acceptance"):
         assert outs[True][key] == outs[False][key], key
     if method == "draft":
