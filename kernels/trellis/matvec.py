@@ -17,7 +17,15 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from kernels.common import compile_cpu_library, cpu_compiler, gpu_backend  # noqa: F401 (cpu_compiler: tests)
+from kernels.common import (  # noqa: F401 (cpu_compiler: tests)
+    KernelSpec,
+    compile_cpu_library,
+    cpu_compiler,
+    gpu_backend,
+    lean_after_first,
+    precompiled_mode,
+    try_precompiled,
+)
 
 from . import kernel_source as ks
 from .codes import CODES
@@ -137,12 +145,19 @@ def kernel_sources(backend: str, variant: str, body: str = "xreg") -> tuple[str,
 
 
 @lru_cache(maxsize=16)
-def _kernel(backend: str, variant: str, body: str = "xreg"):
+def _spec(backend: str, variant: str, body: str = "xreg") -> KernelSpec:
     source, header = kernel_sources(backend, variant, body)
-    # The name carries a hash of the text: MLX caches compiled kernels by name (on disk for CUDA).
+    # The name carries a hash of the text: MLX caches compiled kernels by name (in memory).
     name = "trellis_matvec_" + hashlib.sha1((source + header).encode()).hexdigest()[:12]
+    return KernelSpec(name, ("packed", "scales", "x"), ("y",), source, header)
+
+
+@lru_cache(maxsize=16)
+def _kernel(backend: str, variant: str, body: str = "xreg"):
+    spec = _spec(backend, variant, body)
     make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
-    return make(name=name, input_names=["packed", "scales", "x"], output_names=["y"], source=source, header=header)
+    return make(name=spec.name, input_names=list(spec.input_names), output_names=list(spec.output_names),
+                source=spec.source, header=spec.header)
 
 
 def kernel_variant(backend: str) -> str:
@@ -231,11 +246,23 @@ def trellis_matvec(
         parts = [x2[: m // 2], x2[m // 2 :]]
         ys = [_launch(backend, variant, p, packed, scales, bits, L, block, code, cfg, out_dtype) for p in parts]
         return mx.concatenate(ys, axis=0).reshape(*x_rot.shape[:-1], n_out)
+    args = _launch_args(
+        n_out, n_in, m, bits, L, block, code, out_dtype, cfg, tuple(x_rot.shape[:-1]), x_rot.dtype, scales.dtype
+    )
+    mode = precompiled_mode() if backend == "cuda" else ""
+    pre = None
+    if mode:
+        pre = try_precompiled(_spec(backend, variant, cfg.body), args, [packed.dtype, scales.dtype, x_rot.dtype])
+    if pre is not None:  # opt-in (MLXD_KERNEL_PRECOMPILED): the same kernel through precompiled_cuda_kernel
+        fn, kw = pre
+        y = fn(inputs=[packed, scales, x_rot], **kw)[0]
+        if mode == "lean":
+            kw = lean_after_first(kw, y)
+        if len(_CALLS) < 4096:
+            _CALLS[key] = (fn, kw)
+        return y
     y = _launch(backend, variant, x_rot, packed, scales, bits, L, block, code, cfg, out_dtype)
     if len(_CALLS) < 4096:
-        args = _launch_args(
-            n_out, n_in, m, bits, L, block, code, out_dtype, cfg, tuple(x_rot.shape[:-1]), x_rot.dtype, scales.dtype
-        )
         _CALLS[key] = (_kernel(backend, variant, cfg.body), args)
     return y
 
