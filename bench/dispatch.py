@@ -14,6 +14,8 @@ evaluated once; per call it reports the median of `--repeats` chains: `us` (buil
   * `trellis`: kernels/trellis mat-vec, 4096x4096 3-bit L16 1MAD, batch 1, float16: the wrapper
     (trellis_matvec), the bare cuda_kernel object, precompiled blob / lean, the wrapper with
     MLXD_KERNEL_PRECOMPILED=1 / lean (the opt-in wiring), MLX affine 4-bit quantized_matmul;
+  * every kernel also once through mx.compile(one call) (MLX replays the traced primitive: no
+    Python or binding work per call after the first);
   * `skinny`: kernels/skinny at 384x384 and 4096x4096, M = 2 and 8, bfloat16: skinny_matmul, the
     precompiled paths, the wrapper under MLXD_KERNEL_PRECOMPILED, and MLX's x @ W.T (cuBLASLt).
 
@@ -173,6 +175,14 @@ def group_trivial(r: Runner) -> None:
         return plain(inputs=[v], **base)[0]
 
     r.row("trivial", "add 4096 f32", "cuda_kernel", ck, x)
+    r.row(
+        "trivial",
+        "add 4096 f32",
+        "cuda_kernel, mx.compile per call",
+        mx.compile(ck),
+        x,
+        ref_step=ck,
+    )
     tmpl = [(f"T{i}", i + 1) for i in range(14)]
     r.row(
         "trivial",
@@ -271,6 +281,15 @@ def add_precompiled(
         x0,
         ref_step=ref_step,
     )
+    # the graph MLX replays from a compiled function: no Python, no binding per call
+    r.row(
+        group,
+        case,
+        "precompiled lean, mx.compile per call",
+        mx.compile(lambda v: fn(inputs=inputs_of(v), **lean)[0]),
+        x0,
+        ref_step=ref_step,
+    )
 
 
 def with_env(value: str | None, clear):
@@ -317,6 +336,14 @@ def group_trellis(r: Runner) -> None:
     clear = matvec._CALLS.clear
     with with_env(None, clear):
         r.row("trellis", case, "wrapper (current)", wrapper, x)
+        r.row(
+            "trellis",
+            case,
+            "wrapper, mx.compile per call",
+            mx.compile(wrapper),
+            x,
+            ref_step=wrapper,
+        )
     kern = matvec._kernel("cuda", variant, cfg.body)
     args = matvec._launch_args(
         n_out, n_in, 1, bits, L, block, "1mad", mx.float16, cfg, (1,), mx.float16, mx.float16
@@ -389,6 +416,14 @@ def group_skinny(r: Runner) -> None:
 
             with with_env(None, sk._CALLS.clear):
                 r.row("skinny", case, "skinny_matmul (current)", current, x)
+                r.row(
+                    "skinny",
+                    case,
+                    "skinny_matmul, mx.compile per call",
+                    mx.compile(current),
+                    x,
+                    ref_step=current,
+                )
             args, dims = sk.launch_args(m, n, n, mx.bfloat16, (m,)), sk._dims(n, n)
             kern = sk._kernel()
             r.row(
