@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
+
 from engine.kv import batch as kvb
 from engine.models import make_batch_layouts
 
@@ -44,6 +46,30 @@ def new_batch(model: Any, num_rows: int, cfg: KVConfig | None = None) -> Caches:
         kv_group_size=cfg.kv_group_size,
         max_kv_size=cfg.max_kv_size,
     )
+
+
+class UnsupportedKV(ValueError):
+    """The KV configuration cannot run on this device (raised once, at engine start-up)."""
+
+
+def check_supported(model: Any, cfg: KVConfig) -> None:
+    """Quantized KV (`kv_bits` 8 / 4) attends through `mx.quantized_matmul`, which MLX-CUDA
+    0.32.4 does not implement for attention's shapes ("No implementation for problem shape",
+    bench/results/h200-session4/probe.log). Without this check the server would start and then
+    fail every request at its first prefill; so one throwaway row runs a 32-token prefill, a
+    5-column forward (a speculative verify) and a decode step, and a failure becomes one clear
+    start-up error. A no-op at 16 bits."""
+    if cfg.kv_bits >= 16:
+        return
+    try:
+        caches = new_batch(model, 1, cfg)
+        for width in (32, 5, 1):
+            mx.eval(model(mx.zeros((1, width), dtype=mx.int32), cache=caches))
+    except Exception as exc:  # noqa: BLE001 - any failure here is the configuration's
+        raise UnsupportedKV(
+            f"--kv-bits {cfg.kv_bits} (group size {cfg.kv_group_size}) cannot run on "
+            f"{mx.default_device()} with MLX {mx.__version__}: {exc}. Use --kv-bits 16."
+        ) from exc
 
 
 def prepare_right_padded(caches: Caches, lengths: Sequence[int], force: bool = False) -> bool:

@@ -65,6 +65,7 @@ class Runner:
         self.model = model
         self.kv = kv or kvcache.KVConfig()
         prepare_model(model)  # once: recurrent mixers step through padding / rollback
+        kvcache.check_supported(model, self.kv)  # quantized KV: fail at start, not per request
         if stable_shapes is None:  # opt-in: MLXD_STABLE_SHAPES=1 (CUDA only; see below)
             stable_shapes = os.environ.get("MLXD_STABLE_SHAPES", "") == "1" and wide_enabled()
         self.stable_shapes = stable_shapes

@@ -119,7 +119,13 @@ def serve(args: argparse.Namespace) -> int:
     log = logging.getLogger("mlxd")
     from mlxd.runtime import build_client
 
-    client = build_client(args)
+    from engine.kvcache import UnsupportedKV
+
+    try:
+        client = build_client(args)
+    except UnsupportedKV as exc:  # a configuration this device cannot run: say so, no traceback
+        print(f"mlxd: error: {exc}", file=sys.stderr)
+        return 2
     extra = client.model.extra
     log.info(
         "model %s (%s) on %s, dtype %s, BLAS: %s",

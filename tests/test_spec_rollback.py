@@ -43,6 +43,18 @@ def _no_compile():
     mx.enable_compile()
 
 
+@pytest.fixture(autouse=True)
+def _quantized_kv_needs_quantized_attention(request):
+    """MLX-CUDA 0.32.4 has no quantized_matmul for attention's shapes (the server refuses
+    --kv-bits 8/4 there at start-up: engine.kvcache.check_supported), so the quantized case
+    runs on CPUs (and Metal) only."""
+    from kernels.common import gpu_backend
+
+    case = getattr(request.node, "callspec", None) and request.node.callspec.params.get("case")
+    if case and CASES[case][1] < 16 and gpu_backend() == "cuda":
+        pytest.skip("MLX-CUDA has no quantized attention (quantized_matmul shapes)")
+
+
 def _model(arch: str):
     if arch not in _MODELS:
         model = tiny_model(arch, seed=3)
