@@ -85,12 +85,16 @@ class OracleDrafter(NGramDrafter):
         return num
 
 
+WARMUP: bool | None = None  # SpecConfig.warmup (--warmup: auto = on a GPU only)
+
+
 def _engine(lm: Any, draft: Any, mode: str, rows: int, refs: Any = None) -> Engine:
     spec = None
     if mode != "plain":
         method, k = mode.split("-k")
+        kw = {} if WARMUP is None else {"warmup": WARMUP}  # (a tree before session 4: none)
         spec = SpecConfig(method=method, draft_model=draft if method == "draft" else None,
-                          num_draft_tokens=int(k), adaptive=False)
+                          num_draft_tokens=int(k), adaptive=False, **kw)
     eng = Engine(lm, EngineConfig(SchedulerConfig(max_num_seqs=max(rows, 1)),
                                   prefix_cache_bytes=0, spec=spec))
     if eng.spec is not None and isinstance(eng.spec.drafter, OracleDrafter):
@@ -98,10 +102,22 @@ def _engine(lm: Any, draft: Any, mode: str, rows: int, refs: Any = None) -> Engi
     return eng
 
 
+def _variant(new: bool) -> None:
+    """Session 4's ring commit and host verdict on (new) or off (the previous paths)."""
+    from engine.spec import decoder, ringcommit
+
+    ringcommit.APPEND = decoder.HOST_VERDICT = new
+
+
 def run(lm: Any, draft: Any, mode: str, prompts: list[list[int]], tokens: int,
-        profile: bool = False, refs: Any = None) -> dict[str, Any]:
-    """Decode every prompt to `tokens` tokens together; per-step wall time (or calls)."""
+        profile: bool = False, refs: Any = None, ab: bool = False) -> dict[str, Any]:
+    """Decode every prompt to `tokens` tokens together; per-step wall time (or calls). With
+    `ab`, the rounds alternate between session 4's paths and the previous ones (`_variant`),
+    so both see the same machine load: `us_per_round_ab` = [new, old]."""
     eng = _engine(lm, draft, mode, len(prompts), refs)
+    ab_us: dict[bool, list[float]] = {True: [], False: []}
+    ab_calls: dict[bool, list[float]] = {True: [], False: []}
+    flip, block = False, -1
     out: dict[str, list[int]] = {}
 
     def sink(events: list[Any]) -> None:
@@ -113,12 +129,18 @@ def run(lm: Any, draft: Any, mode: str, prompts: list[list[int]], tokens: int,
         eng.add(Request(f"r{i}", list(p), params), sink)
     plain: list[float] = []
     spec: list[float] = []
+    plain_cpu: list[float] = []  # this thread's CPU time (less sensitive to other processes)
+    spec_cpu: list[float] = []
     widths: list[int] = []
     eng._drain_inbox()
     while eng._has_work():
         n0 = len(eng.scheduler.running)
         prefill = eng.scheduler.prefill is not None or len(eng.scheduler.waiting) > 0
         spec_steps = eng.spec.totals.spec_steps if eng.spec is not None else 0
+        if ab:  # blocks of two rounds per variant; the second of each is timed (the first
+            block += 1  # may still wait for the other variant's ring commit)
+            flip = (block // 2) % 2 == 0
+            _variant(flip)
         if profile:
             prof = cProfile.Profile()
             prof.enable()
@@ -126,15 +148,21 @@ def run(lm: Any, draft: Any, mode: str, prompts: list[list[int]], tokens: int,
             prof.disable()
             value = float(sum(e.callcount for e in prof.getstats()))
         else:
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             eng._step()
             value = time.perf_counter() - t0
+            cpu = time.thread_time() - c0
         if prefill or n0 != len(prompts):
             continue  # only steady steps of the full batch
         is_spec = eng.spec is not None and eng.spec.totals.spec_steps > spec_steps
         (spec if is_spec else plain).append(value)
+        if ab and is_spec and block % 2 == 1:
+            (ab_calls if profile else ab_us)[flip].append(value)
+        if not profile:
+            (spec_cpu if is_spec else plain_cpu).append(cpu)
         if is_spec:
             widths.append(eng.spec.controller._last_width)
+    _variant(True)
     stats = eng.stats().spec
     res: dict[str, Any] = {"mode": mode, "rows": len(prompts), "plain_steps": len(plain),
                            "spec_rounds": len(spec)}
@@ -143,12 +171,23 @@ def run(lm: Any, draft: Any, mode: str, prompts: list[list[int]], tokens: int,
     for name, xs in (("plain", plain[2:]), ("round", spec[2:])):
         if xs:
             res[f"{key}_per_{name}"] = round(statistics.median(xs) * scale, 1)
+    for name, xs in (("plain", plain_cpu[2:]), ("round", spec_cpu[2:])):
+        if xs:
+            res[f"cpu_us_per_{name}"] = round(statistics.median(xs) * 1e6, 1)
+    if ab and ab_us[True] and ab_us[False]:
+        res["us_per_round_ab"] = [round(statistics.median(ab_us[v][1:]) * 1e6, 1)
+                                  for v in (True, False)]
+    if ab and ab_calls[True] and ab_calls[False]:
+        res["calls_per_round_ab"] = [statistics.median(ab_calls[v][1:]) for v in (True, False)]
     if widths:
         res["mean_width"] = round(statistics.mean(widths), 2)
+    if spec and not profile:  # an engine's first rounds (MLX-CUDA: per-engine set-up)
+        res["first_rounds_ms"] = [round(x * 1e3, 2) for x in spec[:6]]
     if stats:
         ((_, st),) = stats.items()
         res["tokens_per_row_round"] = st.get("tokens_per_row_round")
         res["acceptance"] = st.get("acceptance_rate")
+        res["warmup_s"] = st.get("warmup_s")
     res["tokens"] = {k: len(v) for k, v in out.items()}
     res["_out"] = out
     return res
@@ -165,8 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--skeleton", action="store_true")
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--ab", action="store_true",
+                   help="alternate session 4's round paths with the previous ones round by "
+                        "round in each speculative run (us_per_round_ab: [new, old])")
+    p.add_argument("--warmup", choices=("auto", "on", "off"), default="auto",
+                   help="the engines' speculative warm-up (auto: on a GPU only)")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
+    global WARMUP
+    WARMUP = {"auto": None, "on": True, "off": False}[a.warmup]
     if a.skeleton:
         from bench.spec_idle import skeleton
 
@@ -186,15 +232,24 @@ def main(argv: list[str] | None = None) -> int:
             run(lm, draft, mode, prompts, 24, refs=refs)
         ref = None
         for mode in modes:
-            walls = [run(lm, draft, mode, prompts, a.tokens, refs=refs) for _ in range(a.repeats)]
+            walls = [run(lm, draft, mode, prompts, a.tokens, refs=refs, ab=a.ab)
+                     for _ in range(a.repeats)]
             res = dict(walls[0])
-            for key in ("us_per_plain", "us_per_round"):
+            if a.ab and all("us_per_round_ab" in w for w in walls):
+                res["us_per_round_ab"] = [
+                    round(statistics.median(w["us_per_round_ab"][i] for w in walls), 1)
+                    for i in (0, 1)]
+                res["ab_new_over_old"] = round(statistics.median(
+                    w["us_per_round_ab"][0] / w["us_per_round_ab"][1] for w in walls), 3)
+            for key in ("us_per_plain", "us_per_round", "cpu_us_per_plain", "cpu_us_per_round"):
                 vals = [w[key] for w in walls if key in w]
                 if vals:
                     res[key] = round(statistics.median(vals), 1)
+            res["first_rounds_ms"] = [w.get("first_rounds_ms") for w in walls]
             if not a.no_profile:
-                prof = run(lm, draft, mode, prompts, a.tokens, profile=True, refs=refs)
-                for key in ("calls_per_plain", "calls_per_round"):
+                prof = run(lm, draft, mode, prompts, a.tokens, profile=True, refs=refs,
+                           ab=a.ab)
+                for key in ("calls_per_plain", "calls_per_round", "calls_per_round_ab"):
                     if key in prof:
                         res[key] = prof[key]
             out = res.pop("_out")

@@ -179,6 +179,14 @@ class ControllerConfig:
     explore_budget: float = 0.03
     explore_prior_steps: float = 2.0  # expected excess of a first exploration, in plain steps
     hopeless: float = 1.5  # a sample above hopeless * W * plain ends exploring width W
+    # A lookup drafter (n-gram) offering some row at least `long_match` drafts is cheap
+    # evidence: an engine's first exploration is then expected to cost only what its steps
+    # would take beyond plain decoding of the tokens they emit at the current acceptance
+    # (nothing, when W = 2 is expected to pay), instead of a remembered or prior cost; not
+    # when that remembered cost was dominated by set-up (over `setup_bound` plain steps:
+    # MLX-CUDA's first shapes of an engine), which a long match does not make cheaper.
+    long_match: int = 4
+    setup_bound: float = 4.0
 
 
 class ExploreMemory:
@@ -232,6 +240,8 @@ class Controller:
     _last_episode: float | None = None  # excess of the last finished exploration
     _gated_until: float = 0.0  # busy seconds before which exploring is not reconsidered
     _probe_start: int = 0  # step at which the current probe began
+    lookup_evidence: bool = False  # caps carry a lookup drafter's offer (see long_match)
+    _match_cost: float | None = None  # first exploration's expected cost given a long match
 
     def __post_init__(self) -> None:
         self.pooled_alpha = self.config.prior_alpha
@@ -281,8 +291,11 @@ class Controller:
         nxt = self._next_probe.get(bucket_of(max(num_rows, 1)))
         return (nxt is None or self.step >= nxt) and self.busy >= self._gated_until
 
-    def decide(self, alpha: np.ndarray, caps: np.ndarray) -> Decision:
-        """`caps` already include what the drafter can offer (n-gram: the match length)."""
+    def decide(
+        self, alpha: np.ndarray, caps: np.ndarray, offer: np.ndarray | None = None
+    ) -> Decision:
+        """`caps` already include what the drafter can offer (n-gram: the match length);
+        `offer`: a lookup drafter's offer per row up to the ceiling (see `long_match`)."""
         cfg = self.config
         B = len(caps)
         if B == 0 or caps.max(initial=0) == 0:
@@ -307,6 +320,12 @@ class Controller:
         plain = self.costs.estimate(bucket, 1)
         if plain is None:
             return self._plain(caps)  # measure plain decoding first
+        self._match_cost = None
+        long = offer is not None and offer.max(initial=0) >= cfg.long_match
+        if self.lookup_evidence and self._last_episode is None and long:
+            est2 = self.costs.estimate(bucket, 2) or plain * (1.0 + self.costs.prior_slope)
+            gain = float(expected_tokens(alpha, np.minimum(caps, 1)).mean())
+            self._match_cost = (cfg.probe_steps + 1) * max(0.0, est2 - plain * gain)
         plain_spread = self.costs.spread(bucket, 1) or 0.0
         best_w, best_rate = 1, B / plain
         for w in range(2, int(caps.max()) + 2):
@@ -350,9 +369,10 @@ class Controller:
         if self._last_episode is not None:
             return self._last_episode
         first = EXPLORE_MEMORY.first_cost(self.memory_key) if self.memory_key else None
-        if first is not None:
-            return first
-        return self.config.explore_prior_steps * plain
+        expected = first if first is not None else self.config.explore_prior_steps * plain
+        if self._match_cost is not None and expected <= self.config.setup_bound * plain:
+            expected = min(expected, self._match_cost)  # a long lookup match: see long_match
+        return expected
 
     def may_explore(self, plain: float) -> bool:
         """Whether an exploration may start now within the budget (and if not, no re-check

@@ -35,6 +35,9 @@ from engine.spec.base import Drafter, Proposal, ProposeContext
 from engine.spec.ringcommit import RingRound
 from engine.spec.widekv import wide
 
+# a greedy batch's verdict on the host and a lookup drafter's verify input built there (False:
+# the device verdict of accept.verify; same tokens, bench/spec_round_host.py --ab times both)
+HOST_VERDICT = True
 PLAIN_HOLD = 15  # decide() re-decides a plain choice every PLAIN_HOLD + 1 steps
 NOT_FOUND_HOLD = 3  # ... and every NOT_FOUND_HOLD + 1 steps when a lookup drafter found nothing
 
@@ -96,6 +99,7 @@ class SpecDecoder:
             self.controller.memory_key = None
         if drafter.point_mass:
             self.controller.pooled_alpha = min(self.controller.pooled_alpha, 0.5)
+            self.controller.lookup_evidence = True  # caps carry the lookup's offer
         if getattr(drafter, "catches_up", False):  # a probe first catches rows up: probe rarely
             config.probe_every = max(config.probe_every, 256)
         self.totals = _Totals()
@@ -160,9 +164,12 @@ class SpecDecoder:
             self._plain_hold -= 1
             return 1
         alpha, caps = self._caps(batch, explore=False)  # what the batch would gain when warm
+        offer = None
         if self.drafter.point_mass and caps.max(initial=0) > 0:
-            caps = np.minimum(caps, self._available(batch, caps))
-        decision = ctl.decide(alpha, caps)
+            # the lookup's own offer up to the ceiling (a long match is evidence, long_match)
+            offer = self._available(batch, np.where(caps > 0, self.max_draft, 0))
+            caps = np.minimum(caps, offer)
+        decision = ctl.decide(alpha, caps, offer)
         # hold a choice made on costs; a lookup drafter that found nothing looks again soon
         found = not self.drafter.point_mass or caps.max(initial=0) > 0
         hold = decision.width == 1 and not decision.probe and ctl.config.adaptive
@@ -194,6 +201,7 @@ class SpecDecoder:
         K = int(proposal.tokens.shape[1])
         W = K + 1
         greedy = plain_greedy(batch.sampler)  # argmax of the raw logits: no per-column states
+        host_path = greedy and HOST_VERDICT
         if not greedy:
             states = proposal.column_states or column_states(batch.sampler, proposal.tokens, W)
             while len(states) < W:
@@ -201,7 +209,7 @@ class SpecDecoder:
         # rings are written after the verdict (accepted columns only): no ring slack needed, so
         # the target's layouts are the plain engine's (engine/spec/ringcommit.py)
         ring_round = RingRound(batch.caches, W)
-        host = proposal.host_tokens
+        host = proposal.host_tokens if HOST_VERDICT else None
         if host is not None:  # drafts on the host: the whole input goes over as one array
             nxt = np.fromiter((c[-1] for c in ctx.contexts), np.int32, len(ctx.contexts))
             inp = mx.array(np.concatenate([nxt[:, None], host[:, :K].astype(np.int32)], axis=1))
@@ -215,7 +223,7 @@ class SpecDecoder:
 
             first = _mask_logits(logits[:, 0, :], constrained)
             logits = mx.concatenate([first[:, None], logits[:, 1:]], axis=1)
-        if greedy:  # the verdict on the host: one argmax on the device, then numpy on [B, W]
+        if host_path:  # the verdict on the host: one argmax on the device, then numpy on [B, W]
             plain = mx.argmax(logits, axis=-1).astype(mx.int32)  # [B, W]
             extra = _logprobs(logits, plain, batch.sampler)
             reads = [plain, *[x for x in extra if x is not None]]
@@ -229,6 +237,7 @@ class SpecDecoder:
             batch.next_tokens = mx.array(last.astype(np.int32))
         else:
             num_drafts = mx.array(proposal.num_drafts.astype(np.int32))
+            states = [batch.sampler] if greedy else states
             verdict = verify(logits, states, proposal.tokens, num_drafts, proposal.draft_logits)
             extra = _logprobs(logits, verdict.tokens, batch.sampler)
             mx.eval(verdict.num_accepted, verdict.tokens, *[x for x in extra if x is not None])

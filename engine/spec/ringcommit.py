@@ -51,6 +51,9 @@ from engine.kv.attention import RotatingLayout
 from engine.spec.widekv import wide_enabled
 
 
+APPEND = True  # finish() through KVLayout.append_columns (False: prepare + chunk + finalize)
+
+
 def defers(layout: Any, width: int) -> bool:
     """Whether a round of `width` columns writes `layout` deferred (a ring without the slack
     to roll it back; its own multi-column path never writes the real buffers in place)."""
@@ -159,5 +162,10 @@ class RingRound:
         for layout, view in self._deferred:
             if view.keys is None or view.values is None:
                 raise RuntimeError("the verify forward never reached a deferred ring")
-            layout.append_columns(view.keys, view.values, keep, memo)  # the kept columns only
+            if APPEND:
+                layout.append_columns(view.keys, view.values, keep, memo)  # kept columns only
+            else:  # the general path (same result; bench/spec_round_host.py --ab times both)
+                layout.prepare(lengths=keep.tolist())
+                layout.update_and_fetch(view.keys, view.values)
+                layout.finalize()
         self._deferred = []
