@@ -10,14 +10,17 @@ evaluated once; per call it reports the median of `--repeats` chains: `us` (buil
   * `builtin`: x * c (a built-in op) and, per kernel group, MLX's own op for the same work;
   * `trivial`: y = x + 1 over 4096 floats as mx.fast.cuda_kernel (no template arguments; 14 int
     template arguments like trellis; a 32 KB header) and as mx.fast.precompiled_cuda_kernel fed
-    our NVRTC cubin (blob on every call; 'lean': blob on the first call, b'' after; PTX);
+    our NVRTC cubin or PTX on every call (bench/precompiled.py);
   * `trellis`: kernels/trellis mat-vec, 4096x4096 3-bit L16 1MAD, batch 1, float16: the wrapper
-    (trellis_matvec), the bare cuda_kernel object, precompiled blob / lean, the wrapper with
-    MLXD_KERNEL_PRECOMPILED=1 / lean (the opt-in wiring), MLX affine 4-bit quantized_matmul;
+    (trellis_matvec), the bare cuda_kernel object, the precompiled cubin, MLX affine 4-bit
+    quantized_matmul and the f16 gemv;
   * every kernel also once through mx.compile(one call) (MLX replays the traced primitive: no
     Python or binding work per call after the first);
   * `skinny`: kernels/skinny at 384x384 and 4096x4096, M = 2 and 8, bfloat16: skinny_matmul, the
-    precompiled paths, the wrapper under MLXD_KERNEL_PRECOMPILED, and MLX's x @ W.T (cuBLASLt).
+    bare object, the precompiled cubin and MLX's x @ W.T (cuBLASLt).
+
+(A 'lean' precompiled path, b'' after the first call, was measured once and removed: MLX 0.32.4
+fails to load it, "Binary format for key='0', ident='' is not recognized".)
 
 Every non-current path's single-call output is compared with the current path's (`max_abs_diff`,
 `equal`). A path that fails records its error and the run goes on. Also recorded: MLX's PTX
@@ -46,6 +49,7 @@ blas.load()
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench import precompiled as pc  # noqa: E402
 from kernels import common  # noqa: E402
 
 GROUPS = ("builtin", "trivial", "trellis", "skinny")
@@ -166,7 +170,7 @@ def group_trivial(r: Runner) -> None:
         "output_shapes": [(4096,)],
         "output_dtypes": [mx.float32],
     }
-    spec = common.KernelSpec("mlxd_trivial_add", ("x",), ("y",), TRIVIAL_SRC, "")
+    spec = pc.KernelSpec("mlxd_trivial_add", ("x",), ("y",), TRIVIAL_SRC, "")
     plain = mx.fast.cuda_kernel(
         name="mlxd_trivial_add", input_names=["x"], output_names=["y"], source=TRIVIAL_SRC
     )
@@ -213,8 +217,8 @@ def group_trivial(r: Runner) -> None:
         return
     try:
         func = "mlxd_trivial_add_ptx"
-        src = common.precompiled_source(spec, func, [], [mx.float32], [mx.float32])
-        ptx = common.nvrtc_compile(src, common.gpu_arch(), cubin=False)
+        src = pc.precompiled_source(spec, func, [], [mx.float32], [mx.float32])
+        ptx = pc.nvrtc_compile(src, pc.gpu_arch(), cubin=False)
         kw = {
             "name": func,
             "compiled_source": ptx,
@@ -245,18 +249,22 @@ def group_trivial(r: Runner) -> None:
 def add_precompiled(
     r: Runner, group, case, spec, args, input_dtypes, inputs_of, x0, ref_step
 ) -> None:
-    """Rows 'precompiled blob' and 'precompiled lean' for one kernel call `args`."""
+    """Row 'precompiled blob' for one kernel call `args`: our cubin passed on every call."""
     if not r.wants("precompiled blob"):
         return
     try:
         t0 = time.perf_counter()
-        fn, kw = common.precompiled_call(spec, args, input_dtypes)
+        fn, kw = pc.precompiled_call(spec, args, input_dtypes)
         compile_s = round(time.perf_counter() - t0, 3)
     except Exception as exc:  # noqa: BLE001
-        for path in ("precompiled blob", "precompiled lean"):
-            r.rows.append(
-                {"group": group, "case": case, "path": path, "error": f"compile: {exc}"[:3000]}
-            )
+        r.rows.append(
+            {
+                "group": group,
+                "case": case,
+                "path": "precompiled blob",
+                "error": f"compile: {exc}"[:3000],
+            }
+        )
         print(json.dumps(r.rows[-1]), flush=True)
         return
     r.row(
@@ -269,49 +277,6 @@ def add_precompiled(
         blob_bytes=len(kw["compiled_source"]),
         compile_s=compile_s,
     )
-    lean = {
-        **kw,
-        "compiled_source": b"",
-    }  # the blob row's warm-up loaded the module under this name
-    r.row(
-        group,
-        case,
-        "precompiled lean",
-        lambda v: fn(inputs=inputs_of(v), **lean)[0],
-        x0,
-        ref_step=ref_step,
-    )
-    # the graph MLX replays from a compiled function: no Python, no binding per call
-    r.row(
-        group,
-        case,
-        "precompiled lean, mx.compile per call",
-        mx.compile(lambda v: fn(inputs=inputs_of(v), **lean)[0]),
-        x0,
-        ref_step=ref_step,
-    )
-
-
-def with_env(value: str | None, clear):
-    """Context: MLXD_KERNEL_PRECOMPILED=value while a block runs, per-shape caches cleared around it."""
-
-    class _Env:
-        def __enter__(self):
-            self.old = os.environ.get(common.PRECOMPILED_ENV)
-            if value is None:
-                os.environ.pop(common.PRECOMPILED_ENV, None)
-            else:
-                os.environ[common.PRECOMPILED_ENV] = value
-            clear()
-
-        def __exit__(self, *exc):
-            if self.old is None:
-                os.environ.pop(common.PRECOMPILED_ENV, None)
-            else:
-                os.environ[common.PRECOMPILED_ENV] = self.old
-            clear()
-
-    return _Env()
 
 
 def group_trellis(r: Runner) -> None:
@@ -333,17 +298,15 @@ def group_trellis(r: Runner) -> None:
     def wrapper(v):
         return matvec.trellis_matvec(v, packed, scales, **kw)
 
-    clear = matvec._CALLS.clear
-    with with_env(None, clear):
-        r.row("trellis", case, "wrapper (current)", wrapper, x)
-        r.row(
-            "trellis",
-            case,
-            "wrapper, mx.compile per call",
-            mx.compile(wrapper),
-            x,
-            ref_step=wrapper,
-        )
+    r.row("trellis", case, "wrapper (current)", wrapper, x)
+    r.row(
+        "trellis",
+        case,
+        "wrapper, mx.compile per call",
+        mx.compile(wrapper),
+        x,
+        ref_step=wrapper,
+    )
     kern = matvec._kernel("cuda", variant, cfg.body)
     args = matvec._launch_args(
         n_out, n_in, 1, bits, L, block, "1mad", mx.float16, cfg, (1,), mx.float16, mx.float16
@@ -360,32 +323,37 @@ def group_trellis(r: Runner) -> None:
         r,
         "trellis",
         case,
-        matvec._spec("cuda", variant, cfg.body),
+        pc.trellis_spec(variant, cfg.body),
         args,
         [packed.dtype, scales.dtype, mx.float16],
         lambda v: [packed, scales, v],
         x,
         wrapper,
     )
-    for mode in ("1", "lean") if r.wants("precompiled") else ():
-        with with_env(mode, clear):
-            r.row(
-                "trellis",
-                case,
-                f"wrapper MLXD_KERNEL_PRECOMPILED={mode}",
-                wrapper,
-                x,
-                ref_step=None,
-            )
-            try:  # the check against the current path (computed with the switch off)
-                out = wrapper(x)
-                mx.eval(out)
-                with with_env(None, clear):
-                    ref = wrapper(x)
-                r.rows[-1]["check"] = compare(ref, out)
-                print(json.dumps({"check": r.rows[-1]["check"]}), flush=True)
-            except Exception as exc:  # noqa: BLE001
-                r.rows[-1]["check_error"] = str(exc)[:1500]
+    # the product path: TrellisLinear (sign flip, Hadamard, kernel) op by op and as one
+    # mx.compile'd function (kernels/trellis/matvec.fused_decode, MLXD_TRELLIS_COMPILE)
+    from kernels.trellis.linear import TrellisLinear
+
+    layer = TrellisLinear(n_in, n_out, bits, L, "1mad", block)
+    layer.packed, layer.scales = packed, scales
+    x3 = x.reshape(1, 1, n_in)
+    saved = matvec.COMPILE
+    try:
+        matvec.COMPILE = False
+        plain = layer(x3)
+        mx.eval(plain)
+        r.row("trellis", case, "TrellisLinear, MLXD_TRELLIS_COMPILE=0", layer, x3)
+        matvec.COMPILE = True
+        r.row(
+            "trellis",
+            case,
+            "TrellisLinear, compiled decode",
+            layer,
+            x3,
+            ref_step=lambda v: plain,
+        )
+    finally:
+        matvec.COMPILE = saved
     # MLX's own ops on the same shape: affine 4-bit g64 quantized_matmul and a float16 gemv
     w = (mx.random.normal((n_out, n_in)) / 64).astype(mx.float16)
     wq, sq, bq = mx.quantize(w, group_size=64, bits=4)
@@ -414,16 +382,15 @@ def group_skinny(r: Runner) -> None:
             def current(v, w=w):
                 return sk.skinny_matmul(v, w)
 
-            with with_env(None, sk._CALLS.clear):
-                r.row("skinny", case, "skinny_matmul (current)", current, x)
-                r.row(
-                    "skinny",
-                    case,
-                    "skinny_matmul, mx.compile per call",
-                    mx.compile(current),
-                    x,
-                    ref_step=current,
-                )
+            r.row("skinny", case, "skinny_matmul (current)", current, x)
+            r.row(
+                "skinny",
+                case,
+                "skinny_matmul, mx.compile per call",
+                mx.compile(current),
+                x,
+                ref_step=current,
+            )
             args, dims = sk.launch_args(m, n, n, mx.bfloat16, (m,)), sk._dims(n, n)
             kern = sk._kernel()
             r.row(
@@ -438,24 +405,13 @@ def group_skinny(r: Runner) -> None:
                 r,
                 "skinny",
                 case,
-                sk._spec(),
+                pc.skinny_spec(),
                 args,
                 [mx.bfloat16, mx.bfloat16, mx.int32],
                 lambda v, w=w, d=dims: [w, v, d],
                 x,
                 current,
             )
-            if r.wants("precompiled"):
-                with with_env("lean", sk._CALLS.clear):
-                    r.row("skinny", case, "skinny_matmul MLXD_KERNEL_PRECOMPILED=lean", current, x)
-                    try:
-                        out = current(x)
-                        mx.eval(out)
-                        with with_env(None, sk._CALLS.clear):
-                            ref = current(x)
-                        r.rows[-1]["check"] = compare(ref, out)
-                    except Exception as exc:  # noqa: BLE001
-                        r.rows[-1]["check_error"] = str(exc)[:1500]
             r.row("skinny", case, "mlx x @ W.T", lambda v, w=w: v @ w.T, x)
         x1 = mx.random.normal((1, n)).astype(mx.bfloat16)
         mx.eval(x1)
@@ -480,12 +436,12 @@ def environment() -> dict:
         env["device_info_error"] = str(exc)
     env["backend"] = common.gpu_backend()
     if env["backend"] == "cuda":
-        for key, fn in (("arch", common.gpu_arch), ("include_dirs", common.cuda_include_dirs)):
+        for key, fn in (("arch", pc.gpu_arch), ("include_dirs", pc.cuda_include_dirs)):
             try:
                 env[key] = fn()
             except Exception as exc:  # noqa: BLE001
                 env[key + "_error"] = str(exc)
-        env["libnvrtc"] = common._find_loaded("libnvrtc")
+        env["libnvrtc"] = pc._find_loaded("libnvrtc")
     return env
 
 

@@ -23,8 +23,9 @@ kernel is correct (62 of 63 CUDA cases; the one failure was cuBLASLt's own TF32 
 used as the twin), but inside a graph an `mx.fast.cuda_kernel` call costs 27-57 µs against
 15-35 µs for cuBLASLt, so the fused read of W never pays: MLX's per-call cost of a custom
 kernel, not the arithmetic, decides. Decode steps of tinycoder-16m were no faster with it on.
-It stays for the day MLX's custom-kernel dispatch gets cheaper (precompiled kernels), and as
-the measured answer to "why not a skinny kernel".
+It stays for the day MLX's custom-kernel dispatch gets cheaper (precompiled kernels did not
+make it cheaper, session 4: docs/kernels.md), and as the measured answer to "why not a skinny
+kernel".
 
 Environment: MLXD_SKINNY=1 turns it on; MLXD_SKINNY_ROWS (default 8, at most 16) is the most
 rows of x that take the kernel; MLXD_SKINNY_WARMUP=0 skips compiling every variant at install.

@@ -416,3 +416,122 @@ def test_repeat_calls_take_the_cached_launch(monkeypatch):
         matvec.trellis_matvec(x, packed, scales, bits=3, L=16, block=256, backend="cuda", out_dtype=mx.bfloat16)
     assert len(matvec._CALLS) == 1 and len(calls) == 3 and calls[0] == calls[1] == calls[2]
     assert calls[0]["output_shapes"] == [(1, 1, 64)] and calls[0]["output_dtypes"] == [mx.bfloat16]
+
+
+# ---- TrellisLinear's fused decode through mx.compile (MLXD_TRELLIS_COMPILE) ----------------------
+
+
+def _twin(calls=None):
+    """A plain-MLX stand-in with trellis_matvec's signature (the fused kernel cannot run on a CPU)."""
+
+    def run(x_rot, packed, scales, *, bits, L, block, code, backend, out_dtype, config=None):
+        if calls is not None:
+            calls.append(x_rot.shape)
+        w = TrellisWeight(packed, scales, mx.ones((x_rot.shape[-1],), mx.int8), bits, L, block, code)
+        return matvec.matmul_rotated(x_rot, w, use_fused=False).astype(out_dtype)
+
+    return run
+
+
+def _signs(n: int, seed: int) -> mx.array:
+    return mx.array(np.random.default_rng(seed).choice([-1.0, 1.0], size=n).astype(np.float32))
+
+
+@pytest.mark.parametrize(
+    "shape_i,lead,dtype,bias",
+    [(1, (1, 1), mx.float16, False), (3, (2, 3), mx.bfloat16, True), (0, (8,), mx.float32, False), (6, (4, 1), mx.float16, True)],
+)
+def test_compiled_decode_equals_uncompiled_with_a_stand_in(shape_i, lead, dtype, bias):
+    """The compiled function gives the uncompiled one's bits, traces once per shape, and sees new
+    weights of the same shape (they are inputs, not captured constants)."""
+    n_out, n_in, block = SHAPES[shape_i]
+    calls: list = []
+    plain = matvec.fused_decode(3, 16, block, "1mad", "cuda", bias, False, _twin())
+    comp = matvec.fused_decode(3, 16, block, "1mad", "cuda", bias, True, _twin(calls))
+    signs = _signs(n_in, shape_i)
+    b = [mx.random.normal((n_out,), key=mx.random.key(9))] if bias else []
+    for seed in (0, 1):  # a second weight of the same shape: no retrace, new values
+        w = random_weight(n_out, n_in, 3, 16, block, "1mad", seed=seed)
+        for i in range(3):
+            x = mx.random.normal((*lead, n_in), key=mx.random.key(10 * seed + i)).astype(dtype)
+            ref = plain(x, signs, w.packed, w.scales, *b)
+            got = comp(x, signs, w.packed, w.scales, *b)
+            assert got.dtype == dtype and got.shape == (*lead, n_out)
+            np.testing.assert_array_equal(np.array(got.astype(mx.float32)), np.array(ref.astype(mx.float32)))
+    assert len(calls) == 1, calls  # traced once: later calls replay the graph
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_trellis_linear_compiled_path_on_cpu(monkeypatch, bias):
+    """TrellisLinear's wiring: fused path (faked backend, stand-in kernel) compiled == uncompiled
+    == the dense fallback's arithmetic; MLXD_TRELLIS_COMPILE picks which runs."""
+    import mlx.nn as nn
+
+    from kernels import trellis as tr
+
+    calls: list = []
+    monkeypatch.setattr(matvec, "trellis_matvec", _twin(calls))
+    monkeypatch.setitem(matvec._chosen, "cuda", "dp4a")
+    matvec.fused_decode.cache_clear()
+    lin = nn.Linear(96, 40, bias=bias)
+    layer = tr.TrellisLinear.from_linear(lin, tr.TrellisSpec(bits=3, L=10))
+    x = mx.random.normal((2, 1, 96)).astype(mx.bfloat16)
+    dense = layer(x)  # CPU: the dequantized fallback
+    monkeypatch.setattr(tr.linear, "fused_backend", lambda: "cuda")
+    outs = {}
+    try:
+        for setting in (False, True, None):  # None: auto, on for CUDA
+            monkeypatch.setattr(matvec, "COMPILE", setting)
+            calls.clear()
+            outs[setting] = [np.array(layer(x).astype(mx.float32)) for _ in range(3)]
+            assert len(calls) == (3 if setting is False else (1 if setting is True else 0)), (setting, calls)
+    finally:
+        matvec.fused_decode.cache_clear()
+    for o in outs[True] + outs[None] + outs[False][1:]:
+        np.testing.assert_array_equal(o, outs[False][0])
+    np.testing.assert_allclose(outs[False][0], np.array(dense.astype(mx.float32)), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "value,cuda,metal", [(None, True, False), ("", True, False), ("0", False, False), ("off", False, False), ("1", True, True)]
+)
+def test_compile_switch(monkeypatch, value, cuda, metal):
+    monkeypatch.setattr(matvec, "COMPILE", matvec._compile_setting(value))
+    assert matvec.compile_decode("cuda") is cuda and matvec.compile_decode("metal") is metal
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape_i,lead,dtype,bias",
+    [
+        (3, (1, 1), mx.float16, False),  # xreg, batch 1
+        (7, (1, 1), mx.bfloat16, False),  # 14336 wide: smem
+        (1, (4, 1), mx.float16, True),  # xreg batch 4, bias
+        (3, (2, 4), mx.float32, False),  # smem, batch 8
+        (6, (3,), mx.bfloat16, True),
+    ],
+)
+def test_gpu_trellis_linear_compiled_equals_uncompiled(monkeypatch, shape_i, lead, dtype, bias):
+    """On the real kernel: TrellisLinear through mx.compile gives the uncompiled path's bits."""
+    if matvec.fused_backend() != "cuda":
+        pytest.skip("needs the cuda backend")
+    from kernels import trellis as tr
+
+    n_out, n_in, block = SHAPES[shape_i]
+    w = random_weight(n_out, n_in, 3, 16, block, "1mad", seed=shape_i)
+    layer = tr.TrellisLinear(n_in, n_out, 3, 16, "1mad", block, bias=bias)
+    layer.packed, layer.scales = w.packed, w.scales
+    layer.signs = mx.array(np.random.default_rng(shape_i).choice([-1, 1], size=n_in).astype(np.int8))
+    if bias:
+        layer.bias = mx.random.normal((n_out,), key=mx.random.key(3))
+    xs = [mx.random.normal((*lead, n_in), key=mx.random.key(i)).astype(dtype) for i in range(3)]
+    outs = {}
+    for setting in (False, True):
+        monkeypatch.setattr(matvec, "COMPILE", setting)
+        ys = [layer(x) for x in xs] + [layer(xs[0])]
+        mx.eval(ys)
+        outs[setting] = [np.array(y.astype(mx.float32)) for y in ys]
+        assert all(y.dtype == dtype and y.shape == (*lead, n_out) for y in ys)
+    for a, b in zip(outs[True], outs[False], strict=True):
+        assert np.isfinite(a).all()
+        np.testing.assert_array_equal(a, b)

@@ -17,15 +17,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from kernels.common import (  # noqa: F401 (cpu_compiler: tests)
-    KernelSpec,
-    compile_cpu_library,
-    cpu_compiler,
-    gpu_backend,
-    lean_after_first,
-    precompiled_mode,
-    try_precompiled,
-)
+from kernels.common import compile_cpu_library, cpu_compiler  # noqa: F401 (cpu_compiler: tests)
 
 from . import source as src
 
@@ -82,18 +74,12 @@ def kernel_source() -> tuple[str, str]:
 
 
 @lru_cache(maxsize=1)
-def _spec() -> KernelSpec:
+def _kernel():
     source, header = kernel_source()
     # The name carries a hash of the text: MLX caches compiled kernels by name (in memory).
     name = "skinny_gemm_" + hashlib.sha1((source + header).encode()).hexdigest()[:12]
-    return KernelSpec(name, ("w", "x", "dims"), ("y",), source, header)
-
-
-@lru_cache(maxsize=1)
-def _kernel():
-    spec = _spec()
-    return mx.fast.cuda_kernel(name=spec.name, input_names=list(spec.input_names),
-                               output_names=list(spec.output_names), source=spec.source, header=spec.header)
+    return mx.fast.cuda_kernel(name=name, input_names=["w", "x", "dims"], output_names=["y"],
+                               source=source, header=header)
 
 
 @lru_cache(maxsize=256)
@@ -122,25 +108,13 @@ def launch_args(m: int, n: int, k: int, dtype: mx.Dtype, lead: tuple[int, ...], 
     }
 
 
-def prepare(x: mx.array, w: mx.array, lay: Layout | None = None) -> tuple:
-    """What a call of this shape needs (launch arguments, the dims array), built once per shape.
-    With MLXD_KERNEL_PRECOMPILED on a CUDA GPU: (precompiled kwargs, dims, the precompiled op)."""
+def prepare(x: mx.array, w: mx.array) -> tuple:
+    """What a call of this shape needs (launch arguments, the dims array), built once per shape."""
     n, k = w.shape
-    args, dims = launch_args(x.size // k, n, k, x.dtype, tuple(x.shape[:-1]), lay), _dims(n, k)
-    mode = precompiled_mode() if gpu_backend() == "cuda" else ""
-    pre = try_precompiled(_spec(), args, [w.dtype, x.dtype, dims.dtype]) if mode else None
-    if pre is None:
-        return args, dims
-    fn, kw = pre
-    if mode == "lean":
-        kw = lean_after_first(kw, fn(inputs=[w, x, dims], **kw)[0])
-    return kw, dims, fn
+    return launch_args(x.size // k, n, k, x.dtype, tuple(x.shape[:-1])), _dims(n, k)
 
 
 def launch(x: mx.array, w: mx.array, prepared: tuple) -> mx.array:
-    if len(prepared) == 3:  # the precompiled path (prepare, MLXD_KERNEL_PRECOMPILED)
-        kw, dims, fn = prepared
-        return fn(inputs=[w, x, dims], **kw)[0]
     args, dims = prepared
     return _kernel()(inputs=[w, x, dims], **args)[0]
 
@@ -156,7 +130,8 @@ def skinny_matmul(x: mx.array, w: mx.array, lay: Layout | None = None) -> mx.arr
     if hit is None:
         if not supported(x, w):
             raise ValueError(f"skinny kernel does not take x {x.shape} {x.dtype} @ w {w.shape} {w.dtype}")
-        hit = prepare(x, w, lay)
+        n, k = w.shape
+        hit = (launch_args(x.size // k, n, k, x.dtype, tuple(x.shape[:-1]), lay), _dims(n, k))
         if len(_CALLS) < 4096:
             _CALLS[key] = hit
     return launch(x, w, hit)

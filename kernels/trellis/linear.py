@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .bitshift import block_size_for
-from .matvec import MAX_FUSED_BATCH, fused_backend, matmul_rotated, trellis_matvec
+from .matvec import MAX_FUSED_BATCH, compile_decode, fused_backend, fused_decode
 from .quantizer import (
     TrellisSpec,
     TrellisWeight,
@@ -106,20 +106,28 @@ class TrellisLinear(nn.Module):
             object.__setattr__(self, "_signs32", cached)
         return cached[1]
 
+    def _decode_fn(self, backend: str):
+        """matvec.fused_decode for this layer (kept on the module: one tuple compare a call)."""
+        compiled = compile_decode(backend)
+        has_bias = "bias" in self
+        cached = self.__dict__.get("_decode")
+        if cached is None or cached[:3] != (backend, compiled, has_bias):
+            fn = fused_decode(self.bits, self.L, self.block, self.code, backend, has_bias, compiled)
+            cached = (backend, compiled, has_bias, fn)
+            object.__setattr__(self, "_decode", cached)
+        return cached[3]
+
     def __call__(self, x: mx.array) -> mx.array:
-        x_rot = rotate(x, self._signs_f32())
-        rows = x_rot.size // self.input_dims
+        rows = x.size // self.input_dims
         backend = fused_backend() if rows <= MAX_FUSED_BATCH else None
         if backend is not None:
-            # decode path: sign flip, Hadamard, one kernel (any leading shape, output in x's dtype)
-            if "bias" not in self:
-                return trellis_matvec(
-                    x_rot, self.packed, self.scales, bits=self.bits, L=self.L, block=self.block, code=self.code,
-                    backend=backend, out_dtype=x.dtype,
-                )
-            y = matmul_rotated(x_rot, self.trellis_weight(), use_fused=True)
-        else:
-            y = x_rot @ self.dense_rotated().T
+            # decode path: sign flip, Hadamard, one kernel (any leading shape, output in x's
+            # dtype), as one mx.compile'd function on CUDA (MLXD_TRELLIS_COMPILE)
+            fn = self._decode_fn(backend)
+            if "bias" in self:
+                return fn(x, self._signs_f32(), self.packed, self.scales, self.bias)
+            return fn(x, self._signs_f32(), self.packed, self.scales)
+        y = rotate(x, self._signs_f32()) @ self.dense_rotated().T
         if "bias" in self:
             y = y + self.bias.astype(mx.float32)
         return y.astype(x.dtype)

@@ -1,8 +1,10 @@
 """y = x~ W~^T for a trellis-quantized matrix: fused GPU kernels and the plain-MLX fallback.
 
 ``fused_backend()`` says which fused kernel can run here ("cuda", "metal" or None);
-``trellis_matvec`` runs it for up to ``MAX_FUSED_BATCH`` rows of x~ (already rotated), and
-``matmul_rotated`` picks the fused kernel or the dequantize-then-matmul fallback.
+``trellis_matvec`` runs it for up to ``MAX_FUSED_BATCH`` rows of x~ (already rotated),
+``matmul_rotated`` picks the fused kernel or the dequantize-then-matmul fallback, and
+``fused_decode`` is TrellisLinear's whole small-batch path (sign flip, Hadamard, kernel), through
+``mx.compile`` on CUDA (``MLXD_TRELLIS_COMPILE``).
 """
 
 from __future__ import annotations
@@ -17,19 +19,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from kernels.common import (  # noqa: F401 (cpu_compiler: tests)
-    KernelSpec,
-    compile_cpu_library,
-    cpu_compiler,
-    gpu_backend,
-    lean_after_first,
-    precompiled_mode,
-    try_precompiled,
-)
+from kernels.common import compile_cpu_library, cpu_compiler, gpu_backend  # noqa: F401 (cpu_compiler: tests)
 
 from . import kernel_source as ks
 from .codes import CODES
-from .quantizer import TrellisWeight, dequantize_rotated
+from .quantizer import TrellisWeight, _device_hadamard_ok, dequantize_rotated, rotate
 
 MAX_FUSED_BATCH = 8
 ROWS_PER_GROUP = 16  # smem body: SIMD groups (output rows) per threadgroup, 512 threads share a staged x
@@ -145,19 +139,12 @@ def kernel_sources(backend: str, variant: str, body: str = "xreg") -> tuple[str,
 
 
 @lru_cache(maxsize=16)
-def _spec(backend: str, variant: str, body: str = "xreg") -> KernelSpec:
+def _kernel(backend: str, variant: str, body: str = "xreg"):
     source, header = kernel_sources(backend, variant, body)
     # The name carries a hash of the text: MLX caches compiled kernels by name (in memory).
     name = "trellis_matvec_" + hashlib.sha1((source + header).encode()).hexdigest()[:12]
-    return KernelSpec(name, ("packed", "scales", "x"), ("y",), source, header)
-
-
-@lru_cache(maxsize=16)
-def _kernel(backend: str, variant: str, body: str = "xreg"):
-    spec = _spec(backend, variant, body)
     make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
-    return make(name=spec.name, input_names=list(spec.input_names), output_names=list(spec.output_names),
-                source=spec.source, header=spec.header)
+    return make(name=name, input_names=["packed", "scales", "x"], output_names=["y"], source=source, header=header)
 
 
 def kernel_variant(backend: str) -> str:
@@ -246,23 +233,11 @@ def trellis_matvec(
         parts = [x2[: m // 2], x2[m // 2 :]]
         ys = [_launch(backend, variant, p, packed, scales, bits, L, block, code, cfg, out_dtype) for p in parts]
         return mx.concatenate(ys, axis=0).reshape(*x_rot.shape[:-1], n_out)
-    args = _launch_args(
-        n_out, n_in, m, bits, L, block, code, out_dtype, cfg, tuple(x_rot.shape[:-1]), x_rot.dtype, scales.dtype
-    )
-    mode = precompiled_mode() if backend == "cuda" else ""
-    pre = None
-    if mode:
-        pre = try_precompiled(_spec(backend, variant, cfg.body), args, [packed.dtype, scales.dtype, x_rot.dtype])
-    if pre is not None:  # opt-in (MLXD_KERNEL_PRECOMPILED): the same kernel through precompiled_cuda_kernel
-        fn, kw = pre
-        y = fn(inputs=[packed, scales, x_rot], **kw)[0]
-        if mode == "lean":
-            kw = lean_after_first(kw, y)
-        if len(_CALLS) < 4096:
-            _CALLS[key] = (fn, kw)
-        return y
     y = _launch(backend, variant, x_rot, packed, scales, bits, L, block, code, cfg, out_dtype)
     if len(_CALLS) < 4096:
+        args = _launch_args(
+            n_out, n_in, m, bits, L, block, code, out_dtype, cfg, tuple(x_rot.shape[:-1]), x_rot.dtype, scales.dtype
+        )
         _CALLS[key] = (_kernel(backend, variant, cfg.body), args)
     return y
 
@@ -314,6 +289,62 @@ def _launch(
     )
     (y,) = _kernel(backend, variant, config.body)(inputs=[packed, scales, x_rot], **args)
     return y
+
+
+def _compile_setting(value: str | None) -> bool | None:
+    """MLXD_TRELLIS_COMPILE: unset/'' -> None (auto: on for CUDA), 0/off/false/no -> False, else True."""
+    v = (value or "").strip().lower()
+    if v == "":
+        return None
+    return v not in ("0", "off", "false", "no")
+
+
+# mx.compile around TrellisLinear's fused decode. Auto (unset): on for CUDA, where the H200
+# measured 27.4 -> 16.5 us per call at 4096x4096 3-bit batch 1 (bench/dispatch.py, docs/kernels.md:
+# MLX replays the traced kernel call, no Python or binding work per call); off for Metal
+# (never measured). MLXD_TRELLIS_COMPILE=0 turns it off, =1 on for any fused backend.
+COMPILE: bool | None = _compile_setting(os.environ.get("MLXD_TRELLIS_COMPILE"))
+
+
+def compile_decode(backend: str | None) -> bool:
+    """Whether TrellisLinear's fused decode runs through mx.compile on this backend."""
+    return COMPILE if COMPILE is not None else backend == "cuda"
+
+
+@lru_cache(maxsize=256)
+def fused_decode(
+    bits: int, L: int, block: int, code: str, backend: str, bias: bool = False, compiled: bool = True, kernel=None
+):
+    """TrellisLinear's small-batch path as one function of arrays: (x, signs, packed, scales[,
+    bias]) -> y in x's dtype, any leading shape with at most MAX_FUSED_BATCH rows. signs float32
+    (±1); without bias the kernel writes x's dtype, with bias it writes float32, the bias is
+    added in float32 and the sum cast (TrellisLinear's arithmetic before this function existed).
+
+    compiled: through mx.compile (one trace per input shape and dtype; the weights are inputs,
+    not captured, so a reload is seen). kernel: what runs the rotated mat-vec, trellis_matvec's
+    signature (default trellis_matvec; tests pass a plain-MLX stand-in on the CPU)."""
+    # probes that evaluate arrays: run them before the first trace, not inside it
+    _device_hadamard_ok()
+    if kernel is None and backend not in _chosen:
+        kernel_variant(backend)
+    kw = {"bits": bits, "L": L, "block": block, "code": code, "backend": backend}
+
+    def matvec(x_rot, packed, scales, out_dtype):
+        # trellis_matvec looked up when traced (a bench's --dry-run may swap it for a stand-in)
+        return (kernel or trellis_matvec)(x_rot, packed, scales, out_dtype=out_dtype, **kw)
+
+    if bias:
+
+        def decode(x, signs, packed, scales, b):
+            y = matvec(rotate(x, signs), packed, scales, mx.float32)
+            return (y + b.astype(mx.float32)).astype(x.dtype)
+
+    else:
+
+        def decode(x, signs, packed, scales):
+            return matvec(rotate(x, signs), packed, scales, x.dtype)
+
+    return mx.compile(decode) if compiled else decode
 
 
 def matmul_rotated(x_rot: mx.array, w: TrellisWeight, use_fused: bool | None = None) -> mx.array:
