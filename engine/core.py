@@ -250,7 +250,10 @@ class Engine:
 
             warm = gpu_backend() is not None
         if warm and decoder is not None:  # the speculative shapes built now, not while serving
-            decoder.warm_up(self.runner.new_caches, self.loaded.vocab_size)
+            try:
+                decoder.warm_up(self.runner.new_caches, self.loaded.vocab_size)
+            except Exception:  # serving works without it: its shapes are then built on first use
+                log.exception("speculative warm-up failed; continuing without it")
         sched = self.scheduler
         sched.admit_spec = lambda rows: decoder.admit(rows, len(sched.running) + len(rows))
         return decoder

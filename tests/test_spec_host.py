@@ -295,3 +295,21 @@ def test_previous_round_paths_still_give_the_same_tokens(monkeypatch, method):
     old, st_old, _, _ = _spec_engine_outputs(lm, spec, reqs)
     assert new == old
     assert st_new[method]["spec_steps"] == st_old[method]["spec_steps"] > 0
+
+
+def test_warm_up_on_a_tiny_vocabulary():
+    """The warm-up's prompt stays inside the vocabulary (8 tokens here)."""
+    from engine.spec import SpecConfig
+    from tests.test_spec_engine import _perturbed
+    from tests.tiny_models import greedy, loaded, tiny_model
+
+    model, cfg = tiny_model("llama", vocab_size=8)
+    lm = loaded(model, cfg)
+    reqs = [greedy("r0", [1, 2, 3, 1, 2, 3, 1, 2], max_tokens=12)]
+    want, _, _, _ = _spec_engine_outputs(lm, None, reqs)
+    for method in ("ngram", "draft"):
+        draft = _perturbed(model, cfg, 0.01, seed=1) if method == "draft" else None
+        spec = SpecConfig(method, draft_model=draft, num_draft_tokens=3, adaptive=False,
+                          warmup=True)
+        got, st, _, dec = _spec_engine_outputs(lm, spec, reqs)
+        assert dec.warmup_ms and len(got["r0"]) == 12

@@ -310,7 +310,8 @@ class SpecDecoder:
         self.totals = _Totals()
         ms: dict[int, float] = {}
         try:
-            period = 16  # a repeating prompt (token ids 1..16): every lookup finds a match
+            # a repeating prompt (token ids 1..period, inside any vocabulary)
+            period = max(1, min(16, vocab_size - 1))
             prompt = [1 + i % period for i in range(max(prompt_len, 2 * period))]
             K = self.max_draft
             params = SamplingParams(temperature=0.0, max_tokens=4 * (K + 2) * (K + 1))
