@@ -108,6 +108,7 @@ class SpecDecoder:
         self._overhead_seen = 0.0  # drafter seconds outside the measured steps, already counted
         self._plain_hold = 0  # further decide() calls answered "plain" without re-deciding
         self._plain_rows: list[Any] | None = None  # the batch's row list when it was decided
+        self._contexts: tuple[Any, list[int], list[list[int]]] | None = None  # see _context
         self.warmup_seconds = 0.0  # warm_up(): the speculative shapes built at engine start
         self.warmup_ms: dict[int, float] = {}
 
@@ -185,7 +186,16 @@ class SpecDecoder:
         return self.drafter.propose(ctx).num_drafts
 
     def _context(self, batch: Any, caps: np.ndarray) -> ProposeContext:
-        contexts = [r.request.prompt_ids + r.output_ids for r in batch.rows]
+        # prompt + output per row, built once per (row list, lengths): `decide` and the step
+        # after it ask for the same contexts (a copy of every row's context each time, else)
+        rows = batch.rows
+        lengths = [len(r.output_ids) for r in rows]
+        cached = self._contexts
+        if cached is not None and cached[0] is rows and cached[1] == lengths:
+            contexts = cached[2]
+        else:
+            contexts = [r.request.prompt_ids + r.output_ids for r in rows]
+            self._contexts = (rows, lengths, contexts)
         return ProposeContext(
             contexts, caps, batch.next_tokens, batch.sampler, batch.spec.drafter_state
         )
