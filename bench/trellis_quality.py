@@ -16,6 +16,12 @@ layers (every Linear; tinycoder ties its embedding, which stays bf16 in both). T
 baselines are MLX's own quantize + dequantize at group 64 (the same numbers as its
 quantized_matmul, run as a dense float32 matmul, which is fast on a CPU). Activations are float32
 for every variant, so only the weights differ. Writes JSON (after every variant) and a PNG.
+
+Comparing fine-tuning settings: ``--cache DIR`` saves each quantized model (before fine-tuning)
+and reuses it in later runs with the same bits, L, mode and calibration; ``--append --skip-affine
+--skip-unfinetuned --label TEXT`` then adds only the fine-tuned rows. ``--finetune-holdout N``
+keeps N windows at the end of the calibration text out of the fine-tuning windows and logs their
+KL to the float model (overfitting); ``--eval-kl`` adds the KL on the evaluation windows.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from kernels.trellis.calibration import (  # noqa: E402
     read_records,
     token_stream,
 )
-from kernels.trellis.finetune import finetune, teacher_logprobs  # noqa: E402
+from kernels.trellis.finetune import finetune, teacher_for, teacher_logprobs  # noqa: E402
 from kernels.trellis.linear import quantizable_linears  # noqa: E402
 from mlxd import DEFAULT_MODEL_DIR  # noqa: E402
 
@@ -63,6 +69,20 @@ def perplexity(model: nn.Module, windows: mx.array) -> float:
         total += float(nll)
         count += w.shape[1] - 1
     return math.exp(total / count)
+
+
+def perplexity_kl(model: nn.Module, windows: mx.array, teacher_lp: list[mx.array]) -> tuple[float, float]:
+    """Perplexity and the mean KL(float model || model) per token over the same windows."""
+    total, count, kl = 0.0, 0, 0.0
+    for i in range(windows.shape[0]):
+        w = windows[i : i + 1]
+        logits = model(w[:, :-1]).astype(mx.float32)
+        total += float(nn.losses.cross_entropy(logits, w[:, 1:], reduction="sum"))
+        count += w.shape[1] - 1
+        logq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        p = teacher_lp[i].astype(mx.float32)
+        kl += float(mx.sum(mx.exp(p) * (p - logq)))
+    return math.exp(total / count), kl / count
 
 
 def float32_model(path: Path) -> nn.Module:
@@ -100,12 +120,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--finetune-length", type=int, default=256)
     p.add_argument("--finetune-batch", type=int, default=4)
     p.add_argument("--finetune-lr", type=float, default=1e-3)
+    p.add_argument(
+        "--finetune-holdout",
+        type=int,
+        default=0,
+        help="windows (of --finetune-length) from the end of the calibration text kept out of the fine-tuning "
+        "windows; their KL to the float model is logged every --holdout-every steps, to watch for overfitting",
+    )
+    p.add_argument("--holdout-every", type=int, default=50)
+    p.add_argument("--skip-unfinetuned", action="store_true", help="no rows for the trellis models before fine-tuning")
+    p.add_argument("--label", default="", help="added to the fine-tuned rows' names")
+    p.add_argument(
+        "--eval-kl",
+        action="store_true",
+        help="also the KL to the float model on the evaluation windows (trellis rows; a diagnostic)",
+    )
     p.add_argument("--append", action="store_true", help="add rows to --out instead of starting it afresh")
     p.add_argument("--dirs", type=Path, nargs="*", default=[], help="trellis model dirs (mlxd quantize) to score too")
     p.add_argument("--skip-affine", action="store_true", help="no affine baselines (slow on a CPU)")
     p.add_argument("--calib-windows", type=int, default=32)
     p.add_argument("--calib-length", type=int, default=512)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "trellis_quality.json")
+    p.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        help="dir of quantized (pre-fine-tuning) models: reuse one quantized with the same bits/L/mode/"
+        "calibration, else quantize and save it there (fine-tuning variants then skip the encoding)",
+    )
     args = p.parse_args(argv)
 
     tokenizer = load_tokenizer(args.model)
@@ -115,7 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     calib_records = disjoint_records(records[0::2], eval_records)
     calib_stream = token_stream(tokenizer, calib_records)
     calib_windows = even_windows(calib_stream, args.calib_windows, args.calib_length)
-    ft_windows = even_windows(calib_stream, args.finetune_windows, args.finetune_length)
+    held_tokens = args.finetune_holdout * args.finetune_length
+    ft_stream = calib_stream[: len(calib_stream) - held_tokens]
+    ft_windows = even_windows(ft_stream, args.finetune_windows, args.finetune_length)
+    held_windows = None
+    if args.finetune_holdout > 0:
+        held_windows = even_windows(calib_stream[len(ft_stream) :], args.finetune_holdout, args.finetune_length)
 
     result = {
         "model": args.model.name,
@@ -134,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             "length": args.finetune_length,
             "batch": args.finetune_batch,
             "lr": args.finetune_lr,
+            "holdout_windows": args.finetune_holdout,
             "trains": "row gains, real-valued signs, norm weights; KL to the float model",
         },
         "device": str(mx.default_device()),
@@ -168,9 +216,22 @@ def main(argv: list[str] | None = None) -> int:
             seconds=round(time.perf_counter() - t0, 1),
         )
 
-    teacher_lp = None
+    eval_lp = None
+    if args.eval_kl:
+        eval_lp = [teacher_logprobs(base, eval_windows[i : i + 1, :-1], dtype=mx.float16) for i in range(args.windows)]
+
+    def score(model: nn.Module) -> tuple[float, dict]:
+        if eval_lp is None:
+            return perplexity(model, eval_windows), {}
+        ppl, kl = perplexity_kl(model, eval_windows, eval_lp)
+        return ppl, {"eval_kl": round(kl, 5)}
+
+    teacher = holdout = None
     if args.finetune_steps > 0 and args.bits:
-        teacher_lp = teacher_logprobs(base, ft_windows)
+        # float16 log-probs if they fit in 1 GiB and are reused, else the float model on each batch
+        teacher = teacher_for(base, ft_windows, args.finetune_steps, args.finetune_batch)
+        if held_windows is not None:
+            holdout = (held_windows, teacher_logprobs(base, held_windows, dtype=mx.float16))
     hessians = None
     if "ldlq" in args.modes:
         t0 = time.perf_counter()
@@ -179,51 +240,73 @@ def main(argv: list[str] | None = None) -> int:
         hessians = collect_hessians(base, calib_windows, paths)
         mx.eval(hessians)
         result["calibration"]["seconds"] = round(time.perf_counter() - t0, 1)
-    del base
+    if teacher is not base:
+        del base
 
     for mode in args.modes:
         for L in args.L:
             for bits in args.bits:
                 # the stored bf16 weight values, in float32 (MLX's CPU matmuls are fast there)
-                model = float32_model(args.model)
-                t0 = time.perf_counter()
-                tr.quantize_model(
-                    model,
-                    bits,
-                    L,
-                    hessians=hessians if mode == "ldlq" else None,
-                    calibration=calib_windows if mode == "seq" else None,
-                )
-                mx.eval(model.parameters())
-                seconds = time.perf_counter() - t0
+                key = f"k{bits}-L{L}-{mode}-c{args.calib_windows}x{args.calib_length}-{args.data.stem}"
+                cached = args.cache / key if args.cache is not None else None
+                if cached is not None and (cached / "config.json").exists():
+                    model, qconfig = tr.load_model(cached)
+                    model.set_dtype(mx.float32)  # as float32_model; the row scales stay float16, as quantized
+                    for _, layer in tr.trellis_layers(model):
+                        layer.scales = layer.scales.astype(mx.float16)
+                    seconds = qconfig["quantization"]["quantize_seconds"]
+                    print(f"reusing {cached}", flush=True)
+                else:
+                    model, config = load_model(args.model)
+                    model.set_dtype(mx.float32)
+                    t0 = time.perf_counter()
+                    qconfig = tr.quantize_model(
+                        model,
+                        bits,
+                        L,
+                        hessians=hessians if mode == "ldlq" else None,
+                        calibration=calib_windows if mode == "seq" else None,
+                    )
+                    mx.eval(model.parameters())
+                    seconds = time.perf_counter() - t0
+                    if cached is not None:
+                        tr.save_model(model, {**config, "quantization": {**qconfig, "quantize_seconds": round(seconds, 1)}}, cached, args.model)
                 num = sum(m.input_dims * m.output_dims for _, m in tr.trellis_layers(model))
                 name = f"trellis {bits}-bit L={L} {mode}"
-                record(
-                    name,
-                    "trellis",
-                    tr.bits_per_weight(model),
-                    perplexity(model, eval_windows),
-                    bits=bits,
-                    L=L,
-                    mode=mode,
-                    quantize_seconds=round(seconds, 1),
-                    weights_per_second=round(num / seconds),
-                )
-                if teacher_lp is None:
+                if not args.skip_unfinetuned:
+                    ppl, extra = score(model)
+                    record(
+                        name,
+                        "trellis",
+                        tr.bits_per_weight(model),
+                        ppl,
+                        **extra,
+                        bits=bits,
+                        L=L,
+                        mode=mode,
+                        quantize_seconds=round(seconds, 1),
+                        weights_per_second=round(num / seconds),
+                    )
+                if teacher is None:
                     continue
                 ft = finetune(
                     model,
-                    teacher_lp,
+                    teacher,
                     ft_windows,
                     steps=args.finetune_steps,
                     batch=args.finetune_batch,
                     lr=args.finetune_lr,
+                    holdout=holdout,
+                    holdout_every=args.holdout_every,
+                    progress=lambda i, loss: print(f"  step {i} kl {loss:.4f}", flush=True) if i % 25 == 0 else None,
                 )
+                ppl, extra = score(model)
                 record(
-                    name + " +ft",
+                    name + " +ft" + (f" {args.label}" if args.label else ""),
                     "trellis",
                     tr.bits_per_weight(model),
-                    perplexity(model, eval_windows),
+                    ppl,
+                    **extra,
                     bits=bits,
                     L=L,
                     mode=mode + "+ft",
@@ -232,6 +315,12 @@ def main(argv: list[str] | None = None) -> int:
                     finetune_kl_first=round(ft.loss_first, 5),
                     finetune_kl_last=round(ft.loss_last, 5),
                     finetune_trainable=ft.trainable,
+                    finetune_steps=args.finetune_steps,
+                    finetune_windows=args.finetune_windows,
+                    finetune_length=args.finetune_length,
+                    finetune_batch=args.finetune_batch,
+                    finetune_lr=args.finetune_lr,
+                    finetune_holdout_kl=[[i, round(k, 5)] for i, k in ft.holdout_kl],
                 )
     for d in args.dirs:
         model, config = tr.load_model(d)

@@ -133,10 +133,16 @@ def quantize_dir(
             hessians = collect_hessians(model, windows, paths)
             windows = None
         if finetune_steps > 0:
-            from kernels.trellis.finetune import teacher_logprobs
+            from kernels.trellis.finetune import teacher_for
 
             ft_windows = even_windows(stream, finetune_windows, finetune_length)
-            teacher_lp = teacher_logprobs(model, ft_windows, finetune_batch)  # the float model, before
+            # the float model's log-probs (float16) if they fit in 1 GiB, else a float copy of the
+            # model that runs on each batch (this one is quantized in place)
+            teacher_lp = teacher_for(model, ft_windows, finetune_steps, finetune_batch)
+            if teacher_lp is model:
+                teacher_lp, _ = load_model(Path(src))
+                if on_cpu:
+                    teacher_lp.set_dtype(mx.float32)
     total = quantizable_size(model, spec, skip)
     with tqdm(total=total, unit="w", unit_scale=True, disable=not progress, desc=f"trellis K={bits} L={L}") as bar:
         qconfig = quantize_model(
@@ -164,7 +170,7 @@ def quantize_dir(
 
             ft = finetune(
                 model,
-                teacher_lp,
+                teacher_lp,  # log-probs or the float model
                 ft_windows,
                 steps=finetune_steps,
                 batch=finetune_batch,

@@ -147,3 +147,54 @@ def test_cli_sequential_and_finetune(tmp_path, tiny_dir):  # noqa: F811
     layer = model.model.layers[1].mlp.down_proj
     assert isinstance(layer, tr.TrellisLinear) and layer.signs.dtype == mx.float16
     assert model.model.norm.weight.dtype == mx.float32  # the stored dtype of the source (tiny: float32)
+
+
+def test_finetune_teacher_model_per_batch_matches_precomputed_logprobs():
+    win = windows(6, 16)
+    teacher = tiny_model()
+    runs = []
+    for target in (teacher, teacher_logprobs(teacher, win), teacher_logprobs(teacher, win, dtype=mx.float16)):
+        model = tiny_model()
+        tr.quantize_model(model, 2, 8)
+        losses: list[float] = []
+        finetune(model, target, win, steps=3, batch=2, lr=3e-3, progress=lambda _i, loss, out=losses: out.append(loss))
+        runs.append(losses)
+    np.testing.assert_allclose(runs[0], runs[1], rtol=1e-4)
+    np.testing.assert_allclose(runs[0], runs[2], rtol=1e-2)  # float16 log-probs: close, not equal
+
+
+def test_teacher_for_precomputes_only_what_fits_and_is_reused():
+    from kernels.trellis.finetune import teacher_for
+
+    teacher, win = tiny_model(), windows(4, 16)
+    lp = teacher_for(teacher, win, steps=3, batch=2)  # 6 visits of 4 windows: precomputed
+    assert isinstance(lp, mx.array) and lp.dtype == mx.float16 and lp.shape == (4, 16, TINY["vocab_size"])
+    assert teacher_for(teacher, win, steps=2, batch=2) is teacher  # each window seen once at most
+    assert teacher_for(teacher, win, steps=3, batch=2, budget_bytes=1000) is teacher  # too big
+
+
+def test_finetune_holdout_kl_is_logged():
+    model, teacher = tiny_model(), tiny_model()
+    tr.quantize_model(model, 2, 8)
+    win, held = windows(4, 16), windows(2, 16, seed=5)
+    before = model_kl(model, teacher, held)
+    result = finetune(model, teacher, win, steps=5, batch=2, lr=3e-3, holdout=(held, teacher), holdout_every=2)
+    assert [s for s, _ in result.holdout_kl] == [0, 2, 4, 5]
+    assert result.holdout_kl[0][1] == pytest.approx(before, rel=1e-5)
+    assert result.holdout_kl[-1][1] == pytest.approx(model_kl(model, teacher, held), rel=1e-3)  # folded: float16
+
+
+def test_cli_finetune_with_a_teacher_copy(tmp_path, tiny_dir):  # noqa: F811
+    from mlxd.quantize import main
+
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("\n".join(json.dumps({"text": f"def g{i}(y):\n    return y - {i}\n" * 8}) for i in range(6)) + "\n")
+    dst = tmp_path / "cli"
+    argv = [str(tiny_dir), str(dst), "--trellis-bits", "2", "--trellis-L", "8", "--no-progress", "--calibration", str(calib)]
+    argv += ["--calibration-windows", "2", "--calibration-length", "64", "--finetune-steps", "2", "--finetune-windows", "8"]
+    argv += ["--finetune-length", "32", "--finetune-batch", "2"]  # 4 visits of 8 windows: the float copy runs per batch
+    assert main(argv) == 0
+    q = json.loads((dst / "config.json").read_text())["quantization"]
+    assert q["finetune"]["windows"] == 8 and q["finetune"]["kl_last"] > 0
+    model, _ = tr.load_model(dst)
+    assert model.model.layers[0].self_attn.q_proj.signs.dtype == mx.float16
