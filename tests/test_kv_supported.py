@@ -13,15 +13,17 @@ from engine.runner import Runner
 from tests.tiny_models import tiny_model
 
 
-class _NoQuantizedAttention:
-    """The tiny model, except that attending over quantized KV raises as MLX-CUDA does."""
+class _Counting:
+    """The tiny model counting its forwards; with `no_quantized_attention`, attending over
+    quantized KV with more than one query raises as MLX-CUDA does."""
 
-    def __init__(self, model):
-        self.model, self.calls = model, 0
+    def __init__(self, model, no_quantized_attention: bool = False):
+        self.model, self.calls, self.fail = model, 0, no_quantized_attention
 
     def __call__(self, tokens, cache=None):
         self.calls += 1
-        if tokens.shape[1] > 1 and any(isinstance(c, (QuantizedLayout, QuantizedRotatingLayout)) for c in cache or []):
+        quantized = any(isinstance(c, (QuantizedLayout, QuantizedRotatingLayout)) for c in cache or [])
+        if self.fail and tokens.shape[1] > 1 and quantized:
             raise RuntimeError("[quantized_matmul] No implementation for problem shape: 32x32x16x2")
         return self.model(tokens, cache=cache)
 
@@ -29,15 +31,9 @@ class _NoQuantizedAttention:
         return getattr(self.model, name)
 
 
-class _Counting(_NoQuantizedAttention):
-    def __call__(self, tokens, cache=None):
-        self.calls += 1
-        return self.model(tokens, cache=cache)
-
-
 def test_quantized_kv_that_cannot_run_is_one_clear_start_up_error():
     model, _ = tiny_model("llama", head_dim=32, hidden_size=128)
-    broken = _NoQuantizedAttention(model)
+    broken = _Counting(model, no_quantized_attention=True)
     with pytest.raises(kvcache.UnsupportedKV, match=r"--kv-bits 8 .*No implementation.*--kv-bits 16"):
         Runner(broken, kvcache.KVConfig(kv_bits=8, kv_group_size=32))
     calls = broken.calls

@@ -131,16 +131,22 @@ def test_disjoint_records_drops_shared_text():
     assert disjoint_records(recs, held) == recs[:1]
 
 
-def test_cli_sequential_and_finetune(tmp_path, tiny_dir):  # noqa: F811
+def _quantize_cli(tmp_path, tiny_dir, line, steps: int, finetune_windows: int):
+    """`mlxd quantize` at 2 bits, L = 8, on six records of `line(i)`; returns the output dir."""
     from mlxd.quantize import main
 
     calib = tmp_path / "calib.jsonl"
-    calib.write_text("\n".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i} + {i * i}\n" * 8}) for i in range(6)) + "\n")
+    calib.write_text("\n".join(json.dumps({"text": line(i) * 8}) for i in range(6)) + "\n")
     dst = tmp_path / "cli"
     argv = [str(tiny_dir), str(dst), "--trellis-bits", "2", "--trellis-L", "8", "--no-progress", "--calibration", str(calib)]
-    argv += ["--calibration-windows", "2", "--calibration-length", "64", "--finetune-steps", "3", "--finetune-windows", "4"]
-    argv += ["--finetune-length", "32", "--finetune-batch", "2"]
+    argv += ["--calibration-windows", "2", "--calibration-length", "64", "--finetune-steps", str(steps)]
+    argv += ["--finetune-windows", str(finetune_windows), "--finetune-length", "32", "--finetune-batch", "2"]
     assert main(argv) == 0
+    return dst
+
+
+def test_cli_sequential_and_finetune(tmp_path, tiny_dir):  # noqa: F811
+    dst = _quantize_cli(tmp_path, tiny_dir, lambda i: f"def f{i}(x):\n    return x * {i} + {i * i}\n", 3, 4)
     q = json.loads((dst / "config.json").read_text())["quantization"]
     assert q["sequential"] is True and q["ldlq"] is True and q["finetune"]["steps"] == 3
     model, _ = tr.load_model(dst)
@@ -185,15 +191,8 @@ def test_finetune_holdout_kl_is_logged():
 
 
 def test_cli_finetune_with_a_teacher_copy(tmp_path, tiny_dir):  # noqa: F811
-    from mlxd.quantize import main
-
-    calib = tmp_path / "calib.jsonl"
-    calib.write_text("\n".join(json.dumps({"text": f"def g{i}(y):\n    return y - {i}\n" * 8}) for i in range(6)) + "\n")
-    dst = tmp_path / "cli"
-    argv = [str(tiny_dir), str(dst), "--trellis-bits", "2", "--trellis-L", "8", "--no-progress", "--calibration", str(calib)]
-    argv += ["--calibration-windows", "2", "--calibration-length", "64", "--finetune-steps", "2", "--finetune-windows", "8"]
-    argv += ["--finetune-length", "32", "--finetune-batch", "2"]  # 4 visits of 8 windows: the float copy runs per batch
-    assert main(argv) == 0
+    # 2 steps x batch 2 = 4 visits of 8 windows: the float copy runs per batch
+    dst = _quantize_cli(tmp_path, tiny_dir, lambda i: f"def g{i}(y):\n    return y - {i}\n", 2, 8)
     q = json.loads((dst / "config.json").read_text())["quantization"]
     assert q["finetune"]["windows"] == 8 and q["finetune"]["kl_last"] > 0
     model, _ = tr.load_model(dst)
