@@ -12,7 +12,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine import constrain, kvcache
+from engine import constrain, cuda_guard, kvcache
 from engine.batch import RowMeta, RunningBatch
 from engine.models import prepare_model
 from engine.sampling import SampleOutput, sample
@@ -64,6 +64,7 @@ class Runner:
     ):
         self.model = model
         self.kv = kv or kvcache.KVConfig()
+        cuda_guard.install()  # MLX-CUDA: RoPE over many rows (engine/cuda_guard.py); no-op elsewhere
         prepare_model(model)  # once: recurrent mixers step through padding / rollback
         kvcache.check_supported(model, self.kv)  # quantized KV: fail at start, not per request
         if stable_shapes is None:  # opt-in: MLXD_STABLE_SHAPES=1 (CUDA only; see below)
