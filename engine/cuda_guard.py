@@ -9,12 +9,19 @@ error (bench/results/h200-session5/: `probe_ops.py` evaluated every op as it was
 large inputs (ml-explore/mlx#3659, #3666, mid-2026); the wheel here still fails. Attention,
 copies and masks of the same batch launch fine (`probe_grid.py`).
 
-`install()` (CUDA only; called by `engine.loader.load_model` and by the engine itself, so models
-built in tests are covered too) replaces `mx.fast.rope` with `rope`, which sends inputs of more
-than `ROWS` rows (batch x heads x tokens) through `rope_reference` — the same rotation in plain
-MLX ops (a few element-wise kernels), exact up to float rounding — and everything else to MLX's
-kernel unchanged. `MLXD_ROPE_ROWS` sets `ROWS` (0: every call through the reference; a very
-large number: never). The default comes from `bench/results/h200-session5/probe_rope.json`.
+The H200 boundary (`probe_rope.py`, per-row offsets, one child process per shape): one query
+per row (MLX's "single" kernel) with head dim 16 fails from 512 rows (batch x heads) on, in
+float32 and bfloat16, with array or int offsets; 256 rows launch. Head dim 64 launched at every
+size tried (up to 3,072 rows), and so did 9 queries per row at every size (up to 27,648 rows)
+and a 512-token prefill.
+
+`install()` (CUDA only; called by `engine.loader.load_model` and by the `Runner`, so models built
+in tests are covered too) replaces `mx.fast.rope` with `rope`, which sends one-query inputs with a
+head dim under 64 and more than `ROWS` rows through `rope_reference` — the same rotation in plain
+MLX ops (a few element-wise kernels), equal up to float rounding — and every other call to MLX's
+kernel unchanged (real models' head dims are 64-256: their decode steps never take the detour).
+`MLXD_ROPE_ROWS` sets `ROWS` (default 256; 0: every one-query small-head call through the
+reference).
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ from typing import Any
 
 import mlx.core as mx
 
-ROWS = int(os.environ.get("MLXD_ROPE_ROWS", "512"))
+ROWS = int(os.environ.get("MLXD_ROPE_ROWS", "256"))
+SMALL_HEAD = 64  # head dims below this are affected (16 failed, 64 never did)
 
 _ORIGINAL: list[Any] = []  # mx.fast.rope before install()
 
@@ -90,9 +98,16 @@ def rope(
     freqs: mx.array | None = None,
     stream: Any = None,
 ) -> mx.array:
-    """`mx.fast.rope`, through `rope_reference` above `ROWS` rows (see the module doc)."""
+    """`mx.fast.rope`, through `rope_reference` where MLX-CUDA's kernel fails to launch
+    (one query per row, a head dim under 64, more than `ROWS` rows: see the module doc)."""
     batched = isinstance(offset, mx.array) and offset.size > 1
-    if _rows(a) > ROWS and a.ndim >= 3 and (not batched or offset.shape == (a.shape[0],)):
+    if (
+        a.ndim >= 3
+        and a.shape[-2] == 1
+        and a.shape[-1] < SMALL_HEAD
+        and _rows(a) > ROWS
+        and (not batched or offset.shape == (a.shape[0],))
+    ):
         return rope_reference(
             a, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs
         )

@@ -68,13 +68,17 @@ def test_guard_sends_only_large_inputs_to_the_reference(monkeypatch):
     assert cuda_guard.install(force=True)
     try:
         assert mx.fast.rope is cuda_guard.rope
-        small = mx.ones((2, 4, 8, 16))  # 64 rows: MLX's kernel
-        big = mx.ones((4, 4, 8, 16))  # 128 rows: the reference
-        off = mx.array([1, 2], dtype=mx.int32)
+        small = mx.ones((16, 4, 1, 16))  # 64 rows: MLX's kernel
+        big = mx.ones((32, 4, 1, 16))  # 128 rows of one query, head dim 16: the reference
+        wide_head = mx.ones((32, 4, 1, 64))  # head dim 64: MLX's kernel at any size
+        prefill = mx.ones((2, 4, 32, 16))  # several queries per row: MLX's kernel
+        off = mx.arange(16, dtype=mx.int32)
         a = mx.fast.rope(small, 16, traditional=False, base=1e4, scale=1.0, offset=off)
         b = mx.fast.rope(big, 16, traditional=False, base=1e4, scale=1.0, offset=3)
-        mx.eval(a, b)
-        assert calls == [(2, 4, 8, 16)]
+        c = mx.fast.rope(wide_head, 64, traditional=False, base=1e4, scale=1.0, offset=3)
+        d = mx.fast.rope(prefill, 16, traditional=False, base=1e4, scale=1.0, offset=3)
+        mx.eval(a, b, c, d)
+        assert calls == [(16, 4, 1, 16), (32, 4, 1, 64), (2, 4, 32, 16)]
         want = original(big, 16, traditional=False, base=1e4, scale=1.0, offset=3)
         assert float(mx.abs(b - want).max()) < 1e-5
     finally:
@@ -83,8 +87,8 @@ def test_guard_sends_only_large_inputs_to_the_reference(monkeypatch):
 
 
 def test_model_forward_through_the_guard_matches(monkeypatch):
-    """A tiny llama's batched forward with per-row offsets (the engine's layouts) gives the same
-    logits with every RoPE call through the reference."""
+    """A tiny llama's batched decode step with per-row offsets (the engine's layouts) gives
+    the same logits with its RoPE calls through the reference."""
     from engine.kv import batch as kvb
     from engine.models import make_batch_layouts
     from tests.tiny_models import tiny_model
