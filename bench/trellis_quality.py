@@ -45,6 +45,7 @@ import mlx.nn as nn  # noqa: E402
 from mlx_lm.utils import load_model, load_tokenizer  # noqa: E402
 
 from kernels import trellis as tr  # noqa: E402
+from kernels.trellis.blocktune import BlockTune  # noqa: E402
 from kernels.trellis.calibration import (  # noqa: E402
     collect_hessians,
     disjoint_records,
@@ -138,6 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--append", action="store_true", help="add rows to --out instead of starting it afresh")
     p.add_argument("--dirs", type=Path, nargs="*", default=[], help="trellis model dirs (mlxd quantize) to score too")
     p.add_argument("--skip-affine", action="store_true", help="no affine baselines (slow on a CPU)")
+    p.add_argument(
+        "--block-tune-steps",
+        type=int,
+        default=0,
+        help="seq mode: Adam steps of in-block tuning after each quantized group (kernels/trellis/blocktune.py); 0: none",
+    )
+    p.add_argument("--block-tune-lr", type=float, default=1e-3)
     p.add_argument("--calib-windows", type=int, default=32)
     p.add_argument("--calib-length", type=int, default=512)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "trellis_quality.json")
@@ -247,13 +255,17 @@ def main(argv: list[str] | None = None) -> int:
         for L in args.L:
             for bits in args.bits:
                 # the stored bf16 weight values, in float32 (MLX's CPU matmuls are fast there)
-                key = f"k{bits}-L{L}-{mode}-c{args.calib_windows}x{args.calib_length}-{args.data.stem}"
+                bt = BlockTune(args.block_tune_steps, args.block_tune_lr) if mode == "seq" and args.block_tune_steps > 0 else None
+                bt_key = f"-bt{bt.steps}x{bt.lr:g}" if bt is not None else ""
+                key = f"k{bits}-L{L}-{mode}{bt_key}-c{args.calib_windows}x{args.calib_length}-{args.data.stem}"
                 cached = args.cache / key if args.cache is not None else None
                 if cached is not None and (cached / "config.json").exists():
                     model, qconfig = tr.load_model(cached)
                     model.set_dtype(mx.float32)  # as float32_model; the row scales stay float16, as quantized
                     for _, layer in tr.trellis_layers(model):
                         layer.scales = layer.scales.astype(mx.float16)
+                        if layer.signs.dtype != mx.int8:  # tuned in-block: stored float16
+                            layer.signs = layer.signs.astype(mx.float16)
                     seconds = qconfig["quantization"]["quantize_seconds"]
                     print(f"reusing {cached}", flush=True)
                 else:
@@ -266,13 +278,18 @@ def main(argv: list[str] | None = None) -> int:
                         L,
                         hessians=hessians if mode == "ldlq" else None,
                         calibration=calib_windows if mode == "seq" else None,
+                        block_tune=bt,
+                        on_tune=lambda b, g, st: print(
+                            f"  tune {g[-1]}: rel err {st['err_before']:.5f} -> {st['err_after']:.5f} ({st['seconds']:.1f} s)",
+                            flush=True,
+                        ),
                     )
                     mx.eval(model.parameters())
                     seconds = time.perf_counter() - t0
                     if cached is not None:
                         tr.save_model(model, {**config, "quantization": {**qconfig, "quantize_seconds": round(seconds, 1)}}, cached, args.model)
                 num = sum(m.input_dims * m.output_dims for _, m in tr.trellis_layers(model))
-                name = f"trellis {bits}-bit L={L} {mode}"
+                name = f"trellis {bits}-bit L={L} {mode}" + (f" +bt{bt.steps}" if bt is not None else "")
                 if not args.skip_unfinetuned:
                     ppl, extra = score(model)
                     record(

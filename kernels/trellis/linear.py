@@ -194,6 +194,8 @@ def quantize_model(
     hessians: dict[str, mx.array] | None = None,
     calibration: mx.array | None = None,
     calibration_batch: int = 4,
+    block_tune: Any = None,
+    on_tune: Callable[[str, list[str], dict], None] | None = None,
 ) -> dict[str, Any]:
     """Quantize the model's Linear layers in place; returns the config's "quantization" entry.
 
@@ -204,9 +206,14 @@ def quantize_model(
     calibration: optional token windows (n, length): sequential BlockLDLQ instead, every layer's
     Hessian collected on these windows from the outputs of the already-quantized earlier layers
     (``sequential.py``). Run the model in float32 on a CPU (MLX's CPU matmuls are fast there).
+    block_tune: a ``blocktune.BlockTune`` (needs ``calibration``): after each group of a block is
+    quantized, tune the block's remaining float Linears, the quantized ones' gains and signs and
+    the block's norms towards the float block's output; on_tune(block, group, stats) logs it.
     """
     if hessians is not None and calibration is not None:
         raise ValueError("pass hessians (from the float model) or calibration windows, not both")
+    if block_tune is not None and calibration is None:
+        raise ValueError("block_tune needs calibration windows (sequential quantization)")
     spec = TrellisSpec(bits=bits, L=L, code=code, max_block=max_block)
     targets = [(p, m) for p, m in quantizable_linears(model, spec, skip) if only is None or only(p)]
     keys = {path: mx.random.key(seed * 100003 + index) for index, (path, _) in enumerate(targets)}
@@ -217,7 +224,9 @@ def quantize_model(
     if calibration is not None:
         from .sequential import quantize_sequential
 
-        swapped = quantize_sequential(model, targets, calibration, quantize_one, batch=calibration_batch)
+        swapped = quantize_sequential(
+            model, targets, calibration, quantize_one, batch=calibration_batch, block_tune=block_tune, on_tune=on_tune
+        )
     else:
         swapped = []
         for path, linear in targets:
@@ -235,6 +244,7 @@ def quantize_model(
         "num_layers": len(swapped),
         "ldlq": hessians is not None or calibration is not None,
         "sequential": calibration is not None,
+        **({"block_tune": {"steps": block_tune.steps, "lr": block_tune.lr}} if block_tune is not None else {}),
     }
 
 

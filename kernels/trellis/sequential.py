@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from .blocktune import BlockTune, block_targets, tune_block
 from .calibration import _HessianTap
 
 
@@ -175,11 +176,15 @@ def quantize_sequential(
     quantize_one: Callable[[str, nn.Module, mx.array], nn.Module],
     batch: int = 4,
     on_hessians: Callable[[str, mx.array], None] | None = None,
+    block_tune: BlockTune | None = None,
+    on_tune: Callable[[str, list[str], dict], None] | None = None,
 ) -> list[tuple[str, nn.Module]]:
     """Quantize ``targets`` (path, Linear) in model order; returns the (path, new layer) swaps.
 
     quantize_one(path, linear, hessian) -> the quantized layer; it is swapped in before the next
     Hessian is collected. on_hessians(path, H) sees every Hessian used (for tests and logging).
+    block_tune: after each group, tune the block towards its float output (``blocktune.py``);
+    on_tune(block, group, stats) sees each stage's relative output error before/after.
     """
     by_block: dict[str | None, list[str]] = {}
     linears = dict(targets)
@@ -195,13 +200,22 @@ def quantize_sequential(
         swapped.append((path, layer))
         _swap(model, [(path, layer)])
 
-    for block in blocks:
+    for bi, block in enumerate(blocks):
         calls = capture_block_inputs(model, block, windows, batch)
+        block_module = dict(model.named_modules())[block]
+        outputs = block_targets(block_module, calls) if block_tune is not None else None
+        done: list[str] = []
         for group in input_groups(model, block, by_block[block], calls):
             hessians = group_hessians(model, block, group, calls)
             for path in group:
                 do(path, hessians[path])
-        del calls
+            done.extend(group)
+            rest = [p for p in by_block[block] if p not in done]
+            if block_tune is not None and outputs is not None and (rest or block_tune.tune_last):
+                stats = tune_block(block_module, block, rest, done, calls, outputs, block_tune, seed=bi)
+                if on_tune is not None:
+                    on_tune(block, list(group), stats)
+        del calls, outputs
     rest = by_block.get(None, [])
     if rest:
         from .calibration import collect_hessians
