@@ -31,6 +31,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--allowed-origins", nargs="*", default=[], help="CORS origins, e.g. '*'")
     g.add_argument("--api-key", default=os.environ.get("MLXD_API_KEY"),
                    help="require this key (Bearer or x-api-key); env MLXD_API_KEY")
+    g.add_argument("--supervise", action="store_true",
+                   help="run the server in a child process and start it again if a native crash "
+                        "(SIGABRT, SIGSEGV, OOM kill) ends it; clean exits are not restarted "
+                        "(mlxd/supervise.py)")
+    g.add_argument("--max-restarts", type=int, default=5,
+                   help="with --supervise: restarts in a row before giving up (a server that ran "
+                        "10 minutes resets the count)")
     g.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     g = p.add_argument_group("request defaults")
@@ -103,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         from bench.__main__ import main as bench_main
 
         return bench_main(args.rest)
+    if getattr(args, "supervise", False) and not os.environ.get("MLXD_SUPERVISED"):
+        from mlxd.supervise import child_argv, supervise
+
+        logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return supervise(child_argv(argv), max_restarts=args.max_restarts)
     return serve(args)
 
 
@@ -117,9 +129,8 @@ def serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s",
     )
     log = logging.getLogger("mlxd")
-    from mlxd.runtime import build_client
-
     from engine.kvcache import UnsupportedKV
+    from mlxd.runtime import build_client
 
     try:
         client = build_client(args)
