@@ -5,9 +5,10 @@ per-row offsets (a `[256]` int32 array, what our layouts pass) fails at launch w
 `cudaGraphAddKernelNode ... invalid argument` (`cudaLaunchKernelExC` with
 `MLX_USE_CUDA_GRAPHS=0`), and with it the whole step: every request of the engine ended in an
 error (bench/results/h200-session5/: `probe_ops.py` evaluated every op as it was made and named
-`fast.rope` as the first failing one). Upstream MLX has fixed launch grids of this kind for
-large inputs (ml-explore/mlx#3659, #3666, mid-2026); the wheel here still fails. Attention,
-copies and masks of the same batch launch fine (`probe_grid.py`).
+`fast.rope` as the first failing one). MLX has closed bugs with the same message for other
+launch grids (ml-explore/mlx#3659, RoPE over very large inputs; #3666, non-contiguous copies);
+this one, at a small size, still fails in the wheel here. Attention, copies and masks of the
+same batch launch fine (`probe_grid.py`).
 
 The H200 boundary (`probe_rope.py`, per-row offsets, one child process per shape): one query
 per row (MLX's "single" kernel) with head dim 16 fails from 512 rows (batch x heads) on, in
@@ -19,7 +20,7 @@ and a 512-token prefill.
 in tests are covered too) replaces `mx.fast.rope` with `rope`, which sends one-query inputs with a
 head dim under 64 and more than `ROWS` rows through `rope_reference` — the same rotation in plain
 MLX ops (a few element-wise kernels), equal up to float rounding — and every other call to MLX's
-kernel unchanged (real models' head dims are 64-256: their decode steps never take the detour).
+kernel unchanged (most real models' head dims are 64-256: their decode steps never take the detour).
 `MLXD_ROPE_ROWS` sets `ROWS` (default 256; 0: every one-query small-head call through the
 reference).
 """
