@@ -103,7 +103,9 @@ class Engine:
         self._stats = EngineStats()
         self._last_error: str | None = None
         self._inflight: InFlight | None = None
-        self._pending_aborts = 0  # aborts in the inbox (they free queue places once drained)
+        # what max_queue bounds: requests admitted and not yet in a prefill group, less those
+        # aborted (they stop counting when `abort` is called, not when the engine reaps them)
+        self._queued: set[str] = set()
 
     # -- thread-safe API -------------------------------------------------------------------
     def start(self) -> None:
@@ -120,21 +122,27 @@ class Engine:
             self._thread = None
 
     def add(self, request: Request, sink: EventSink) -> None:
-        row = self._validate(request)
+        self.enqueue(self._validate(request), sink)
+
+    def enqueue(self, row: RowMeta, sink: EventSink) -> None:
+        """Queue a validated row; EngineOverloaded when max_queue requests are queued."""
         with self._wake:
-            if self._num_queued() >= self.config.scheduler.max_queue:
+            if len(self._queued) >= self.config.scheduler.max_queue:
                 raise EngineOverloaded(
                     f"the server is busy: {self.config.scheduler.max_queue} requests are already "
                     "waiting; retry shortly",
                     retry_after=1.0,
                 )
+            self._queued.add(row.req_id)
             self._inbox.append(("add", (row, sink)))
             self._wake.notify()
 
     def abort(self, req_id: str) -> None:
-        """Idempotent; safe for finished or unknown ids. A request still in the inbox is
-        dropped here and now, so disconnects never hold queue places until the next step."""
+        """Idempotent; safe for finished or unknown ids. The request gives its queue place back
+        here and now (a disconnect never holds one until the engine thread reaps the abort); one
+        still in the inbox is dropped at once."""
         with self._wake:
+            self._queued.discard(req_id)
             for item in self._inbox:
                 if item[0] == "add" and item[1][0].req_id == req_id:
                     self._inbox.remove(item)
@@ -142,13 +150,12 @@ class Engine:
                     sink([self.scheduler.abort_event(row)])
                     return
             self._inbox.append(("abort", req_id))
-            self._pending_aborts += 1
             self._wake.notify()
 
-    def _num_queued(self) -> int:
-        """Requests admitted but not started, less those whose abort is on its way."""
-        adds = sum(1 for kind, _ in self._inbox if kind == "add")
-        return len(self.scheduler.waiting) + adds - self._pending_aborts
+    def _dequeue(self, rows: list[RowMeta]) -> None:
+        """Engine thread: these rows left the waiting queue (prefill started, or failed)."""
+        with self._wake:
+            self._queued.difference_update(r.req_id for r in rows)
 
     def stats(self) -> EngineStats:
         s = self._stats
@@ -163,6 +170,7 @@ class Engine:
         s.kv_bytes_by_layout = by_layout
         s.kv_bytes = sum(by_layout.values())
         s.extra["active_requests"] = len(self._sinks)
+        s.extra["num_queued"] = len(self._queued)  # what max_queue bounds (aborted ones excluded)
         if self.spec is not None:
             s.spec = self.spec.stats()
         prefix = sched.prefix
@@ -312,8 +320,6 @@ class Engine:
                 self._sinks[row.req_id] = sink
                 self.scheduler.add(row)
             else:
-                with self._wake:
-                    self._pending_aborts -= 1
                 row = self.scheduler.abort(payload)
                 if row is not None:
                     self._emit([self.scheduler.abort_event(row)])
@@ -323,6 +329,7 @@ class Engine:
         sched, runner = self.scheduler, self.runner
         plan = sched.schedule()
         if plan.prefill is not None:
+            self._dequeue(plan.prefill.rows)  # a started row no longer counts against max_queue
             runner.prefill(plan)
             sched.finish_prefill_step(plan, None)
         events: list[TokenEvent] = []
@@ -377,6 +384,7 @@ class Engine:
     def _fail_all(self, message: str, reason: str = FINISH_ERROR) -> None:
         sched = self.scheduler
         rows = list(sched.waiting) + (sched.prefill.rows if sched.prefill else []) + sched.running.rows
+        self._dequeue(list(sched.waiting))
         sched.waiting.clear()
         sched.prefill = None
         if sched.prefix is not None:  # prefix hits looked up for rows that will never run
@@ -390,6 +398,13 @@ class Engine:
             ev.error = message if reason == FINISH_ERROR else None
             events.append(ev)
         self._emit(events)
+
+
+# A request refused for a full queue is retried this many event-loop turns before its 429: a
+# client that left a moment ago holds its queue place until its disconnect reaches `abort` (lost
+# connection -> the SSE watcher -> abort: a turn or two of this loop). A burst of requests that
+# arrives with that disconnect must not be turned away for it.
+OVERLOAD_SETTLE_TURNS = 4
 
 
 class AsyncEngine:
@@ -426,9 +441,18 @@ class AsyncEngine:
 
         if not request.arrival_time:
             request.arrival_time = time.time()
-        self.engine.add(request, sink)  # raises EngineError / EngineOverloaded
+        row = self.engine._validate(request)  # raises EngineError
+        await self._enqueue(row, sink)  # raises EngineOverloaded
         self.engine._stats.num_prompt_tokens += len(request.prompt_ids)
         return self._stream(request.req_id, queue)
+
+    async def _enqueue(self, row: RowMeta, sink: EventSink) -> None:
+        for _ in range(OVERLOAD_SETTLE_TURNS):
+            try:
+                return self.engine.enqueue(row, sink)
+            except EngineOverloaded:
+                await asyncio.sleep(0)  # let disconnects already on this loop reach `abort`
+        self.engine.enqueue(row, sink)
 
     async def _stream(self, req_id: str, queue: asyncio.Queue[TokenEvent]) -> AsyncIterator[TokenEvent]:
         finished = False

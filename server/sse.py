@@ -64,6 +64,11 @@ class SSEResponse(StreamingResponse):
         self.on_close = on_close  # runs however the response ends: done, disconnect, error
         self.raw_headers.extend([(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")])
 
+    def _close(self) -> None:
+        if self.on_close is not None:
+            on_close, self.on_close = self.on_close, None
+            on_close()
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async with anyio.create_task_group() as tg:
 
@@ -71,6 +76,7 @@ class SSEResponse(StreamingResponse):
                 while True:
                     message = await receive()
                     if message["type"] == "http.disconnect":
+                        self._close()  # abort at once: the rows' queue places are free from now on
                         tg.cancel_scope.cancel()
                         return
 
@@ -96,8 +102,7 @@ class SSEResponse(StreamingResponse):
             except OSError:
                 pass  # the client went away mid-write
             finally:
-                if self.on_close is not None:
-                    self.on_close()
+                self._close()
                 aclose = getattr(self.source, "aclose", None)
                 if aclose is not None:
                     with anyio.move_on_after(2.0, shield=True):
