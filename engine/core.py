@@ -398,6 +398,14 @@ class Engine:
             ev.error = message if reason == FINISH_ERROR else None
             events.append(ev)
         self._emit(events)
+        # requests the scheduler lost track of (a step that failed after taking rows off the
+        # waiting queue, before their prefill group existed) still end, and no queue place stays
+        # held by anything but the requests still in the inbox
+        error = message if reason == FINISH_ERROR else None
+        self._emit([TokenEvent(req_id=r, token_ids=[], finish_reason=reason, error=error)
+                    for r in list(self._sinks)])
+        with self._wake:
+            self._queued &= {item[1][0].req_id for item in self._inbox if item[0] == "add"}
 
 
 # A request refused for a full queue is retried this many event-loop turns before its 429: a

@@ -152,3 +152,37 @@ def test_sse_aborts_as_soon_as_the_disconnect_is_seen():
         return order
 
     assert asyncio.run(go()) == ["abort", "stream closed"]
+
+
+def test_a_failed_step_ends_the_rows_it_took_and_frees_their_places(lm, monkeypatch):
+    """A step that fails after taking rows off the waiting queue but before their prefill group
+    exists (here: the KV caches cannot be made) must still end those requests with an error and
+    give their queue places back; before, they hung and held their places for good."""
+    from engine.api import FINISH_ERROR
+
+    eng = _engine(lm, max_queue=2)
+    got: dict[str, list] = {}
+    for i in (1, 2):
+        eng.add(_req(i), lambda evs, i=i: got.setdefault(f"r{i}", []).extend(evs))
+    eng._drain_inbox()
+    sched = eng.scheduler
+    owner, name = (sched.prefix, "group_caches") if sched.prefix is not None else (sched, "_make_caches")
+    make = getattr(owner, name)
+
+    def no_room(*args):
+        raise MemoryError("no room for the caches")
+
+    monkeypatch.setattr(owner, name, no_room)
+    with pytest.raises(MemoryError):
+        eng._step()
+    # r1 (the one seat) was taken off the queue, then lost with the failed step; r2 still waits
+    assert [r.req_id for r in sched.waiting] == ["r2"] and sched.prefill is None
+    eng._fail_all("MemoryError: no room for the caches")  # what the engine loop does next
+    assert set(got) == {"r1", "r2"}
+    assert all(evs[-1].finish_reason == FINISH_ERROR and evs[-1].error for evs in got.values())
+    assert eng.stats().extra["num_queued"] == 0 and not eng._sinks
+    monkeypatch.setattr(owner, name, make)
+    _add(eng, 3)
+    _add(eng, 4)  # both places are free again
+    with pytest.raises(EngineOverloaded):
+        _add(eng, 5)
