@@ -9,8 +9,9 @@ scored for every variant (the same windows). The calibration data are the record
 positions minus any that shares a 128-character substring with an evaluation record (the file
 repeats some records and licence headers). Modes: "seq" is sequential BlockLDLQ (each layer's
 Hessian from the already-quantized earlier layers), "ldlq" BlockLDLQ with Hessians from the float
-model, "plain" no calibration. With ``--finetune-steps`` > 0 each trellis variant is scored before
-and after fine-tuning (kernels/trellis/finetune.py: row gains, real-valued signs and norms,
+model, "plain" no calibration; "seq" also tunes inside each block while it quantizes it
+(``--block-tune-steps``, default 16, kernels/trellis/blocktune.py; "+bt16" in the row names).
+With ``--finetune-steps`` > 0 each trellis variant is scored before and after fine-tuning (kernels/trellis/finetune.py: row gains, real-valued signs and norms,
 distilled from the float model on the calibration text). Affine and trellis quantize the same
 layers (every Linear; tinycoder ties its embedding, which stays bf16 in both). The affine
 baselines are MLX's own quantize + dequantize at group 64 (the same numbers as its
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--block-tune-steps",
         type=int,
-        default=0,
+        default=16,
         help="seq mode: Adam steps of in-block tuning after each quantized group (kernels/trellis/blocktune.py); 0: none",
     )
     p.add_argument("--block-tune-lr", type=float, default=1e-3)

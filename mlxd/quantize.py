@@ -56,6 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="BlockLDLQ Hessians from the float model (default: sequential, from the already-quantized layers)",
     )
     p.add_argument(
+        "--block-tune-steps",
+        type=int,
+        default=16,
+        help="with --calibration (sequential): Adam steps of in-block tuning after each quantized group "
+        "(the block's remaining float Linears, the quantized ones' gains and signs, its norms; towards the "
+        "float block's output); 0: none",
+    )
+    p.add_argument("--block-tune-lr", type=float, default=1e-3, help="in-block tuning's Adam learning rate")
+    p.add_argument(
         "--finetune-steps",
         type=int,
         default=100,
@@ -93,6 +102,8 @@ def quantize_dir(
     calibration_windows: int = 16,
     calibration_length: int = 512,
     sequential: bool = True,
+    block_tune_steps: int = 0,
+    block_tune_lr: float = 1e-3,
     finetune_steps: int = 0,
     finetune_windows: int = 64,
     finetune_length: int = 256,
@@ -102,8 +113,9 @@ def quantize_dir(
 ) -> dict:
     """Quantize ``src`` into ``dst``; returns the "quantization" config entry written.
 
-    With ``calibration`` (a jsonl file): BlockLDLQ, sequential by default, then ``finetune_steps``
-    of fine-tuning. Keep the calibration text apart from any text you evaluate on.
+    With ``calibration`` (a jsonl file): BlockLDLQ, sequential by default (with
+    ``block_tune_steps`` of in-block tuning after each group), then ``finetune_steps`` of
+    fine-tuning. Keep the calibration text apart from any text you evaluate on.
     """
     from mlx_lm.utils import load_model
     from tqdm import tqdm
@@ -157,6 +169,7 @@ def quantize_dir(
             progress=bar.update,
             hessians=hessians,
             calibration=windows,
+            block_tune=_block_tune(block_tune_steps, block_tune_lr) if windows is not None else None,
         )
     qconfig["quantize_seconds"] = round(time.perf_counter() - start, 1)
     if teacher_lp is not None:
@@ -201,6 +214,12 @@ def quantize_dir(
     config["quantization"] = qconfig
     save_model(model, config, dst, src)
     return qconfig
+
+
+def _block_tune(steps: int, lr: float):
+    from kernels.trellis.blocktune import BlockTune
+
+    return BlockTune(steps=steps, lr=lr) if steps > 0 else None
 
 
 def _float_dtype(model):
@@ -268,6 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         calibration=args.calibration,
         calibration_windows=args.calibration_windows,
         calibration_length=args.calibration_length,
+        block_tune_steps=args.block_tune_steps,
+        block_tune_lr=args.block_tune_lr,
         sequential=not args.no_sequential,
         finetune_steps=args.finetune_steps if args.calibration is not None else 0,
         finetune_windows=args.finetune_windows,

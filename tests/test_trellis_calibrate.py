@@ -8,13 +8,18 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.utils import load_model as mlx_lm_load_model
-from tests.test_trellis_model import TINY, tiny_dir, tiny_model  # noqa: F401  (tiny_dir is a fixture)
 
 from kernels import trellis as tr
 from kernels.trellis.calibration import collect_hessians, disjoint_records
 from kernels.trellis.finetune import finetune, model_kl, teacher_logprobs
 from kernels.trellis.linear import quantizable_linears
-from kernels.trellis.sequential import block_path, capture_block_inputs, input_groups, quantize_sequential
+from kernels.trellis.sequential import (
+    block_path,
+    capture_block_inputs,
+    input_groups,
+    quantize_sequential,
+)
+from tests.test_trellis_model import TINY, tiny_dir, tiny_model  # noqa: F401  (tiny_dir is a fixture)
 
 
 def windows(n: int = 4, length: int = 32, seed: int = 0) -> mx.array:
@@ -131,7 +136,7 @@ def test_disjoint_records_drops_shared_text():
     assert disjoint_records(recs, held) == recs[:1]
 
 
-def _quantize_cli(tmp_path, tiny_dir, line, steps: int, finetune_windows: int):
+def _quantize_cli(tmp_path, tiny_dir, line, steps: int, finetune_windows: int, extra: tuple[str, ...] = ()):  # noqa: F811
     """`mlxd quantize` at 2 bits, L = 8, on six records of `line(i)`; returns the output dir."""
     from mlxd.quantize import main
 
@@ -140,7 +145,7 @@ def _quantize_cli(tmp_path, tiny_dir, line, steps: int, finetune_windows: int):
     dst = tmp_path / "cli"
     argv = [str(tiny_dir), str(dst), "--trellis-bits", "2", "--trellis-L", "8", "--no-progress", "--calibration", str(calib)]
     argv += ["--calibration-windows", "2", "--calibration-length", "64", "--finetune-steps", str(steps)]
-    argv += ["--finetune-windows", str(finetune_windows), "--finetune-length", "32", "--finetune-batch", "2"]
+    argv += ["--finetune-windows", str(finetune_windows), "--finetune-length", "32", "--finetune-batch", "2", *extra]
     assert main(argv) == 0
     return dst
 
@@ -149,6 +154,7 @@ def test_cli_sequential_and_finetune(tmp_path, tiny_dir):  # noqa: F811
     dst = _quantize_cli(tmp_path, tiny_dir, lambda i: f"def f{i}(x):\n    return x * {i} + {i * i}\n", 3, 4)
     q = json.loads((dst / "config.json").read_text())["quantization"]
     assert q["sequential"] is True and q["ldlq"] is True and q["finetune"]["steps"] == 3
+    assert q["block_tune"] == {"steps": 16, "lr": 1e-3}  # in-block tuning is on by default
     model, _ = tr.load_model(dst)
     layer = model.model.layers[1].mlp.down_proj
     assert isinstance(layer, tr.TrellisLinear) and layer.signs.dtype == mx.float16
@@ -192,8 +198,8 @@ def test_finetune_holdout_kl_is_logged():
 
 def test_cli_finetune_with_a_teacher_copy(tmp_path, tiny_dir):  # noqa: F811
     # 2 steps x batch 2 = 4 visits of 8 windows: the float copy runs per batch
-    dst = _quantize_cli(tmp_path, tiny_dir, lambda i: f"def g{i}(y):\n    return y - {i}\n", 2, 8)
+    dst = _quantize_cli(tmp_path, tiny_dir, lambda i: f"def g{i}(y):\n    return y - {i}\n", 2, 8, ("--block-tune-steps", "0"))
     q = json.loads((dst / "config.json").read_text())["quantization"]
-    assert q["finetune"]["windows"] == 8 and q["finetune"]["kl_last"] > 0
+    assert q["finetune"]["windows"] == 8 and q["finetune"]["kl_last"] > 0 and "block_tune" not in q
     model, _ = tr.load_model(dst)
     assert model.model.layers[0].self_attn.q_proj.signs.dtype == mx.float16
