@@ -153,7 +153,8 @@ class Engine:
             self._wake.notify()
 
     def _dequeue(self, rows: list[RowMeta]) -> None:
-        """Engine thread: these rows left the waiting queue (prefill started, or failed)."""
+        """Engine thread: these rows left the waiting queue for a prefill group (`_fail_all`
+        resets the set to the inbox's requests)."""
         with self._wake:
             self._queued.difference_update(r.req_id for r in rows)
 
@@ -384,7 +385,6 @@ class Engine:
     def _fail_all(self, message: str, reason: str = FINISH_ERROR) -> None:
         sched = self.scheduler
         rows = list(sched.waiting) + (sched.prefill.rows if sched.prefill else []) + sched.running.rows
-        self._dequeue(list(sched.waiting))
         sched.waiting.clear()
         sched.prefill = None
         if sched.prefix is not None:  # prefix hits looked up for rows that will never run

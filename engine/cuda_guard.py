@@ -16,8 +16,8 @@ float32 and bfloat16, with array or int offsets; 256 rows launch. Head dim 64 la
 size tried (up to 3,072 rows), and so did 9 queries per row at every size (up to 27,648 rows)
 and a 512-token prefill.
 
-`install()` (CUDA only; called by `engine.loader.load_model` and by the `Runner`, so models built
-in tests are covered too) replaces `mx.fast.rope` with `rope`, which sends one-query inputs with a
+`install()` (CUDA only; called by the `Runner`, so every engine is covered, models built in
+tests too) replaces `mx.fast.rope` with `rope`, which sends one-query inputs with a
 head dim under 64 and more than `ROWS` rows through `rope_reference` — the same rotation in plain
 MLX ops (a few element-wise kernels), equal up to float rounding — and every other call to MLX's
 kernel unchanged (most real models' head dims are 64-256: their decode steps never take the detour).
