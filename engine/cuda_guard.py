@@ -23,6 +23,20 @@ MLX ops (a few element-wise kernels), equal up to float rounding — and every o
 kernel unchanged (most real models' head dims are 64-256: their decode steps never take the detour).
 `MLXD_ROPE_ROWS` sets `ROWS` (default 256; 0: every one-query small-head call through the
 reference).
+
+**Attention over a few queries.** MLX-CUDA runs `mx.fast.scaled_dot_product_attention` with one
+query per row in its vector kernel and with more than one through cuDNN (a cuDNN graph per
+shape, executed through cuDNN's CUDA-graph API inside MLX's stream capture). For a verify
+forward (2-9 queries a row) that costs far more than the arithmetic: on the H200 a 1x2 step of
+tinycoder-16m took 2.48 ms against 1.11 ms for 1x1, and 1x9 2.57 ms (session 5,
+docs/speculative.md), the width cliff that keeps speculation from paying there. The two MLX
+aborts seen (`cudaStreamEndCapture ... previous error during capture`) also came in runs of
+forced wide steps. `sdpa` sends calls with 2..`PLAIN_MAX` queries per row and no attention sinks
+through `sdpa_reference`: the same attention in plain MLX ops (scale, one batched matmul per
+GQA group, the mask, a float32 softmax, a second matmul: what MLX's own fallback computes), no
+per-shape setup, no capture. Prefill chunks (more queries) keep cuDNN's flash attention, and one
+query per row keeps the vector kernel. `MLXD_SDPA_PLAIN_MAX` sets `PLAIN_MAX` (default 16; 0 or
+1: every call to MLX's kernel).
 """
 
 from __future__ import annotations
@@ -35,8 +49,9 @@ import mlx.core as mx
 
 ROWS = int(os.environ.get("MLXD_ROPE_ROWS", "256"))
 SMALL_HEAD = 64  # head dims below this are affected (16 failed, 64 never did)
+PLAIN_MAX = int(os.environ.get("MLXD_SDPA_PLAIN_MAX", "16"))  # queries per row: plain attention
 
-_ORIGINAL: list[Any] = []  # mx.fast.rope before install()
+_ORIGINAL: dict[str, Any] = {}  # mx.fast functions before install()
 
 
 def rope_reference(
@@ -113,24 +128,92 @@ def rope(
             a, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs
         )
     kw = {} if stream is None else {"stream": stream}
-    return _ORIGINAL[0](
+    return _ORIGINAL["rope"](
         a, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs, **kw
     )
 
 
+def sdpa_reference(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    mask: None | str | mx.array = None,
+) -> mx.array:
+    """`mx.fast.scaled_dot_product_attention` in plain MLX ops: q `[B, Hq, N, D]`, k and v
+    `[B, Hk, K, D]` with Hq a multiple of Hk (GQA: k and v are not tiled), mask None,
+    `"causal"` (lower-right aligned: the last query sees the last key), a boolean array (True =
+    attend) or an additive one, broadcastable to `[B, Hq, N, K]`. Scores in the inputs' dtype,
+    softmax in float32, as MLX computes them."""
+    B, Hq, N, D = q.shape
+    Hk, K = k.shape[1], k.shape[2]
+    rep = Hq // Hk
+    # one batched matmul per KV head: the rep query heads of a group become rows
+    qg = (q * mx.array(scale, dtype=q.dtype)).reshape(B, Hk, rep * N, D)
+    scores = (qg @ mx.swapaxes(k, -1, -2)).reshape(B, Hk, rep, N, K)
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unsupported mask {mask!r}")
+        qi = mx.arange(N)[:, None] + (K - N)
+        mask = mx.arange(K)[None, :] <= qi  # [N, K]
+    if mask is not None:
+        m = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape)) if mask.ndim < 4 else mask
+        if m.shape[1] == 1:
+            m = m[:, :, None]  # [B', 1, 1, N', K']
+        else:
+            m = m.reshape(m.shape[0], Hk, rep, m.shape[2], m.shape[3])
+        if m.dtype == mx.bool_:
+            scores = mx.where(m, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+        else:
+            scores = scores + m.astype(scores.dtype)
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    out = probs.reshape(B, Hk, rep * N, K) @ v
+    return out.reshape(B, Hq, N, v.shape[-1])
+
+
+def sdpa(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    mask: None | str | mx.array = None,
+    sinks: mx.array | None = None,
+    **kw: Any,
+) -> mx.array:
+    """`mx.fast.scaled_dot_product_attention`, through `sdpa_reference` for 2..`PLAIN_MAX`
+    queries per row without sinks (MLX-CUDA would run those through cuDNN: see the module
+    doc); every other call unchanged."""
+    if (
+        sinks is None
+        and not kw.get("force_fused")
+        and q.ndim == 4
+        and 1 < q.shape[2] <= PLAIN_MAX
+        and q.shape[1] % k.shape[1] == 0
+        and (mask is None or isinstance(mask, (str, mx.array)))
+    ):
+        return sdpa_reference(q, k, v, scale=scale, mask=mask)
+    return _ORIGINAL["sdpa"](q, k, v, scale=scale, mask=mask, sinks=sinks, **kw)
+
+
 def install(force: bool = False) -> bool:
-    """Put `rope` in place of `mx.fast.rope` on MLX-CUDA (`force`: anywhere, for tests).
+    """Put `rope` in place of `mx.fast.rope` and `sdpa` in place of
+    `mx.fast.scaled_dot_product_attention` on MLX-CUDA (`force`: anywhere, for tests).
     Idempotent; returns whether the guard is in place."""
     if not _ORIGINAL:
         from kernels.common import gpu_backend
 
         if not force and gpu_backend() != "cuda":
             return False
-        _ORIGINAL.append(mx.fast.rope)
+        _ORIGINAL["rope"] = mx.fast.rope
         mx.fast.rope = rope
+        _ORIGINAL["sdpa"] = mx.fast.scaled_dot_product_attention
+        mx.fast.scaled_dot_product_attention = sdpa
     return True
 
 
 def uninstall() -> None:
     if _ORIGINAL:
-        mx.fast.rope = _ORIGINAL.pop()
+        mx.fast.rope = _ORIGINAL.pop("rope")
+        mx.fast.scaled_dot_product_attention = _ORIGINAL.pop("sdpa")

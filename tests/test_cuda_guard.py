@@ -1,7 +1,8 @@
 """engine/cuda_guard.py: the plain-MLX RoPE that stands in for `mx.fast.rope` over many rows on
-MLX-CUDA. On the CPU the reference is compared with MLX's kernel (the same rotation up to float
-rounding) and the dispatch is checked by installing the guard by force; the GPU test runs the
-shape that failed on the H200."""
+MLX-CUDA, and the plain-MLX attention that stands in for cuDNN's over a few queries per row. On
+the CPU each reference is compared with MLX's kernel (equal up to float rounding) and the
+dispatch is checked by installing the guard by force; the GPU tests run the shape that failed
+on the H200 and compare the attention with MLX's CUDA kernels."""
 
 from __future__ import annotations
 
@@ -126,5 +127,127 @@ def test_cuda_rope_many_rows_evaluates():
     off = mx.arange(256, dtype=mx.int32)
     got = mx.fast.rope(x, 16, traditional=False, base=1e4, scale=1.0, offset=off)
     with mx.stream(mx.cpu):
-        want = cuda_guard._ORIGINAL[0](x, 16, traditional=False, base=1e4, scale=1.0, offset=off)
+        want = cuda_guard._ORIGINAL["rope"](x, 16, traditional=False, base=1e4, scale=1.0, offset=off)
     assert float(mx.abs(got - want).max()) < 1e-4
+
+
+SDPA_CASES = [
+    # B, Hq, Hk, N, K, D, mask
+    (2, 4, 4, 5, 37, 64, "bool"),  # the engine's verify: [B, 1, N, K] booleans
+    (3, 8, 2, 9, 300, 64, "bool"),  # GQA 4:1, a wide verify
+    (1, 6, 3, 2, 17, 32, "causal"),
+    (2, 4, 1, 16, 64, 16, "additive"),  # MQA, additive mask over every head
+    (2, 2, 2, 3, 8, 64, None),
+    (1, 4, 2, 4, 20, 64, "2d"),  # a [N, K] mask broadcast over batch and heads
+]
+
+
+def _sdpa_inputs(case, dtype, seed=0):
+    B, Hq, Hk, N, K, D, kind = case
+    rng = np.random.default_rng(seed)
+    cast = getattr(mx, dtype)
+    q, k, v = (
+        mx.array(rng.normal(size=s).astype(np.float32)).astype(cast)
+        for s in ((B, Hq, N, D), (B, Hk, K, D), (B, Hk, K, D))
+    )
+    if kind == "bool":
+        lens = rng.integers(N, K + 1, size=B)  # right padding past each row's length
+        cols = np.arange(K)[None, None, :]
+        qpos = (lens[:, None] - N + np.arange(N)[None, :])[:, :, None]
+        mask = mx.array((cols <= qpos)[:, None])  # [B, 1, N, K]
+    elif kind == "additive":
+        mask = mx.array(rng.normal(size=(B, Hq, N, K)).astype(np.float32)).astype(cast)
+    elif kind == "2d":
+        mask = mx.array(rng.random(size=(N, K)) > 0.3) | mx.array(np.eye(N, K, dtype=bool))
+    else:
+        mask = kind
+    return q, k, v, mask, 1.0 / np.sqrt(D)
+
+
+@pytest.mark.parametrize("case", SDPA_CASES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_sdpa_reference_matches_mlx_attention(case, dtype):
+    q, k, v, mask, scale = _sdpa_inputs(case, dtype)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    got = cuda_guard.sdpa_reference(q, k, v, scale=scale, mask=mask)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    err = float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max())
+    tol = 1e-5 if dtype == "float32" else 4 * 2.0 ** -8  # half types: a rounding step or two
+    assert err <= tol, err
+
+
+def test_sdpa_guard_sends_only_few_query_calls_to_the_reference(monkeypatch):
+    calls = []
+    original = mx.fast.scaled_dot_product_attention
+
+    def counting(q, *a, **k):
+        calls.append(q.shape[2])
+        return original(q, *a, **k)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", counting)
+    monkeypatch.setattr(cuda_guard, "PLAIN_MAX", 16)
+    cuda_guard.uninstall()
+    assert cuda_guard.install(force=True)
+    try:
+        assert mx.fast.scaled_dot_product_attention is cuda_guard.sdpa
+        k = mx.ones((2, 2, 40, 64))
+        sinks = mx.zeros((4,))
+        outs = []
+        for n, kw in [(1, {}), (2, {}), (16, {}), (17, {}), (5, {"sinks": sinks}),
+                      (5, {"mask": "causal"})]:
+            q = mx.ones((2, 4, n, 64))
+            outs.append(mx.fast.scaled_dot_product_attention(q, k, k, scale=0.125, **kw))
+        mx.eval(outs)
+        # one query (vector kernel), 17 (a prefill chunk) and sinks stay with MLX's kernel
+        assert calls == [1, 17, 5]
+    finally:
+        cuda_guard.uninstall()
+    assert mx.fast.scaled_dot_product_attention is counting
+    monkeypatch.setattr(cuda_guard, "PLAIN_MAX", 0)  # off: every call to MLX's kernel
+    cuda_guard.install(force=True)
+    try:
+        calls.clear()
+        mx.eval(mx.fast.scaled_dot_product_attention(mx.ones((1, 2, 4, 64)), k[:1], k[:1],
+                                                     scale=0.1))
+        assert calls == [4]
+    finally:
+        cuda_guard.uninstall()
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3"])
+def test_spec_engine_through_the_guard_equals_plain(arch):
+    """Exact tier with the guard forced on: every verify forward's attention runs through the
+    plain-MLX reference (and the RoPE reference), and greedy speculative output still equals
+    plain greedy output token for token (sliding-window rings included: gemma3's window is 24)."""
+    from engine.spec import SpecConfig
+    from tests.test_spec_engine import _check, _outputs, _repetitive_prompts
+    from tests.tiny_models import greedy, loaded, tiny_model
+
+    model, cfg = tiny_model(arch)
+    lm = loaded(model, cfg)
+    prompts = _repetitive_prompts(cfg["vocab_size"], 4, seed=5)
+    reqs = [greedy(f"g{i}", p, max_tokens=30 + 7 * i) for i, p in enumerate(prompts)]
+    want, _ = _outputs(lm, None, reqs, prefill_chunk=32)
+    cuda_guard.uninstall()
+    cuda_guard.install(force=True)
+    try:
+        spec = SpecConfig("ngram", num_draft_tokens=4, adaptive=False)
+        st = _check(lm, spec, reqs, want, prefill_chunk=32)
+    finally:
+        cuda_guard.uninstall()
+    assert st["spec_steps"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SDPA_CASES[:4])
+def test_cuda_sdpa_reference_matches_mlx_kernels(case):
+    """On MLX-CUDA: the reference against MLX's own attention (cuDNN for bfloat16)."""
+    from kernels.common import gpu_backend
+
+    if gpu_backend() != "cuda":
+        pytest.skip("MLX-CUDA only")
+    q, k, v, mask, scale = _sdpa_inputs(case, "bfloat16")
+    fast = cuda_guard._ORIGINAL.get("sdpa", mx.fast.scaled_dot_product_attention)
+    want = fast(q, k, v, scale=scale, mask=mask).astype(mx.float32)
+    got = cuda_guard.sdpa_reference(q, k, v, scale=scale, mask=mask).astype(mx.float32)
+    assert float(mx.abs(got - want).max()) <= 4 * 2.0 ** -8
