@@ -204,11 +204,19 @@ def main(argv=None):
     p.add_argument("--widths", default="1,2,3,5")
     p.add_argument("--skinny", choices=("auto", "on", "off"), default="auto",
                    help="engine.skinny few-row kernel dispatch (auto: MLXD_SKINNY=1 on CUDA; on: forced; off: never)")
+    p.add_argument("--guard", choices=("auto", "on", "off"), default="auto",
+                   help="engine.cuda_guard (RoPE over many rows, plain attention over 2..16 queries) "
+                        "as the engine installs it (auto: MLX-CUDA only; on: forced; off: never)")
     p.add_argument("--nodes", action="store_true",
                    help="also count the primitives of one step's graph per (model, batch, width)")
     p.add_argument("--out")
     a = p.parse_args(argv)
     res = {"device": str(mx.default_device()), "cache": a.cache, "skinny": a.skinny, "rows": []}
+    if a.guard != "off":
+        from engine import cuda_guard
+
+        res["guard"] = cuda_guard.install(force=a.guard == "on")
+        res["sdpa_plain_max"] = cuda_guard.PLAIN_MAX
     batches = [int(x) for x in a.batches.split(",")]
     widths = [int(x) for x in a.widths.split(",")]
     models = {}
