@@ -10,7 +10,8 @@ positions minus any that shares a 128-character substring with an evaluation rec
 repeats some records and licence headers). Modes: "seq" is sequential BlockLDLQ (each layer's
 Hessian from the already-quantized earlier layers), "ldlq" BlockLDLQ with Hessians from the float
 model, "plain" no calibration; "seq" also tunes inside each block while it quantizes it
-(``--block-tune-steps``, default 16, kernels/trellis/blocktune.py; "+bt16" in the row names).
+(``--block-tune-steps``, default 16, kernels/trellis/blocktune.py; "+bt16" in the row names;
+``--block-tune-target float`` tunes towards the float model's hidden states: "+bt16-float").
 With ``--finetune-steps`` > 0 each trellis variant is scored before and after fine-tuning (kernels/trellis/finetune.py: row gains, real-valued signs and norms,
 distilled from the float model on the calibration text). Affine and trellis quantize the same
 layers (every Linear; tinycoder ties its embedding, which stays bf16 in both). The affine
@@ -147,6 +148,13 @@ def main(argv: list[str] | None = None) -> int:
         help="seq mode: Adam steps of in-block tuning after each quantized group (kernels/trellis/blocktune.py); 0: none",
     )
     p.add_argument("--block-tune-lr", type=float, default=1e-3)
+    p.add_argument(
+        "--block-tune-target",
+        default="own",
+        choices=["own", "float"],
+        help="in-block target: the float block's output on its quantized-prefix inputs ('own') or the float "
+        "model's hidden state after the block ('float'; '-float' in the row names and cache keys)",
+    )
     p.add_argument("--calib-windows", type=int, default=32)
     p.add_argument("--calib-length", type=int, default=512)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "trellis_quality.json")
@@ -256,8 +264,11 @@ def main(argv: list[str] | None = None) -> int:
         for L in args.L:
             for bits in args.bits:
                 # the stored bf16 weight values, in float32 (MLX's CPU matmuls are fast there)
-                bt = BlockTune(args.block_tune_steps, args.block_tune_lr) if mode == "seq" and args.block_tune_steps > 0 else None
-                bt_key = f"-bt{bt.steps}x{bt.lr:g}" if bt is not None else ""
+                bt = None
+                if mode == "seq" and args.block_tune_steps > 0:
+                    bt = BlockTune(args.block_tune_steps, args.block_tune_lr, target=args.block_tune_target)
+                bt_tag = "" if bt is None or bt.target == "own" else f"-{bt.target}"  # "own" keys as before
+                bt_key = f"-bt{bt.steps}x{bt.lr:g}{bt_tag}" if bt is not None else ""
                 key = f"k{bits}-L{L}-{mode}{bt_key}-c{args.calib_windows}x{args.calib_length}-{args.data.stem}"
                 cached = args.cache / key if args.cache is not None else None
                 if cached is not None and (cached / "config.json").exists():
@@ -287,10 +298,13 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     mx.eval(model.parameters())
                     seconds = time.perf_counter() - t0
+                    if bt is not None and bt.target != "own":
+                        qconfig["block_tune"]["target"] = bt.target  # as mlxd quantize records it
                     if cached is not None:
                         tr.save_model(model, {**config, "quantization": {**qconfig, "quantize_seconds": round(seconds, 1)}}, cached, args.model)
                 num = sum(m.input_dims * m.output_dims for _, m in tr.trellis_layers(model))
-                name = f"trellis {bits}-bit L={L} {mode}" + (f" +bt{bt.steps}" if bt is not None else "")
+                name = f"trellis {bits}-bit L={L} {mode}" + (f" +bt{bt.steps}{bt_tag}" if bt is not None else "")
+                bt_extra = {"block_tune_target": bt.target} if bt is not None else {}
                 if not args.skip_unfinetuned:
                     ppl, extra = score(model)
                     record(
@@ -302,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                         bits=bits,
                         L=L,
                         mode=mode,
+                        **bt_extra,
                         quantize_seconds=round(seconds, 1),
                         weights_per_second=round(num / seconds),
                     )
@@ -328,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                     bits=bits,
                     L=L,
                     mode=mode + "+ft",
+                    **bt_extra,
                     quantize_seconds=round(seconds, 1),
                     finetune_seconds=round(ft.seconds, 1),
                     finetune_kl_first=round(ft.loss_first, 5),

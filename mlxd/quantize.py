@@ -65,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--block-tune-lr", type=float, default=1e-3, help="in-block tuning's Adam learning rate")
     p.add_argument(
+        "--block-tune-target",
+        default="own",
+        choices=("own", "float"),
+        help="in-block tuning's target for block i: 'own', the float block's output on its (quantized-prefix) "
+        "inputs; 'float', the float model's hidden state after block i, so the block also repairs the error "
+        "it inherits (recorded as block_tune.target in config.json when not 'own')",
+    )
+    p.add_argument(
         "--finetune-steps",
         type=int,
         default=100,
@@ -104,6 +112,7 @@ def quantize_dir(
     sequential: bool = True,
     block_tune_steps: int = 0,
     block_tune_lr: float = 1e-3,
+    block_tune_target: str = "own",
     finetune_steps: int = 0,
     finetune_windows: int = 64,
     finetune_length: int = 256,
@@ -169,8 +178,10 @@ def quantize_dir(
             progress=bar.update,
             hessians=hessians,
             calibration=windows,
-            block_tune=_block_tune(block_tune_steps, block_tune_lr) if windows is not None else None,
+            block_tune=_block_tune(block_tune_steps, block_tune_lr, block_tune_target) if windows is not None else None,
         )
+    if "block_tune" in qconfig and block_tune_target != "own":
+        qconfig["block_tune"]["target"] = block_tune_target
     qconfig["quantize_seconds"] = round(time.perf_counter() - start, 1)
     if teacher_lp is not None:
         from kernels.trellis.finetune import finetune
@@ -216,10 +227,10 @@ def quantize_dir(
     return qconfig
 
 
-def _block_tune(steps: int, lr: float):
+def _block_tune(steps: int, lr: float, target: str = "own"):
     from kernels.trellis.blocktune import BlockTune
 
-    return BlockTune(steps=steps, lr=lr) if steps > 0 else None
+    return BlockTune(steps=steps, lr=lr, target=target) if steps > 0 else None
 
 
 def _float_dtype(model):
@@ -289,6 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         calibration_length=args.calibration_length,
         block_tune_steps=args.block_tune_steps,
         block_tune_lr=args.block_tune_lr,
+        block_tune_target=args.block_tune_target,
         sequential=not args.no_sequential,
         finetune_steps=args.finetune_steps if args.calibration is not None else 0,
         finetune_windows=args.finetune_windows,

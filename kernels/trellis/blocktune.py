@@ -6,9 +6,18 @@ remaining unquantized weights (and the quantized ones' continuous parameters) ar
 reproduce the original block's output; then the whole model is tuned end to end. This module is
 the first stage, written for ``sequential.quantize_sequential``:
 
-- The *target* of block i is the float block's own output on the block's captured inputs (the
-  outputs of the already-quantized blocks < i), taken before any layer of block i is quantized.
-  So each block only repairs its own error; the end-to-end stage (``finetune.py``) comes after.
+- The *target* of block i (``BlockTune.target == "own"``, the default) is the float block's own
+  output on the block's captured inputs (the outputs of the already-quantized blocks < i), taken
+  before any layer of block i is quantized. So each block only repairs its own error; the
+  end-to-end stage (``finetune.py``) comes after.
+- With ``target="float"`` it is the float model's hidden state after block i instead, while the
+  block's inputs stay the captured ones: each block also learns to repair the error it inherits
+  from the blocks before it. The float hidden states are carried forward block by block
+  (``float_targets``: float block i, before any of its weights changes, on the float inputs of
+  block i gives the target of block i and the float inputs of block i + 1; it replaces the
+  "own" target's run on the captured inputs), so this costs one more set of hidden states, not a
+  float model copy.
+  It needs the blocks to form a simple chain (``sequential.py`` checks that).
 - After each group of Linears is quantized (q/k/v, o, gate/up, down), Adam runs ``steps`` steps
   on the relative squared error ||block(x) - target||^2 / ||target||^2, one captured call (a
   batch of calibration windows) a step. Trained: every not-yet-quantized target Linear of the
@@ -35,6 +44,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .finetune import TunedTrellisLinear
 from .linear import TrellisLinear
 
+TARGETS = ("own", "float")
+
 
 @dataclass(frozen=True, slots=True)
 class BlockTune:
@@ -43,10 +54,17 @@ class BlockTune:
     steps: int = 16
     lr: float = 1e-3
     train_signs: bool = True
+    # "own": the float block's output on its captured (quantized-prefix) inputs; "float": the float
+    # model's hidden state after the block (see the module doc)
+    target: str = "own"
     # also tune after the block's last group, when only gains, signs and norms are left (measured
     # on tinycoder at L = 8: down_proj's stage lowered the block error by < 1 %; the end-to-end
     # stage trains the same values)
     tune_last: bool = False
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise ValueError(f"BlockTune.target must be one of {TARGETS}, not {self.target!r}")
 
 
 @dataclass(slots=True)
@@ -97,6 +115,27 @@ def block_targets(block: nn.Module, calls: list) -> list[mx.array]:
         outs.append(mx.stop_gradient(block_output(block(*args, **kwargs))))
         mx.eval(outs[-1])
     return outs
+
+
+def float_targets(block: nn.Module, calls: list, hidden: list[mx.array], name: str = "block") -> list[mx.array]:
+    """The float model's hidden states after ``block``, given those before it (``target="float"``).
+
+    ``block`` must still be float. Each captured call runs with ``hidden[j]`` in place of its first
+    positional argument (the hidden state; the other arguments, masks and positions, are the
+    captured ones). ``hidden[j]`` is replaced by the output in place, so the float hidden states
+    take one set of arrays; returns ``hidden``.
+    """
+    if len(hidden) != len(calls):
+        raise RuntimeError(f"{name}: {len(calls)} captured calls, {len(hidden)} float hidden states (is the block called more than once a forward?)")
+    for j, (args, kwargs) in enumerate(calls):
+        if not args or not isinstance(args[0], mx.array) or args[0].shape != hidden[j].shape:
+            raise RuntimeError(f"{name}: target='float' needs the hidden state as the block's first positional argument")
+        out = block(hidden[j], *args[1:], **kwargs)
+        if not isinstance(out, mx.array) or out.shape != hidden[j].shape:
+            raise RuntimeError(f"{name}: target='float' needs a block that returns one hidden state of its input's shape")
+        hidden[j] = mx.stop_gradient(out)
+        mx.eval(hidden[j])
+    return hidden
 
 
 def _rel_err(block: nn.Module, calls: list, targets: list[mx.array]) -> float:

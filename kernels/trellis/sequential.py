@@ -15,6 +15,13 @@ The order is found from the model itself, with no per-architecture code:
 
 Linears outside any block (e.g. an untied ``lm_head``, if not skipped) are done last, with
 Hessians from the fully quantized rest of the model.
+
+In-block tuning with ``BlockTune(target="float")`` carries the float model's hidden states from
+block to block, which holds only if the blocks form a simple chain: one list, consecutive
+indices, each called once a forward with the hidden state as its first positional argument, and
+the next block's hidden-state input equal to the block's output. The first three are checked up
+front or at the float pass, the last one on the first captured call of every block after the
+first (``_check_chain``); anything else raises instead of tuning towards wrong targets.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from .blocktune import BlockTune, block_targets, tune_block
+from .blocktune import BlockTune, block_output, block_targets, float_targets, tune_block
 from .calibration import _HessianTap
 
 
@@ -169,6 +176,32 @@ def group_hessians(model: nn.Module, block: str, group: Sequence[str], calls: li
     return {p: t.acc[0] / max(1, t.acc[1]) for p, t in taps}
 
 
+def _check_consecutive(blocks: Sequence[str]) -> None:
+    """target="float" needs the blocks to be consecutive entries of one list."""
+    parents = {b.rsplit(".", 1)[0] for b in blocks}
+    idx = [int(b.rsplit(".", 1)[1]) for b in blocks]
+    if len(parents) > 1 or idx != list(range(idx[0], idx[0] + len(idx))):
+        raise ValueError(
+            "BlockTune(target='float') needs the quantized blocks to be consecutive entries of one list "
+            f"(a simple chain); got {list(blocks)}"
+        )
+
+
+def _check_chain(prev: str, prev_out: mx.array, block: str, calls: list) -> None:
+    """target="float": the hidden state entering ``block`` must be ``prev``'s output (first call)."""
+    x = calls[0][0][0] if calls[0][0] else None
+    ok = isinstance(x, mx.array) and x.shape == prev_out.shape
+    if ok:
+        num = float(mx.sum(mx.square(x.astype(mx.float32) - prev_out.astype(mx.float32))))
+        ok = num <= 1e-6 * max(float(mx.sum(mx.square(prev_out.astype(mx.float32)))), 1e-30)
+    if not ok:
+        raise RuntimeError(
+            f"BlockTune(target='float'): the hidden-state input of {block} is not the output of {prev}, so "
+            "the blocks are not a simple chain and the float hidden states cannot be carried forward; "
+            "use target='own'"
+        )
+
+
 def quantize_sequential(
     model: nn.Module,
     targets: Sequence[tuple[str, nn.Module]],
@@ -183,7 +216,8 @@ def quantize_sequential(
 
     quantize_one(path, linear, hessian) -> the quantized layer; it is swapped in before the next
     Hessian is collected. on_hessians(path, H) sees every Hessian used (for tests and logging).
-    block_tune: after each group, tune the block towards its float output (``blocktune.py``);
+    block_tune: after each group, tune the block towards its float output (``blocktune.py``;
+    with target="float", the float model's hidden state after the block);
     on_tune(block, group, stats) sees each stage's relative output error before/after.
     """
     by_block: dict[str | None, list[str]] = {}
@@ -200,10 +234,27 @@ def quantize_sequential(
         swapped.append((path, layer))
         _swap(model, [(path, layer)])
 
+    float_target = block_tune is not None and block_tune.target == "float"
+    if float_target and blocks:
+        _check_consecutive(blocks)
+    float_h: list[mx.array] | None = None  # target="float": the float model's hidden states after the last block
+    prev_out = None  # target="float": the finished previous block's output on its first call
+
     for bi, block in enumerate(blocks):
         calls = capture_block_inputs(model, block, windows, batch)
         block_module = dict(model.named_modules())[block]
-        outputs = block_targets(block_module, calls) if block_tune is not None else None
+        outputs = None
+        if float_target:
+            if prev_out is not None:
+                _check_chain(blocks[bi - 1], prev_out, block, calls)
+            if float_h is None:  # the first block: nothing before it is quantized yet
+                float_h = [args[0] if args else None for args, _ in calls]  # type: ignore[misc]
+            # block i is still float here (earlier stages only touched blocks < i): its output on
+            # the float inputs is the float model's hidden state after it, the target of block i
+            # and the float input of block i + 1
+            outputs = float_targets(block_module, calls, float_h, block)
+        elif block_tune is not None:
+            outputs = block_targets(block_module, calls)
         done: list[str] = []
         for group in input_groups(model, block, by_block[block], calls):
             hessians = group_hessians(model, block, group, calls)
@@ -215,6 +266,10 @@ def quantize_sequential(
                 stats = tune_block(block_module, block, rest, done, calls, outputs, block_tune, seed=bi)
                 if on_tune is not None:
                     on_tune(block, list(group), stats)
+        if float_target and bi + 1 < len(blocks):
+            args, kwargs = calls[0]
+            prev_out = block_output(block_module(*args, **kwargs))
+            mx.eval(prev_out)
         del calls, outputs
     rest = by_block.get(None, [])
     if rest:
