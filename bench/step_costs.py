@@ -147,6 +147,30 @@ def measure(model, batch, width, steps, kind, prompt_len=64):
             "build_ms": _ms(build), "pipelined_ms": round(piped * 1e3, 3)}
 
 
+def measure_ab(model, batch, width, steps, kind, chunks=3):
+    """`measure` with engine.cuda_guard off and forced on, alternating in `chunks` chunks of
+    steps // chunks samples each; the medians of the chunks' medians."""
+    from engine import cuda_guard
+
+    out = {"off": [], "on": []}
+    for _ in range(chunks):
+        for mode in ("off", "on"):
+            cuda_guard.uninstall()
+            if mode == "on":
+                cuda_guard.install(force=True)
+            try:
+                out[mode].append(measure(model, batch, width, max(steps // chunks, 3), kind))
+            finally:
+                cuda_guard.uninstall()
+    r = {"kind": "step_ab", "batch": batch, "width": width}
+    for mode, rows in out.items():
+        for key in ("sync_ms", "build_ms", "pipelined_ms"):
+            vals = sorted(x[key] for x in rows)
+            r[f"{key}_{mode}"] = vals[len(vals) // 2]
+    r["sync_on_over_off"] = round(r["sync_ms_on"] / r["sync_ms_off"], 3)
+    return r
+
+
 def measure_round(target, draft, batch, k, steps, kind, prompt_len=64):
     """k chained greedy draft steps + one verify forward, one host read per round."""
     tc = _Cache(target, batch, prompt_len, kind)
@@ -204,15 +228,17 @@ def main(argv=None):
     p.add_argument("--widths", default="1,2,3,5")
     p.add_argument("--skinny", choices=("auto", "on", "off"), default="auto",
                    help="engine.skinny few-row kernel dispatch (auto: MLXD_SKINNY=1 on CUDA; on: forced; off: never)")
-    p.add_argument("--guard", choices=("auto", "on", "off"), default="auto",
+    p.add_argument("--guard", choices=("auto", "on", "off", "ab"), default="auto",
                    help="engine.cuda_guard (RoPE over many rows, plain attention over 2..16 queries) "
-                        "as the engine installs it (auto: MLX-CUDA only; on: forced; off: never)")
+                        "as the engine installs it (auto: MLX-CUDA only; on: forced; off: never; "
+                        "ab: each step row measured with the guard off and forced on, alternating "
+                        "in 3 chunks each, so machine drift hits both alike)")
     p.add_argument("--nodes", action="store_true",
                    help="also count the primitives of one step's graph per (model, batch, width)")
     p.add_argument("--out")
     a = p.parse_args(argv)
     res = {"device": str(mx.default_device()), "cache": a.cache, "skinny": a.skinny, "rows": []}
-    if a.guard != "off":
+    if a.guard not in ("off", "ab"):
         from engine import cuda_guard
 
         res["guard"] = cuda_guard.install(force=a.guard == "on")
@@ -230,6 +256,11 @@ def main(argv=None):
             res.setdefault("skinny_modules", {})[name] = skinny.install(m, force=a.skinny == "on")
         for b in batches:
             for w in widths:
+                if a.guard == "ab":
+                    r = dict(measure_ab(m, b, w, a.steps, a.cache), model=name)
+                    print(json.dumps(r), flush=True)
+                    res["rows"].append(r)
+                    continue
                 r = dict(measure(m, b, w, a.steps, a.cache), model=name)
                 if a.nodes:
                     cnt = graph_nodes(m, b, w, a.cache)
