@@ -31,12 +31,20 @@ forward (2-9 queries a row) that costs far more than the arithmetic: on the H200
 tinycoder-16m took 2.48 ms against 1.11 ms for 1x1, and 1x9 2.57 ms (session 5,
 docs/speculative.md), the width cliff that keeps speculation from paying there. The two MLX
 aborts seen (`cudaStreamEndCapture ... previous error during capture`) also came in runs of
-forced wide steps. `sdpa` sends calls with 2..`PLAIN_MAX` queries per row and no attention sinks
-through `sdpa_reference`: the same attention in plain MLX ops (scale, one batched matmul per
+forced wide steps. `sdpa` can send calls with 2..`PLAIN_MAX` queries per row and no attention
+sinks through `sdpa_reference`: the same attention in plain MLX ops (scale, one batched matmul per
 GQA group, the mask, a float32 softmax, a second matmul: what MLX's own fallback computes), no
 per-shape setup, no capture. Prefill chunks (more queries) keep cuDNN's flash attention, and one
-query per row keeps the vector kernel. `MLXD_SDPA_PLAIN_MAX` sets `PLAIN_MAX` (default 16; 0 or
-1: every call to MLX's kernel).
+query per row keeps the vector kernel.
+
+**Off by default: it did not pay.** Measured on the H200 (session 6, `bench.step_costs --guard
+ab`: the same process, guard off and on alternating), tinycoder-16m bf16 steps cost 0.85-1.11x
+with the plain attention (median about 1.04x; 1x2 2.87 vs 2.77 ms, 1x9 2.77 vs 2.53 ms, 4x9 2.87
+vs 2.59 ms). The width cliff is not attention: a plain batch of 4 rows at one query each costs
+what a 1x9 verify does (2.71 ms against 1.13 ms for 1x1), so it comes with more than one row
+in the matmuls (cuBLASLt instead of the gemv kernel, docs/kernels.md). `MLXD_SDPA_PLAIN_MAX=16`
+turns it on (e.g. to test whether the capture abort goes with cuDNN); 0 (the default) or 1
+leaves every call to MLX's kernel.
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ import mlx.core as mx
 
 ROWS = int(os.environ.get("MLXD_ROPE_ROWS", "256"))
 SMALL_HEAD = 64  # head dims below this are affected (16 failed, 64 never did)
-PLAIN_MAX = int(os.environ.get("MLXD_SDPA_PLAIN_MAX", "16"))  # queries per row: plain attention
+PLAIN_MAX = int(os.environ.get("MLXD_SDPA_PLAIN_MAX", "0"))  # 2..this queries a row: plain attention
 
 _ORIGINAL: dict[str, Any] = {}  # mx.fast functions before install()
 
@@ -184,7 +192,7 @@ def sdpa(
 ) -> mx.array:
     """`mx.fast.scaled_dot_product_attention`, through `sdpa_reference` for 2..`PLAIN_MAX`
     queries per row without sinks (MLX-CUDA would run those through cuDNN: see the module
-    doc); every other call unchanged."""
+    doc; `PLAIN_MAX` is 0 by default, so none); every other call unchanged."""
     if (
         sinks is None
         and not kw.get("force_fused")

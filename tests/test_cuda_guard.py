@@ -215,7 +215,7 @@ def test_sdpa_guard_sends_only_few_query_calls_to_the_reference(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "qwen3"])
-def test_spec_engine_through_the_guard_equals_plain(arch):
+def test_spec_engine_through_the_guard_equals_plain(arch, monkeypatch):
     """Exact tier with the guard forced on: every verify forward's attention runs through the
     plain-MLX reference (and the RoPE reference), and greedy speculative output still equals
     plain greedy output token for token (sliding-window rings included: gemma3's window is 24)."""
@@ -228,6 +228,11 @@ def test_spec_engine_through_the_guard_equals_plain(arch):
     prompts = _repetitive_prompts(cfg["vocab_size"], 4, seed=5)
     reqs = [greedy(f"g{i}", p, max_tokens=30 + 7 * i) for i, p in enumerate(prompts)]
     want, _ = _outputs(lm, None, reqs, prefill_chunk=32)
+    monkeypatch.setattr(cuda_guard, "PLAIN_MAX", 16)  # the plain attention is opt-in
+    monkeypatch.setattr(cuda_guard, "ROWS", 0)
+    calls = []
+    monkeypatch.setattr(cuda_guard, "sdpa_reference",
+                        lambda *a, _f=cuda_guard.sdpa_reference, **k: calls.append(1) or _f(*a, **k))
     cuda_guard.uninstall()
     cuda_guard.install(force=True)
     try:
@@ -235,7 +240,7 @@ def test_spec_engine_through_the_guard_equals_plain(arch):
         st = _check(lm, spec, reqs, want, prefill_chunk=32)
     finally:
         cuda_guard.uninstall()
-    assert st["spec_steps"] > 0
+    assert st["spec_steps"] > 0 and calls  # the verify forwards' attention took the reference
 
 
 @pytest.mark.gpu
