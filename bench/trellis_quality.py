@@ -1,7 +1,7 @@
 """Perplexity of tinycoder-16m under weight quantization: bf16, MLX affine 4/3-bit g64, trellis.
 
     python bench/trellis_quality.py [--L 12] [--bits 4 3 2] [--modes seq ldlq plain]
-                                    [--finetune-steps 100] [--out FILE.json]
+                                    [--finetune-steps 150] [--out FILE.json]
 
 Data split (documented in docs/trellis.md): records of tinycoder-dev.jsonl at odd positions form
 the evaluation stream; ``--windows`` windows of ``--length`` tokens at evenly spaced starts are
@@ -11,7 +11,8 @@ repeats some records and licence headers). Modes: "seq" is sequential BlockLDLQ 
 Hessian from the already-quantized earlier layers), "ldlq" BlockLDLQ with Hessians from the float
 model, "plain" no calibration; "seq" also tunes inside each block while it quantizes it
 (``--block-tune-steps``, default 16, kernels/trellis/blocktune.py; "+bt16" in the row names;
-``--block-tune-target float`` tunes towards the float model's hidden states: "+bt16-float").
+``--block-tune-target``, default "float": towards the float model's hidden states, "+bt16-float";
+"own": towards each block's own float output, "+bt16").
 With ``--finetune-steps`` > 0 each trellis variant is scored before and after fine-tuning (kernels/trellis/finetune.py: row gains, real-valued signs and norms,
 distilled from the float model on the calibration text). Affine and trellis quantize the same
 layers (every Linear; tinycoder ties its embedding, which stays bf16 in both). The affine
@@ -118,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bits", type=int, nargs="+", default=[4, 3, 2])
     p.add_argument("--L", type=int, nargs="+", default=[12])
     p.add_argument("--modes", nargs="*", default=["seq"], choices=["seq", "ldlq", "plain"])
-    p.add_argument("--finetune-steps", type=int, default=100, help="0: no fine-tuning rows")
-    p.add_argument("--finetune-windows", type=int, default=64)
+    p.add_argument("--finetune-steps", type=int, default=150, help="0: no fine-tuning rows")
+    p.add_argument("--finetune-windows", type=int, default=512)
     p.add_argument("--finetune-length", type=int, default=256)
     p.add_argument("--finetune-batch", type=int, default=4)
     p.add_argument("--finetune-lr", type=float, default=1e-3)
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-tune-lr", type=float, default=1e-3)
     p.add_argument(
         "--block-tune-target",
-        default="own",
+        default="float",
         choices=["own", "float"],
         help="in-block target: the float block's output on its quantized-prefix inputs ('own') or the float "
         "model's hidden state after the block ('float'; '-float' in the row names and cache keys)",

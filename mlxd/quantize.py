@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="jsonl of {text} / {messages} records: quantize with BlockLDLQ on their activations",
     )
-    p.add_argument("--calibration-windows", type=int, default=16, help="token windows to run")
+    p.add_argument("--calibration-windows", type=int, default=32, help="token windows to run")
     p.add_argument("--calibration-length", type=int, default=512, help="tokens per window")
     p.add_argument(
         "--no-sequential",
@@ -66,20 +66,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-tune-lr", type=float, default=1e-3, help="in-block tuning's Adam learning rate")
     p.add_argument(
         "--block-tune-target",
-        default="own",
-        choices=("own", "float"),
-        help="in-block tuning's target for block i: 'own', the float block's output on its (quantized-prefix) "
-        "inputs; 'float', the float model's hidden state after block i, so the block also repairs the error "
-        "it inherits (recorded as block_tune.target in config.json when not 'own')",
+        default="auto",
+        choices=("auto", "own", "float"),
+        help="in-block tuning's target for block i: 'float', the float model's hidden state after block i, so "
+        "the block also repairs the error it inherits; 'own', the float block's output on its (quantized-prefix) "
+        "inputs; 'auto' (default), 'float' where the blocks form a simple chain, else 'own' (recorded as "
+        "block_tune.target in config.json)",
     )
     p.add_argument(
         "--finetune-steps",
         type=int,
-        default=100,
+        default=150,
         help="with --calibration: Adam steps of fine-tuning after quantization (row gains, signs, norms; "
         "distilled from the float model on the calibration text); 0: none",
     )
-    p.add_argument("--finetune-windows", type=int, default=64, help="calibration windows to fine-tune on")
+    p.add_argument("--finetune-windows", type=int, default=512, help="calibration windows to fine-tune on")
     p.add_argument("--finetune-length", type=int, default=256, help="tokens per fine-tuning window")
     p.add_argument("--finetune-batch", type=int, default=4, help="windows per step")
     p.add_argument("--finetune-lr", type=float, default=1e-3, help="Adam learning rate (cosine decay)")
@@ -107,14 +108,14 @@ def quantize_dir(
     progress: bool = True,
     only=None,
     calibration: Path | None = None,
-    calibration_windows: int = 16,
+    calibration_windows: int = 32,
     calibration_length: int = 512,
     sequential: bool = True,
     block_tune_steps: int = 0,
     block_tune_lr: float = 1e-3,
-    block_tune_target: str = "own",
+    block_tune_target: str = "auto",
     finetune_steps: int = 0,
-    finetune_windows: int = 64,
+    finetune_windows: int = 512,
     finetune_length: int = 256,
     finetune_batch: int = 4,
     finetune_lr: float = 1e-3,
@@ -180,8 +181,6 @@ def quantize_dir(
             calibration=windows,
             block_tune=_block_tune(block_tune_steps, block_tune_lr, block_tune_target) if windows is not None else None,
         )
-    if "block_tune" in qconfig and block_tune_target != "own":
-        qconfig["block_tune"]["target"] = block_tune_target
     qconfig["quantize_seconds"] = round(time.perf_counter() - start, 1)
     if teacher_lp is not None:
         from kernels.trellis.finetune import finetune

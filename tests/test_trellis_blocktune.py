@@ -76,7 +76,7 @@ def test_quantize_model_with_block_tune_beats_plain_sequential(tmp_path, tiny_di
         q = tr.quantize_model(model, 2, 8, calibration=win, calibration_batch=2, block_tune=bt, on_tune=lambda b, g, s: log.append((b, g, s)))
         errs[name] = float(mx.mean(mx.square(model(x) - want)))
         if bt is not None:
-            assert q["block_tune"] == {"steps": 8, "lr": 3e-3}
+            assert q["block_tune"] == {"steps": 8, "lr": 3e-3, "target": "own"}
             assert len(log) == 6 and all(s["err_after"] <= s["err_before"] for _, _, s in log)  # 3 groups with float layers left x 2 blocks
             tr.save_model(model, {**TINY, "quantization": q}, tmp_path / "q", tiny_dir)
             loaded, _ = tr.load_model(tmp_path / "q")
@@ -204,6 +204,20 @@ def test_float_target_refuses_what_is_not_a_simple_chain():
     with pytest.raises(RuntimeError, match="not a simple chain"):
         tr.quantize_model(Scaled(), 2, 8, calibration=win, calibration_batch=2, block_tune=BlockTune(steps=1, target="float"))
     tr.quantize_model(Scaled(), 2, 8, calibration=win, calibration_batch=2, block_tune=BlockTune(steps=1))  # "own" needs no chain
+    # "auto" warns and falls back to "own" where "float" raises, and records what it used
+    with pytest.warns(UserWarning, match="falls back to target='own'"):
+        q = tr.quantize_model(Scaled(), 2, 8, calibration=win, calibration_batch=2,
+                              block_tune=BlockTune(steps=1, target="auto"))
+    assert q["block_tune"]["target"] == "float+own"  # block 0 tuned towards float, then own
+    model = tiny_model()
+    model.model.layers.append(tiny_model(seed=1).model.layers[0])
+    with pytest.warns(UserWarning, match="simple chain"):
+        q = tr.quantize_model(model, 2, 8, only=lambda p: ".1." not in p, calibration=win, calibration_batch=2,
+                              block_tune=BlockTune(steps=1, target="auto"))
+    assert q["block_tune"]["target"] == "own"
+    q = tr.quantize_model(tiny_model(), 2, 8, calibration=win, calibration_batch=2,
+                          block_tune=BlockTune(steps=1, target="auto"))
+    assert q["block_tune"]["target"] == "float"
 
 
 def test_cli_block_tune_target_reaches_block_tune(tmp_path, monkeypatch, tiny_dir):  # noqa: F811
@@ -228,7 +242,11 @@ def test_cli_block_tune_target_reaches_block_tune(tmp_path, monkeypatch, tiny_di
     assert seen[-1] == BlockTune(steps=2, lr=1e-3, target="float")
     q = json.loads((tmp_path / "q" / "config.json").read_text())["quantization"]
     assert q["block_tune"] == {"steps": 2, "lr": 1e-3, "target": "float"}
-    assert main(argv) == 0  # default: "own", recorded as before (no "target")
+    assert main([*argv, "--block-tune-target", "own"]) == 0
     assert seen[-1].target == "own"
     q = json.loads((tmp_path / "q" / "config.json").read_text())["quantization"]
-    assert q["block_tune"] == {"steps": 2, "lr": 1e-3}
+    assert q["block_tune"] == {"steps": 2, "lr": 1e-3, "target": "own"}
+    assert main(argv) == 0  # default: "auto", which takes "float" on a simple chain of blocks
+    assert seen[-1].target == "auto"
+    q = json.loads((tmp_path / "q" / "config.json").read_text())["quantization"]
+    assert q["block_tune"] == {"steps": 2, "lr": 1e-3, "target": "float"}

@@ -154,7 +154,9 @@ def test_cli_sequential_and_finetune(tmp_path, tiny_dir):  # noqa: F811
     dst = _quantize_cli(tmp_path, tiny_dir, lambda i: f"def f{i}(x):\n    return x * {i} + {i * i}\n", 3, 4)
     q = json.loads((dst / "config.json").read_text())["quantization"]
     assert q["sequential"] is True and q["ldlq"] is True and q["finetune"]["steps"] == 3
-    assert q["block_tune"] == {"steps": 16, "lr": 1e-3}  # in-block tuning is on by default
+    # in-block tuning is on by default, towards the float model's hidden states ("auto": the tiny
+    # llama's blocks form a simple chain)
+    assert q["block_tune"] == {"steps": 16, "lr": 1e-3, "target": "float"}
     model, _ = tr.load_model(dst)
     layer = model.model.layers[1].mlp.down_proj
     assert isinstance(layer, tr.TrellisLinear) and layer.signs.dtype == mx.float16

@@ -44,7 +44,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .finetune import TunedTrellisLinear
 from .linear import TrellisLinear
 
-TARGETS = ("own", "float")
+TARGETS = ("own", "float", "auto")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +55,9 @@ class BlockTune:
     lr: float = 1e-3
     train_signs: bool = True
     # "own": the float block's output on its captured (quantized-prefix) inputs; "float": the float
-    # model's hidden state after the block (see the module doc)
+    # model's hidden state after the block (see the module doc); "auto": "float" where the blocks
+    # form a simple chain, else "own" (sequential.py falls back, with a warning, where "float"
+    # raises)
     target: str = "own"
     # also tune after the block's last group, when only gains, signs and norms are left (measured
     # on tinycoder at L = 8: down_proj's stage lowered the block error by < 1 %; the end-to-end

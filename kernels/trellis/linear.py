@@ -208,13 +208,16 @@ def quantize_model(
     (``sequential.py``). Run the model in float32 on a CPU (MLX's CPU matmuls are fast there).
     block_tune: a ``blocktune.BlockTune`` (needs ``calibration``): after each group of a block is
     quantized, tune the block's remaining float Linears, the quantized ones' gains and signs and
-    the block's norms towards the float block's output; on_tune(block, group, stats) logs it.
+    the block's norms towards the float block's output (``block_tune.target``: on its own inputs,
+    or the float model's hidden state); on_tune(block, group, stats) logs it. The entry records
+    the target used ("float", "own", or "float+own" where "auto" fell back midway).
     """
     if hessians is not None and calibration is not None:
         raise ValueError("pass hessians (from the float model) or calibration windows, not both")
     if block_tune is not None and calibration is None:
         raise ValueError("block_tune needs calibration windows (sequential quantization)")
     spec = TrellisSpec(bits=bits, L=L, code=code, max_block=max_block)
+    info: dict[str, Any] = {}
     targets = [(p, m) for p, m in quantizable_linears(model, spec, skip) if only is None or only(p)]
     keys = {path: mx.random.key(seed * 100003 + index) for index, (path, _) in enumerate(targets)}
 
@@ -225,7 +228,8 @@ def quantize_model(
         from .sequential import quantize_sequential
 
         swapped = quantize_sequential(
-            model, targets, calibration, quantize_one, batch=calibration_batch, block_tune=block_tune, on_tune=on_tune
+            model, targets, calibration, quantize_one, batch=calibration_batch, block_tune=block_tune,
+            on_tune=on_tune, info=info,
         )
     else:
         swapped = []
@@ -244,7 +248,9 @@ def quantize_model(
         "num_layers": len(swapped),
         "ldlq": hessians is not None or calibration is not None,
         "sequential": calibration is not None,
-        **({"block_tune": {"steps": block_tune.steps, "lr": block_tune.lr}} if block_tune is not None else {}),
+        **({"block_tune": {"steps": block_tune.steps, "lr": block_tune.lr,
+                           "target": info.get("block_tune_target", block_tune.target)}}
+           if block_tune is not None else {}),
     }
 
 

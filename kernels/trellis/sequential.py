@@ -21,10 +21,15 @@ block to block, which holds only if the blocks form a simple chain: one list, co
 indices, each called once a forward with the hidden state as its first positional argument, and
 the next block's hidden-state input equal to the block's output. The first three are checked up
 front or at the float pass, the last one on the first captured call of every block after the
-first (``_check_chain``); anything else raises instead of tuning towards wrong targets.
+first (``_check_chain``); anything else raises instead of tuning towards wrong targets. With
+``target="auto"`` a failed check is a warning instead: the block where it failed and every later
+one tune towards their own float output ("own"), and ``info["block_tune_target"]`` says which
+target was used ("float", "own", or "float+own" after a fallback midway).
 """
 
 from __future__ import annotations
+
+import warnings
 
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -211,6 +216,7 @@ def quantize_sequential(
     on_hessians: Callable[[str, mx.array], None] | None = None,
     block_tune: BlockTune | None = None,
     on_tune: Callable[[str, list[str], dict], None] | None = None,
+    info: dict | None = None,
 ) -> list[tuple[str, nn.Module]]:
     """Quantize ``targets`` (path, Linear) in model order; returns the (path, new layer) swaps.
 
@@ -234,9 +240,22 @@ def quantize_sequential(
         swapped.append((path, layer))
         _swap(model, [(path, layer)])
 
-    float_target = block_tune is not None and block_tune.target == "float"
+    auto = block_tune is not None and block_tune.target == "auto"
+    float_target = block_tune is not None and block_tune.target in ("float", "auto")
+    used: list[str] = []  # the targets used, in order ("float", then "own" after a fallback)
+
+    def fall_back(err: Exception) -> None:
+        nonlocal float_target
+        if not auto:
+            raise err
+        warnings.warn(f"{err}; in-block tuning falls back to target='own' from here", stacklevel=3)
+        float_target = False
+
     if float_target and blocks:
-        _check_consecutive(blocks)
+        try:
+            _check_consecutive(blocks)
+        except ValueError as err:
+            fall_back(err)
     float_h: list[mx.array] | None = None  # target="float": the float model's hidden states after the last block
     prev_out = None  # target="float": the finished previous block's output on its first call
 
@@ -244,9 +263,13 @@ def quantize_sequential(
         calls = capture_block_inputs(model, block, windows, batch)
         block_module = dict(model.named_modules())[block]
         outputs = None
-        if float_target:
-            if prev_out is not None:
+        if float_target and prev_out is not None:
+            try:
                 _check_chain(blocks[bi - 1], prev_out, block, calls)
+            except RuntimeError as err:
+                fall_back(err)
+                float_h = prev_out = None
+        if float_target:
             if float_h is None:  # the first block: nothing before it is quantized yet
                 float_h = [args[0] if args else None for args, _ in calls]  # type: ignore[misc]
             # block i is still float here (earlier stages only touched blocks < i): its output on
@@ -255,6 +278,10 @@ def quantize_sequential(
             outputs = float_targets(block_module, calls, float_h, block)
         elif block_tune is not None:
             outputs = block_targets(block_module, calls)
+        if block_tune is not None:
+            kind = "float" if float_target else "own"
+            if not used or used[-1] != kind:
+                used.append(kind)
         done: list[str] = []
         for group in input_groups(model, block, by_block[block], calls):
             hessians = group_hessians(model, block, group, calls)
@@ -278,4 +305,6 @@ def quantize_sequential(
         hessians = collect_hessians(model, windows, rest)
         for path in rest:
             do(path, hessians[path])
+    if info is not None and used:
+        info["block_tune_target"] = "+".join(used)
     return swapped
