@@ -15,6 +15,8 @@ measured, not the launch/sync of a lone op):
     as M batches of one row, laid out so that MLX does not fold the batches back into M: one
     batched gemv that reads W once per row) and `split` (M separate one-row matmuls,
     concatenated);
+    `gather` (engine.fewrow: `mx.gather_mm` with one row per gathered matrix, MLX-CUDA's
+    gemv_gather kernel: the M one-row gemvs in one launch);
   * `attention`: scaled_dot_product_attention with w queries over L keys, with an array mask
     (the engine's case) or with none.
 
@@ -75,8 +77,15 @@ def mm_q4(x, w):
     return mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=64, bits=4)
 
 
+def mm_gather(x, w):
+    """engine.fewrow: the M rows as one gathered gemv (mx.gather_mm, MLX-CUDA's gemv_gather)."""
+    from engine.fewrow import gather_matmul
+
+    return gather_matmul(x, w)
+
+
 MATMULS = {"plain": mm_plain, "kernel": mm_kernel, "q4": mm_q4, "gemv_batched": mm_gemv_batched,
-           "split": mm_split}
+           "split": mm_split, "gather": mm_gather}
 
 
 def _has_kernel() -> bool:
@@ -204,12 +213,14 @@ def main():
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--variants", default="plain,kernel,q4,gemv_batched,split",
                    help="matmul variants, comma-separated (" + ",".join(MATMULS) + ")")
+    p.add_argument("--sizes", default="384,1024,2048,4096", help="square weight sizes, comma-separated")
     p.add_argument("--no-attention", action="store_true")
     p.add_argument("--sweep", action="store_true", help="also time every kernel launch layout (CUDA)")
     p.add_argument("--out")
     a = p.parse_args()
     dtype = getattr(mx, a.dtype)
-    mm = bench_matmul(dtype, a.chain, a.repeats, a.variants.split(","))
+    mm = bench_matmul(dtype, a.chain, a.repeats, a.variants.split(","),
+                      sizes=tuple(int(v) for v in a.sizes.split(",")))
     att = [] if a.no_attention else bench_attention(dtype, a.chain, a.repeats)
     out = {"device": str(mx.default_device()), "dtype": a.dtype, "chain": a.chain, "rows": mm + att,
            "table": summary(mm)}

@@ -147,27 +147,37 @@ def measure(model, batch, width, steps, kind, prompt_len=64):
             "build_ms": _ms(build), "pipelined_ms": round(piped * 1e3, 3)}
 
 
-def measure_ab(model, batch, width, steps, kind, chunks=3):
-    """`measure` with engine.cuda_guard off and forced on, alternating in `chunks` chunks of
-    steps // chunks samples each; the medians of the chunks' medians."""
-    from engine import cuda_guard
+def measure_ab(model, batch, width, steps, kind, chunks=3, what="guard"):
+    """`measure` with `what` (engine.cuda_guard, or engine.fewrow on `model`) off and forced on,
+    alternating in `chunks` chunks of steps // chunks samples each; the medians of the chunks'
+    medians."""
+    from engine import cuda_guard, fewrow
+
+    def switch(on: bool) -> None:
+        if what == "guard":
+            cuda_guard.uninstall()
+            if on:
+                cuda_guard.install(force=True)
+        else:
+            fewrow.uninstall(model)
+            if on:
+                fewrow.install(model, force=True)
 
     out = {"off": [], "on": []}
     for _ in range(chunks):
         for mode in ("off", "on"):
-            cuda_guard.uninstall()
-            if mode == "on":
-                cuda_guard.install(force=True)
+            switch(mode == "on")
             try:
                 out[mode].append(measure(model, batch, width, max(steps // chunks, 3), kind))
             finally:
-                cuda_guard.uninstall()
-    r = {"kind": "step_ab", "batch": batch, "width": width}
+                switch(False)
+    r = {"kind": f"step_ab_{what}", "batch": batch, "width": width}
     for mode, rows in out.items():
         for key in ("sync_ms", "build_ms", "pipelined_ms"):
             vals = sorted(x[key] for x in rows)
             r[f"{key}_{mode}"] = vals[len(vals) // 2]
     r["sync_on_over_off"] = round(r["sync_ms_on"] / r["sync_ms_off"], 3)
+    r["pipelined_on_over_off"] = round(r["pipelined_ms_on"] / r["pipelined_ms_off"], 3)
     return r
 
 
@@ -233,6 +243,10 @@ def main(argv=None):
                         "as the engine installs it (auto: MLX-CUDA only; on: forced; off: never; "
                         "ab: each step row measured with the guard off and forced on, alternating "
                         "in 3 chunks each, so machine drift hits both alike)")
+    p.add_argument("--fewrow", choices=("auto", "on", "off", "ab"), default="off",
+                   help="engine.fewrow (2..16-row matmuls as one gathered gemv) on the models: auto as the "
+                        "engine's loader installs it (CUDA), on: forced, off: never (default, the raw "
+                        "models), ab: each step row with it off and on, alternating in one process")
     p.add_argument("--nodes", action="store_true",
                    help="also count the primitives of one step's graph per (model, batch, width)")
     p.add_argument("--out")
@@ -250,14 +264,19 @@ def main(argv=None):
         if not path:
             continue
         m = models[name] = _load(path, a.dtype)
+        if a.fewrow in ("auto", "on"):
+            from engine import fewrow
+
+            res.setdefault("fewrow_modules", {})[name] = fewrow.install(m, force=a.fewrow == "on")
         if a.skinny != "off":
             from engine import skinny
 
             res.setdefault("skinny_modules", {})[name] = skinny.install(m, force=a.skinny == "on")
         for b in batches:
             for w in widths:
-                if a.guard == "ab":
-                    r = dict(measure_ab(m, b, w, a.steps, a.cache), model=name)
+                if a.guard == "ab" or a.fewrow == "ab":
+                    what = "guard" if a.guard == "ab" else "fewrow"
+                    r = dict(measure_ab(m, b, w, a.steps, a.cache, what=what), model=name)
                     print(json.dumps(r), flush=True)
                     res["rows"].append(r)
                     continue

@@ -1,0 +1,128 @@
+"""Few-row matmuls on CUDA as one gathered gemv: x with 2..`MAX_ROWS` rows times a weight.
+
+MLX-CUDA multiplies by its gemv kernel only when x has one row; from two rows on it calls
+cuBLASLt, which costs 2-3x the gemv per call at decode sizes (bench/small_m.py on the H200:
+16-28 µs against 6-8 µs at 384-1024 wide). A small model's step has ~60 matmuls, so a plain
+decode step of 4 rows or a verify of 2-9 columns costs 2-2.5x a one-row step on the H200
+(bench/step_costs.py, docs/speculative.md "Session 6"), although the arithmetic barely grows.
+
+`mx.gather_mm(x[m, 1, K], W.T[1, K, N], lhs=arange(m), rhs=zeros(m))` is a built-in op whose
+CUDA path (one row per gathered matrix, a transposed right-hand side) is MLX's `gemv_gather`
+kernel: m gemvs in one launch, each row computed by the same code as the one-row gemv (so a
+row's result does not depend on how many rows share the call), with the weight read once per
+row from L2. One call, no custom-kernel dispatch cost (which sank `engine.skinny`).
+
+`FewRowLinear` / `FewRowEmbedding.as_linear` (a tied lm_head) route x with 2..`MAX_ROWS` rows in
+all (leading dims flattened) through `gather_matmul` when x and the weight share a float dtype,
+K % 32 == 0 and the default device is the GPU; everything else (one row, prefill chunks, other
+dtypes) goes to the plain matmul. `install(model)` swaps the class of every plain `nn.Linear` /
+`nn.Embedding` (exact types only: quantized and trellis layers are untouched); engine/loader.py
+calls it for target and draft models. It does nothing unless the backend is CUDA (or `force`)
+and MLXD_FEWROW is not 0.
+
+Environment: MLXD_FEWROW=0 turns it off; MLXD_FEWROW_ROWS (default 16) is the most rows that
+take the gathered path.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kernels.common import gpu_backend
+
+MAX_ROWS = max(2, int(os.environ.get("MLXD_FEWROW_ROWS", "16")))
+_FLOATS = (mx.float16, mx.bfloat16, mx.float32)
+
+ANY_DEVICE = False  # tests: take the gathered path on the CPU too
+# rows -> (lhs indices arange(rows), rhs indices zeros(rows)), uint32, built once per row count
+_INDICES: dict[int, tuple[mx.array, mx.array]] = {}
+
+
+def enabled() -> bool:
+    """On unless MLXD_FEWROW=0, and only on a CUDA GPU (elsewhere matmuls have no one-row cliff)."""
+    return os.environ.get("MLXD_FEWROW", "1") != "0" and gpu_backend() == "cuda"
+
+
+def _indices(m: int) -> tuple[mx.array, mx.array]:
+    hit = _INDICES.get(m)
+    if hit is None:
+        hit = (mx.arange(m, dtype=mx.uint32), mx.zeros((m,), dtype=mx.uint32))
+        mx.eval(*hit)
+        _INDICES[m] = hit
+    return hit
+
+
+def takes(x: mx.array, w: mx.array) -> bool:
+    """Whether x @ w.T goes through `gather_matmul` (see the module doc)."""
+    if x.ndim == 0 or x.shape[-1] != w.shape[-1] or x.shape[-1] % 32:
+        return False
+    m = x.size // x.shape[-1]
+    return (
+        2 <= m <= MAX_ROWS
+        and x.dtype == w.dtype
+        and x.dtype in _FLOATS
+        and w.ndim == 2
+        and (ANY_DEVICE or mx.default_device() == mx.gpu)
+    )
+
+
+def gather_matmul(x: mx.array, w: mx.array) -> mx.array:
+    """x @ w.T for x `[..., K]` and w `[N, K]` as one gathered gemv (`mx.gather_mm`)."""
+    K = x.shape[-1]
+    m = x.size // K
+    lhs, rhs = _indices(m)
+    y = mx.gather_mm(x.reshape(m, 1, K), w.T[None], lhs, rhs)  # [m, 1, N]
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def matmul(x: mx.array, w: mx.array) -> mx.array:
+    """x @ w.T, through `gather_matmul` when it takes the call."""
+    return gather_matmul(x, w) if takes(x, w) else x @ w.T
+
+
+class FewRowLinear(nn.Linear):
+    def __call__(self, x: mx.array) -> mx.array:
+        w = self["weight"]
+        if not takes(x, w):
+            return super().__call__(x)
+        y = gather_matmul(x, w)
+        return y + self["bias"] if "bias" in self else y
+
+
+class FewRowEmbedding(nn.Embedding):
+    def as_linear(self, x: mx.array) -> mx.array:
+        w = self["weight"]
+        return gather_matmul(x, w) if takes(x, w) else super().as_linear(x)
+
+
+def install(model: Any, force: bool = False) -> int:
+    """Swap the plain Linear / Embedding modules of `model` to the few-row dispatch; returns
+    how many (0 unless `enabled()` or `force`)."""
+    if not (force or enabled()):
+        return 0
+    count = 0
+    for _, module in model.named_modules():
+        if type(module) is nn.Linear:
+            module.__class__ = FewRowLinear
+            count += 1
+        elif type(module) is nn.Embedding:
+            module.__class__ = FewRowEmbedding
+            count += 1
+    return count
+
+
+def uninstall(model: Any) -> int:
+    """Back to the plain classes (for A/B measurements); returns how many."""
+    count = 0
+    for _, module in model.named_modules():
+        if type(module) is FewRowLinear:
+            module.__class__ = nn.Linear
+            count += 1
+        elif type(module) is FewRowEmbedding:
+            module.__class__ = nn.Embedding
+            count += 1
+    return count
