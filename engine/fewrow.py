@@ -12,16 +12,26 @@ kernel: m gemvs in one launch, each row computed by the same code as the one-row
 row's result does not depend on how many rows share the call), with the weight read once per
 row from L2. One call, no custom-kernel dispatch cost (which sank `engine.skinny`).
 
-`FewRowLinear` / `FewRowEmbedding.as_linear` (a tied lm_head) route x with 2..`MAX_ROWS` rows in
-all (leading dims flattened) through `gather_matmul` when x and the weight share a float dtype,
-K % 32 == 0 and the default device is the GPU; everything else (one row, prefill chunks, other
-dtypes) goes to the plain matmul. `install(model)` swaps the class of every plain `nn.Linear` /
+`FewRowLinear` / `FewRowEmbedding.as_linear` (a tied lm_head) route x with `MIN_ROWS`..`MAX_ROWS`
+(3..16) rows in all (leading dims flattened) through `gather_matmul` when x and the weight share a
+float dtype, K % 32 == 0, the rows times the weight's bytes are at most `MAX_BYTES` (8 MiB: each
+row reads the whole weight, so a large weight or many rows make it memory-bound) and the default
+device is the GPU; everything else (one row, two rows, prefill chunks, large weights such as
+tinycoder's 8192 x 384 lm_head at 6 MB a row, other dtypes) goes to the plain matmul.
+
+Measured on the H200 (session 6, bf16, `bench.small_m`, µs per call in a 56-call chain,
+cuBLASLt / gathered): 384 x 384 at 3..16 rows 21.9-22.7 / 18.7-20.6; 1024 x 1024 at 3..16 rows
+22.6-27.5 / 20.0-22.9; but 2 rows 21.5 / 37.7 and 28.5 / 47.0 (hence `MIN_ROWS` = 3), and
+4096 x 4096 at 8 rows 33.0 / 54.3 (hence the byte cap). In whole tinycoder-16m steps
+(`bench.step_costs --fewrow ab`, before the two limits existed) a plain decode step of 4 rows
+went from 3.20 to 1.78 ms; the 9-column verify, where the lm_head took the gathered path, got
+slower (the reason for the cap). `install(model)` swaps the class of every plain `nn.Linear` /
 `nn.Embedding` (exact types only: quantized and trellis layers are untouched); engine/loader.py
 calls it for target and draft models. It does nothing unless the backend is CUDA (or `force`)
 and MLXD_FEWROW is not 0.
 
 Environment: MLXD_FEWROW=0 turns it off; MLXD_FEWROW_ROWS (default 16) is the most rows that
-take the gathered path.
+take the gathered path; MLXD_FEWROW_BYTES (default 8 MiB) the cap on rows x weight bytes.
 """
 
 from __future__ import annotations
@@ -34,7 +44,9 @@ import mlx.nn as nn
 
 from kernels.common import gpu_backend
 
-MAX_ROWS = max(2, int(os.environ.get("MLXD_FEWROW_ROWS", "16")))
+MIN_ROWS = 3  # 2 rows measured slower gathered than through cuBLASLt (module doc)
+MAX_ROWS = max(MIN_ROWS, int(os.environ.get("MLXD_FEWROW_ROWS", "16")))
+MAX_BYTES = int(os.environ.get("MLXD_FEWROW_BYTES", str(8 << 20)))
 _FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 
 ANY_DEVICE = False  # tests: take the gathered path on the CPU too
@@ -62,7 +74,8 @@ def takes(x: mx.array, w: mx.array) -> bool:
         return False
     m = x.size // x.shape[-1]
     return (
-        2 <= m <= MAX_ROWS
+        MIN_ROWS <= m <= MAX_ROWS
+        and m * w.nbytes <= MAX_BYTES
         and x.dtype == w.dtype
         and x.dtype in _FLOATS
         and w.ndim == 2

@@ -35,7 +35,7 @@ def _check_against_matmul(shape, dtype):
     assert err <= (f32 if dtype == "float32" else 2 * 2.0 ** -7) * scale, err
 
 
-@pytest.mark.parametrize("shape", [(2, 64), (5, 96), (3, 3, 128), (16, 32), (1, 4, 64)])
+@pytest.mark.parametrize("shape", [(3, 64), (5, 96), (3, 3, 128), (16, 32), (1, 4, 64)])
 def test_gather_matmul_equals_the_matmul(shape, anywhere):
     # MLX's CPU gather_mm takes float32 only; the half types run in the GPU test
     _check_against_matmul(shape, "float32")
@@ -44,15 +44,20 @@ def test_gather_matmul_equals_the_matmul(shape, anywhere):
 def test_dispatch_rules(anywhere, monkeypatch):
     w = mx.zeros((8, 64))
     assert not fewrow.takes(mx.zeros((1, 64)), w)  # one row: MLX's gemv already
-    assert fewrow.takes(mx.zeros((2, 64)), w)
+    assert not fewrow.takes(mx.zeros((2, 64)), w)  # two rows: measured faster through cuBLASLt
+    assert fewrow.takes(mx.zeros((3, 64)), w)
     assert fewrow.takes(mx.zeros((4, 4, 64)), w)  # 16 rows in all
     assert not fewrow.takes(mx.zeros((17, 64)), w)  # a prefill chunk: cuBLASLt
-    assert not fewrow.takes(mx.zeros((2, 48)), mx.zeros((8, 48)))  # K % 32
-    assert not fewrow.takes(mx.zeros((2, 64), dtype=mx.float16), w)  # mixed dtypes
-    assert not fewrow.takes(mx.zeros((2, 64), dtype=mx.int32), mx.zeros((8, 64), dtype=mx.int32))
+    assert not fewrow.takes(mx.zeros((3, 48)), mx.zeros((8, 48)))  # K % 32
+    big = mx.zeros((8192, 384))  # 12.6 MB float32: 3 rows would read 38 MB
+    assert not fewrow.takes(mx.zeros((3, 384)), big)
+    monkeypatch.setattr(fewrow, "MAX_BYTES", 64 << 20)
+    assert fewrow.takes(mx.zeros((3, 384)), big)
+    assert not fewrow.takes(mx.zeros((3, 64), dtype=mx.float16), w)  # mixed dtypes
+    assert not fewrow.takes(mx.zeros((3, 64), dtype=mx.int32), mx.zeros((8, 64), dtype=mx.int32))
     monkeypatch.setattr(fewrow, "ANY_DEVICE", False)
     if mx.default_device() != mx.gpu:
-        assert not fewrow.takes(mx.zeros((2, 64)), w)  # a CPU forward keeps the matmul
+        assert not fewrow.takes(mx.zeros((3, 64)), w)  # a CPU forward keeps the matmul
 
 
 def test_install_swaps_plain_linears_and_the_tied_head(anywhere):
@@ -74,6 +79,7 @@ def test_linear_with_bias(anywhere):
     lin = nn.Linear(64, 40, bias=True)
     x = mx.random.normal((3, 64))
     want = lin(x)
+    assert fewrow.takes(x, lin.weight)
     lin.__class__ = fewrow.FewRowLinear
     assert float(mx.abs(lin(x) - want).max()) < 1e-5
 
@@ -118,9 +124,26 @@ def test_cuda_gathered_rows_equal_one_row_gemvs():
         for shape in [(2, 64), (5, 96), (3, 3, 128), (16, 32)]:
             _check_against_matmul(shape, dtype)
     rng = np.random.default_rng(3)
-    for n, k, m in [(384, 384, 2), (1024, 384, 9), (8192, 384, 5), (384, 1024, 16)]:
+    for n, k, m in [(384, 384, 3), (1024, 384, 9), (8192, 384, 5), (384, 1024, 16)]:
         x = mx.array(rng.normal(size=(m, k)).astype(np.float32)).astype(mx.bfloat16)
         w = mx.array(rng.normal(size=(n, k)).astype(np.float32) / 20).astype(mx.bfloat16)
         got = fewrow.gather_matmul(x, w)
         rows = mx.concatenate([x[i : i + 1] @ w.T for i in range(m)], axis=0)
         assert mx.array_equal(got, rows), (n, k, m)
+
+
+@pytest.mark.parametrize("preset", [None, "1"])
+def test_engine_import_turns_cudnn_attention_off_unless_set(preset):
+    """engine/__init__.py sets MLX_CUDA_USE_CUDNN_SDPA=0 (the capture abort) and keeps a user's value."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "MLX_CUDA_USE_CUDNN_SDPA"}
+    if preset is not None:
+        env["MLX_CUDA_USE_CUDNN_SDPA"] = preset
+    out = subprocess.run(
+        [sys.executable, "-c", "import engine, os; print(os.environ['MLX_CUDA_USE_CUDNN_SDPA'])"],
+        env=env, capture_output=True, text=True, check=True, timeout=120,
+    )
+    assert out.stdout.strip() == (preset or "0")
