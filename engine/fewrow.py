@@ -42,6 +42,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.modswap import swap_classes
 from kernels.common import gpu_backend
 
 MIN_ROWS = 3  # 2 rows measured slower gathered than through cuBLASLt (module doc)
@@ -117,25 +118,9 @@ def install(model: Any, force: bool = False) -> int:
     how many (0 unless `enabled()` or `force`)."""
     if not (force or enabled()):
         return 0
-    count = 0
-    for _, module in model.named_modules():
-        if type(module) is nn.Linear:
-            module.__class__ = FewRowLinear
-            count += 1
-        elif type(module) is nn.Embedding:
-            module.__class__ = FewRowEmbedding
-            count += 1
-    return count
+    return swap_classes(model, {nn.Linear: FewRowLinear, nn.Embedding: FewRowEmbedding})
 
 
 def uninstall(model: Any) -> int:
     """Back to the plain classes (for A/B measurements); returns how many."""
-    count = 0
-    for _, module in model.named_modules():
-        if type(module) is FewRowLinear:
-            module.__class__ = nn.Linear
-            count += 1
-        elif type(module) is FewRowEmbedding:
-            module.__class__ = nn.Embedding
-            count += 1
-    return count
+    return swap_classes(model, {FewRowLinear: nn.Linear, FewRowEmbedding: nn.Embedding})

@@ -39,6 +39,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.modswap import swap_classes
 from kernels.common import gpu_backend
 from kernels.skinny import kernel as _sk
 
@@ -104,14 +105,7 @@ def install(model: Any, force: bool = False, warm: bool | None = None) -> int:
     if that fails, the model is put back to the plain classes (with a warning) and 0 returned."""
     if not (force or enabled()):
         return 0
-    count = 0
-    for _, module in model.named_modules():
-        if type(module) is nn.Linear:
-            module.__class__ = SkinnyLinear
-            count += 1
-        elif type(module) is nn.Embedding:
-            module.__class__ = SkinnyEmbedding
-            count += 1
+    count = swap_classes(model, {nn.Linear: SkinnyLinear, nn.Embedding: SkinnyEmbedding})
     if warm is None:
         warm = enabled() and os.environ.get("MLXD_SKINNY_WARMUP", "1") != "0"
     if warm and count:
@@ -151,12 +145,4 @@ def warm_up(model: Any, rows: range | None = None) -> int:
 
 def uninstall(model: Any) -> int:
     """Back to the plain classes (for A/B measurements); returns how many."""
-    count = 0
-    for _, module in model.named_modules():
-        if type(module) is SkinnyLinear:
-            module.__class__ = nn.Linear
-            count += 1
-        elif type(module) is SkinnyEmbedding:
-            module.__class__ = nn.Embedding
-            count += 1
-    return count
+    return swap_classes(model, {SkinnyLinear: nn.Linear, SkinnyEmbedding: nn.Embedding})

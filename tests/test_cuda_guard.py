@@ -13,6 +13,19 @@ import pytest
 from engine import cuda_guard
 from engine.cuda_guard import rope_reference
 
+def _count_calls(monkeypatch, name: str, record) -> list:
+    """Replace mx.fast.<name> with a wrapper that appends record(args) to the returned list."""
+    calls: list = []
+    original = getattr(mx.fast, name)
+
+    def counting(*a, **k):
+        calls.append(record(a))
+        return original(*a, **k)
+
+    monkeypatch.setattr(mx.fast, name, counting)
+    return calls
+
+
 CASES = [
     # shape, dims, traditional, base, freqs, offset
     ((4, 6, 9, 64), 64, False, 10000.0, None, [0, 5, 300, 7]),
@@ -56,14 +69,9 @@ def test_reference_matches_mlx_rope(case, dtype):
 
 
 def test_guard_sends_only_large_inputs_to_the_reference(monkeypatch):
-    calls = []
     original = mx.fast.rope
-
-    def counting(*a, **k):
-        calls.append(a[0].shape)
-        return original(*a, **k)
-
-    monkeypatch.setattr(mx.fast, "rope", counting)
+    calls = _count_calls(monkeypatch, "rope", lambda a: a[0].shape)
+    counting = mx.fast.rope
     monkeypatch.setattr(cuda_guard, "ROWS", 64)
     cuda_guard.uninstall()
     assert cuda_guard.install(force=True)
@@ -177,14 +185,8 @@ def test_sdpa_reference_matches_mlx_attention(case, dtype):
 
 
 def test_sdpa_guard_sends_only_few_query_calls_to_the_reference(monkeypatch):
-    calls = []
-    original = mx.fast.scaled_dot_product_attention
-
-    def counting(q, *a, **k):
-        calls.append(q.shape[2])
-        return original(q, *a, **k)
-
-    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", counting)
+    calls = _count_calls(monkeypatch, "scaled_dot_product_attention", lambda a: a[0].shape[2])
+    counting = mx.fast.scaled_dot_product_attention
     monkeypatch.setattr(cuda_guard, "PLAIN_MAX", 16)
     cuda_guard.uninstall()
     assert cuda_guard.install(force=True)
