@@ -197,3 +197,81 @@ def test_exploration_budget_lets_paying_speculation_in_early():
     ratio, spec_steps = _simulate_engine(ctl, cost, np.full(1, 0.85), steps=250)
     assert spec_steps > 150 and ratio > 1.3, (ratio, spec_steps)
     assert ctl.explore_excess < 0.1, ctl.explore_excess
+
+
+def _simulate_lookup(cost, alpha_true: float, steps: int, B: int = 1, jump: bool = True,
+                     offer_len: int = 8, seed: int = 0):
+    """An n-gram-like drafter (offers `offer_len` drafts a row, free to make) under the
+    controller as the decoder drives it (offers passed, a jump's caps used for the step).
+    Returns (spec tokens/s) / (plain tokens/s), the speculative steps and the controller."""
+    rng = np.random.default_rng(seed)
+    ctl = Controller(ControllerConfig(max_draft=8, jump=jump), lookup_evidence=True)
+    acc, judged = np.zeros(B), np.zeros(B)
+    tokens, seconds, spec_steps = 0, 0.0, 0
+    for _ in range(steps):
+        alpha = ctl.alpha(acc, judged)
+        caps = ctl.caps(alpha, np.full(B, 1000))
+        offer = np.where(caps > 0, offer_len, 0)
+        caps = np.minimum(caps, offer)
+        d = ctl.decide(alpha, caps, offer)
+        width = d.width
+        k = np.minimum(d.caps if d.jump else caps, width - 1)
+        run = (rng.random((B, 8)) < alpha_true).cumprod(axis=1).sum(axis=1)
+        a = np.minimum(run, k) if width > 1 else np.zeros(B, np.int64)
+        step = cost(B, int(k.max()) + 1 if width > 1 else 1) * rng.uniform(0.95, 1.05)
+        if width > 1:
+            spec_steps += 1
+            acc, judged = 0.9 * acc + a, 0.9 * judged + a + (a < k)
+            ctl.learn(k, a)
+        ctl.record(B, int(k.max()) + 1 if width > 1 else 1, step, typical=True,
+                   emitted=float((a + 1).mean()))
+        tokens += int((a + 1).sum())
+        seconds += step
+    return tokens / seconds / (B / cost(B, 1)), spec_steps, ctl
+
+
+def _flat_gpu_cost(B, W):
+    """MLX-CUDA pattern (session 6): any verify width costs about two plain steps."""
+    return 0.0015 if W == 1 else 0.0030 * (1 + 0.01 * (W - 2))
+
+
+def test_flat_cost_jump_finds_wide_lookup_rounds_that_pay():
+    """On flat verify costs W = 2 never pays (1.8 tokens for 2 plain steps at alpha 0.8), so
+    the one-width climb stops there (1.0x); the jump tries the widest offered width (4.2
+    tokens for about the same cost) and keeps it: about 2x. (At alpha 0.7 the simulated gain
+    is 1.0-1.16x: the margins and the noisy per-row acceptance keep it cautious.)"""
+    without, spec0, _ = _simulate_lookup(_flat_gpu_cost, 0.8, 3000, jump=False)
+    ratio, spec_steps, ctl = _simulate_lookup(_flat_gpu_cost, 0.8, 3000)
+    assert without < 1.05 and spec0 < 150, (without, spec0)
+    assert ratio > 1.7 and spec_steps > 2500, (ratio, spec_steps)
+    assert ctl.costs.measured(1, 9) is not None and not ctl._flat_refuted
+
+
+def test_flat_cost_jump_stays_plain_where_even_wide_rounds_do_not_pay():
+    """alpha 0.45: 1.8 tokens for 2 plain steps at any width: the jump's samples say no."""
+    ratio, spec_steps, _ = _simulate_lookup(_flat_gpu_cost, 0.45, 3000)
+    assert ratio >= 0.97 and spec_steps < 150, (ratio, spec_steps)
+
+
+def test_flat_cost_jump_costs_one_sample_where_wide_verifies_are_dear():
+    """Reference-BLAS CPU (W columns cost W plain steps): the jump's first sample refutes the
+    flat premise for the bucket and no further jump is tried: still ~1x plain."""
+    cpu = lambda B, W: 0.010 * W  # noqa: E731
+    ratio, spec_steps, ctl = _simulate_lookup(cpu, 0.6, 3000, jump=True)
+    assert ratio >= 0.97, ratio
+    assert 1 in ctl._flat_refuted
+    assert ctl.costs.cells[(1, 9)].count == 1  # one jump sample, then never again
+    base, base_steps, _ = _simulate_lookup(cpu, 0.6, 3000, jump=False)
+    assert spec_steps <= base_steps + 2, (spec_steps, base_steps)
+
+
+def test_flat_cost_jump_is_for_lookup_drafters_only():
+    """A draft model's chain grows with the width, so the flat premise is never made for it."""
+    ctl = Controller(ControllerConfig(max_draft=8))
+    assert not ctl.lookup_evidence
+    alpha = np.full(1, 0.6)
+    for step in range(40):
+        caps = ctl.caps(alpha, np.full(1, 1000))
+        d = ctl.decide(alpha, caps, np.full(1, 8))
+        assert not d.jump
+        ctl.record(1, d.width, _flat_gpu_cost(1, d.width), typical=True)

@@ -419,3 +419,28 @@ def test_idle_draft_model_does_no_work_then_catches_up_past_the_window():
     assert st["spec_steps"] > 0 and st["catch_up_seconds"] > 0, st
     # one catch-up: the prompt and the ~90 plainly decoded tokens, fed once
     assert len(prompt) + plain_steps - 4 <= st["fed_tokens"] <= len(prompt) + plain_steps + 4, st
+
+
+def test_flat_cost_jump_drafts_the_lookup_offer_in_the_engine(tinycoder, monkeypatch):
+    """The controller's flat-cost jump (adaptive.ControllerConfig.jump) in the engine: step
+    times are replaced by a flat-cost device's (a plain step 1 ms, any verify 2 ms, as on
+    MLX-CUDA), so W = 2 never pays; the jump verifies the n-gram's whole offer (a width the
+    rows' usual caps never reach at this acceptance) and greedy output stays plain's."""
+    from engine.spec import adaptive
+
+    record = adaptive.Controller.record
+
+    def flat(self, num_rows, width, seconds, typical, emitted=1.0):
+        return record(self, num_rows, width, 0.001 if width == 1 else 0.002, typical, emitted)
+
+    monkeypatch.setattr(adaptive.Controller, "record", flat)
+    tok = tinycoder.tokenizer
+    src = "def area(w, h):\n    total = w * h\n    if total < 0:\n        raise ValueError('negative')\n    return total\n\n"
+    text = src + "# the same function, renamed to size:\n" + src.replace("area", "size")[:40]
+    reqs = [greedy("e0", tok.encode(text), 60)]
+    want, _ = _outputs(tinycoder, None, reqs, prefill_chunk=128)
+    got, stats = _outputs(tinycoder, SpecConfig("ngram", num_draft_tokens=8), reqs, prefill_chunk=128)
+    assert got == want
+    st = stats["ngram"]
+    widths = [int(k.split("x")[1]) for k in st["step_ms"]]
+    assert st["spec_steps"] > 0 and max(widths) >= 6, st  # the usual caps stop at 4 here

@@ -187,6 +187,16 @@ class ControllerConfig:
     # MLX-CUDA's first shapes of an engine), which a long match does not make cheaper.
     long_match: int = 4
     setup_bound: float = 4.0
+    # The flat-cost jump (lookup drafters only). Their drafts cost nothing to make, and on
+    # MLX-CUDA a verify step costs nearly the same at any width from 2 on (its cost is set by
+    # its kernel launches, not its columns: docs/speculative.md, "Session 6"), so W = 2, the
+    # first width the climb measures, is the worst value and a measured W = 2 that does not pay
+    # says little about wide widths. Then the widest width the rows' offers fill is tried on the
+    # premise that it costs what W = 2 costs; its own samples replace the premise at once, and
+    # a sample above `flat_tolerance` times W = 2's cost refutes it for the batch-size bucket (on
+    # a reference-BLAS CPU a width-9 verify costs ~9 plain steps: one sample, then no more jumps).
+    jump: bool = True
+    flat_tolerance: float = 1.5
 
 
 class ExploreMemory:
@@ -215,6 +225,7 @@ class Decision:
     width: int  # 1 = plain decoding
     caps: np.ndarray  # [B] per-row draft ceilings (0 = no speculation for the row)
     probe: bool = False
+    jump: bool = False  # the flat-cost jump: `caps` are the lookup's offers, not the row caps
 
 
 @dataclass
@@ -242,6 +253,7 @@ class Controller:
     _probe_start: int = 0  # step at which the current probe began
     lookup_evidence: bool = False  # caps carry a lookup drafter's offer (see long_match)
     _match_cost: float | None = None  # first exploration's expected cost given a long match
+    _flat_refuted: set[int] = field(default_factory=set)  # buckets where a jump sample was dear
 
     def __post_init__(self) -> None:
         self.pooled_alpha = self.config.prior_alpha
@@ -342,11 +354,48 @@ class Controller:
             margin = cfg.margin + cfg.noise_margin * spread
             if rate > best_rate * (margin if best_w == 1 else 1.0):
                 best_w, best_rate = w, rate
+        jumped = False
+        if best_w == 1 and cfg.jump and self.lookup_evidence and offer is not None:
+            top = self._jump(bucket, alpha, offer, plain, best_rate, plain_spread)
+            if top is not None:
+                best_w, caps, jumped = top, np.minimum(offer, top - 1), True
         decision = self._maybe_probe(bucket, best_w, caps)
+        decision.jump = jumped and decision.width == best_w and not decision.probe
         self._exploring = decision.width > 1 and (
             decision.probe or self.costs.measured(bucket, decision.width) is None
         )
         return decision
+
+    def _jump(
+        self,
+        bucket: int,
+        alpha: np.ndarray,
+        offer: np.ndarray,
+        plain: float,
+        plain_rate: float,
+        plain_spread: float,
+    ) -> int | None:
+        """The flat-cost jump (`ControllerConfig.jump`): the widest width the lookup's offers
+        fill, if it pays at its own sampled cost, or else at W = 2's measured cost while the
+        flat premise stands in this bucket; None otherwise."""
+        cfg = self.config
+        top = int(offer.max(initial=0)) + 1
+        two = self.costs.measured(bucket, 2)
+        if top < 4 or two is None or bucket in self._flat_refuted:
+            return None
+        cell = self.costs.cells.get((bucket, top))
+        if cell is not None and cell.samples:
+            if cell.seconds > cfg.flat_tolerance * two.seconds:
+                self._flat_refuted.add(bucket)  # wide verifies are dear here: no more jumps
+                return None
+            cost, spread = cell.seconds, cell.spread
+        else:
+            if self._hopeless(bucket, top, plain) or not self.may_explore(plain):
+                return None
+            cost, spread = two.seconds, two.spread
+        rate = float(expected_tokens(alpha, np.minimum(offer, top - 1)).sum()) / (cost + self.overhead)
+        margin = cfg.margin + cfg.noise_margin * max(plain_spread, spread)
+        return top if rate > plain_rate * margin else None
 
     def _plain(self, caps: np.ndarray) -> Decision:
         self._exploring = False

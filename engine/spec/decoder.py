@@ -107,6 +107,7 @@ class SpecDecoder:
         self._emitted = 1.0  # tokens per row of the last speculative step
         self._overhead_seen = 0.0  # drafter seconds outside the measured steps, already counted
         self._plain_hold = 0  # further decide() calls answered "plain" without re-deciding
+        self._jump: tuple[Any, np.ndarray] | None = None  # (rows, caps) of a flat-cost jump
         self._plain_rows: list[Any] | None = None  # the batch's row list when it was decided
         self._contexts: tuple[Any, list[int], list[list[int]]] | None = None  # see _context
         self.warmup_seconds = 0.0  # warm_up(): the speculative shapes built at engine start
@@ -169,8 +170,12 @@ class SpecDecoder:
         if self.drafter.point_mass and caps.max(initial=0) > 0:
             # the lookup's own offer up to the ceiling (a long match is evidence, long_match)
             offer = self._available(batch, np.where(caps > 0, self.max_draft, 0))
+            room = np.array([r.max_new_tokens - r.num_generated - 1 for r in rows], np.int64)
+            offer = np.minimum(offer, np.maximum(room, 0))  # the flat-cost jump drafts this much
             caps = np.minimum(caps, offer)
         decision = ctl.decide(alpha, caps, offer)
+        # the flat-cost jump drafts the lookup's whole offer, beyond the rows' usual caps
+        self._jump = (rows, decision.caps) if decision.jump else None
         # hold a choice made on costs; a lookup drafter that found nothing looks again soon
         found = not self.drafter.point_mass or caps.max(initial=0) > 0
         hold = decision.width == 1 and not decision.probe and ctl.config.adaptive
@@ -206,6 +211,9 @@ class SpecDecoder:
         drafter state) ends the step as if the accepted tokens had been decoded plainly."""
         t0 = time.perf_counter()
         alpha, caps = self._caps(batch)
+        jump = self._jump
+        if jump is not None and jump[0] is batch.rows and width > 1:
+            caps = jump[1]  # decided this step for these rows (ControllerConfig.jump)
         ctx = self._context(batch, np.minimum(caps, width - 1))
         proposal = self._propose(ctx)
         K = int(proposal.tokens.shape[1])
