@@ -254,15 +254,30 @@ def test_flat_cost_jump_stays_plain_where_even_wide_rounds_do_not_pay():
 
 
 def test_flat_cost_jump_costs_one_sample_where_wide_verifies_are_dear():
-    """Reference-BLAS CPU (W columns cost W plain steps): the jump's first sample refutes the
-    flat premise for the bucket and no further jump is tried: still ~1x plain."""
+    """Reference-BLAS CPU (W columns cost W plain steps): the jump's first two samples refute
+    the flat premise for the bucket and no further jump is tried: still ~1x plain."""
     cpu = lambda B, W: 0.010 * W  # noqa: E731
     ratio, spec_steps, ctl = _simulate_lookup(cpu, 0.6, 3000, jump=True)
     assert ratio >= 0.97, ratio
     assert 1 in ctl._flat_refuted
-    assert ctl.costs.cells[(1, 9)].count == 1  # one jump sample, then never again
+    assert ctl.costs.cells[(1, 9)].count == 2  # two jump samples, then never again
     base, base_steps, _ = _simulate_lookup(cpu, 0.6, 3000, jump=False)
     assert spec_steps <= base_steps + 2, (spec_steps, base_steps)
+
+
+def test_flat_cost_jump_survives_one_dear_sample():
+    """On the GPU one wide step can stall (a first use, another process): one dear sample does
+    not refute the premise; the next jump samples again, and flat costs win as before."""
+    stalled = []
+
+    def cost(B, W):
+        if W == 9 and not stalled:
+            stalled.append(W)
+            return 0.030  # 20x a plain step, once
+        return _flat_gpu_cost(B, W)
+
+    ratio, spec_steps, ctl = _simulate_lookup(cost, 0.8, 3000)
+    assert not ctl._flat_refuted and ratio > 1.7, (ratio, spec_steps)
 
 
 def test_flat_cost_jump_is_for_lookup_drafters_only():

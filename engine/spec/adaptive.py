@@ -192,9 +192,10 @@ class ControllerConfig:
     # its kernel launches, not its columns: docs/speculative.md, "Session 6"), so W = 2, the
     # first width the climb measures, is the worst value and a measured W = 2 that does not pay
     # says little about wide widths. Then the widest width the rows' offers fill is tried on the
-    # premise that it costs what W = 2 costs; its own samples replace the premise at once, and
-    # a sample above `flat_tolerance` times W = 2's cost refutes it for the batch-size bucket (on
-    # a reference-BLAS CPU a width-9 verify costs ~9 plain steps: one sample, then no more jumps).
+    # premise that it costs what W = 2 costs; its own samples replace the premise, and two
+    # samples above `flat_tolerance` times W = 2's cost refute it for the batch-size bucket (one
+    # could be a stall; on a reference-BLAS CPU a width-9 verify costs ~9 plain steps: two
+    # samples, then no more jumps).
     jump: bool = True
     flat_tolerance: float = 1.5
 
@@ -384,13 +385,18 @@ class Controller:
         if top < 4 or two is None or bucket in self._flat_refuted:
             return None
         cell = self.costs.cells.get((bucket, top))
-        if cell is not None and cell.samples:
-            if cell.seconds > cfg.flat_tolerance * two.seconds:
-                self._flat_refuted.add(bucket)  # wide verifies are dear here: no more jumps
-                return None
-            cost, spread = cell.seconds, cell.spread
-        else:
-            if self._hopeless(bucket, top, plain) or not self.may_explore(plain):
+        dear = cfg.flat_tolerance * two.seconds
+        samples = list(cell.samples) if cell is not None else []
+        if len(samples) >= 2 and min(samples) > dear:
+            self._flat_refuted.add(bucket)  # wide verifies are dear here: no more jumps
+            return None
+        cheap = sorted(x for x in samples if x <= dear)  # dear ones: stalls, while the premise holds
+        if cheap:
+            n = len(cheap)
+            cost = 0.5 * (cheap[(n - 1) // 2] + cheap[n // 2])
+            spread = (cheap[(3 * n) // 4] - cheap[n // 4]) / cost if n >= 3 else 0.0
+        else:  # untried, or one dear sample (a stall or a first use can be one): the premise
+            if not self.may_explore(plain):
                 return None
             cost, spread = two.seconds, two.spread
         rate = float(expected_tokens(alpha, np.minimum(offer, top - 1)).sum()) / (cost + self.overhead)
