@@ -13,6 +13,10 @@ Worked example: a full-attention row of 300 tokens verifies 5 columns. The layou
 305 key columns and a `[B, 1, 5, 305]` mask; the view returns the buffer's first 512 columns
 and the mask padded with False to 512, the same shapes as for every width from 257 to 512.
 
+Since mlxd sets `MLX_CUDA_USE_CUDNN_SDPA=0` by default (engine/__init__.py), attention over
+several queries runs MLX's plain-op attention with no per-shape graph; the views stay for
+`MLX_CUDA_USE_CUDNN_SDPA=1` and cost only the masked columns.
+
 Only plain-codec attention layouts are widened (quantized ones attend through
 quantized matmuls, recurrent ones have no keys). Elsewhere (CPU, Metal) attention with several
 queries has no per-shape setup, so `wide` returns the layouts unchanged unless forced.
