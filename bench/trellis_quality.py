@@ -1,7 +1,7 @@
 """Perplexity of tinycoder-16m under weight quantization: bf16, MLX affine 4/3-bit g64, trellis.
 
     python bench/trellis_quality.py [--L 12] [--bits 4 3 2] [--modes seq ldlq plain]
-                                    [--finetune-steps 150] [--out FILE.json]
+                                    [--finetune-steps 300] [--out FILE.json]
 
 Data split (documented in docs/trellis.md): records of tinycoder-dev.jsonl at odd positions form
 the evaluation stream; ``--windows`` windows of ``--length`` tokens at evenly spaced starts are
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bits", type=int, nargs="+", default=[4, 3, 2])
     p.add_argument("--L", type=int, nargs="+", default=[12])
     p.add_argument("--modes", nargs="*", default=["seq"], choices=["seq", "ldlq", "plain"])
-    p.add_argument("--finetune-steps", type=int, default=150, help="0: no fine-tuning rows")
+    p.add_argument("--finetune-steps", type=int, default=300, help="0: no fine-tuning rows")
     p.add_argument("--finetune-windows", type=int, default=512)
     p.add_argument("--finetune-length", type=int, default=256)
     p.add_argument("--finetune-batch", type=int, default=4)
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         help="in-block target: the float block's output on its quantized-prefix inputs ('own') or the float "
         "model's hidden state after the block ('float'; '-float' in the row names and cache keys)",
     )
-    p.add_argument("--calib-windows", type=int, default=32)
+    p.add_argument("--calib-windows", type=int, default=64)
     p.add_argument("--calib-length", type=int, default=512)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "trellis_quality.json")
     p.add_argument(

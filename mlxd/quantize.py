@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="jsonl of {text} / {messages} records: quantize with BlockLDLQ on their activations",
     )
-    p.add_argument("--calibration-windows", type=int, default=32, help="token windows to run")
+    p.add_argument("--calibration-windows", type=int, default=64, help="token windows to run")
     p.add_argument("--calibration-length", type=int, default=512, help="tokens per window")
     p.add_argument(
         "--no-sequential",
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--finetune-steps",
         type=int,
-        default=150,
+        default=300,
         help="with --calibration: Adam steps of fine-tuning after quantization (row gains, signs, norms; "
         "distilled from the float model on the calibration text); 0: none",
     )
@@ -108,7 +108,7 @@ def quantize_dir(
     progress: bool = True,
     only=None,
     calibration: Path | None = None,
-    calibration_windows: int = 32,
+    calibration_windows: int = 64,
     calibration_length: int = 512,
     sequential: bool = True,
     block_tune_steps: int = 0,
