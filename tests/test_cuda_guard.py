@@ -13,6 +13,7 @@ import pytest
 from engine import cuda_guard
 from engine.cuda_guard import rope_reference
 
+
 def _count_calls(monkeypatch, name: str, record) -> list:
     """Replace mx.fast.<name> with a wrapper that appends record(args) to the returned list."""
     calls: list = []

@@ -285,7 +285,7 @@ def test_flat_cost_jump_is_for_lookup_drafters_only():
     ctl = Controller(ControllerConfig(max_draft=8))
     assert not ctl.lookup_evidence
     alpha = np.full(1, 0.6)
-    for step in range(40):
+    for _ in range(40):
         caps = ctl.caps(alpha, np.full(1, 1000))
         d = ctl.decide(alpha, caps, np.full(1, 8))
         assert not d.jump

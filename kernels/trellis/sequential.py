@@ -30,7 +30,6 @@ target was used ("float", "own", or "float+own" after a fallback midway).
 from __future__ import annotations
 
 import warnings
-
 from collections.abc import Callable, Sequence
 from typing import Any
 
