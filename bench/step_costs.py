@@ -244,7 +244,7 @@ def main(argv=None):
                         "ab: each step row measured with the guard off and forced on, alternating "
                         "in 3 chunks each, so machine drift hits both alike)")
     p.add_argument("--fewrow", choices=("auto", "on", "off", "ab"), default="off",
-                   help="engine.fewrow (2..16-row matmuls as one gathered gemv) on the models: auto as the "
+                   help="engine.fewrow (3..16-row matmuls as one gathered gemv) on the models: auto as the "
                         "engine's loader installs it (CUDA), on: forced, off: never (default, the raw "
                         "models), ab: each step row with it off and on, alternating in one process")
     p.add_argument("--nodes", action="store_true",

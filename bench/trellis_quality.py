@@ -299,8 +299,6 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     mx.eval(model.parameters())
                     seconds = time.perf_counter() - t0
-                    if bt is not None and bt.target != "own":
-                        qconfig["block_tune"]["target"] = bt.target  # as mlxd quantize records it
                     if cached is not None:
                         tr.save_model(model, {**config, "quantization": {**qconfig, "quantize_seconds": round(seconds, 1)}}, cached, args.model)
                 num = sum(m.input_dims * m.output_dims for _, m in tr.trellis_layers(model))

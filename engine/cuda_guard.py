@@ -43,8 +43,10 @@ with the plain attention (median about 1.04x; 1x2 2.87 vs 2.77 ms, 1x9 2.77 vs 2
 vs 2.59 ms). The width cliff is not attention: a plain batch of 4 rows at one query each costs
 what a 1x9 verify does (2.71 ms against 1.13 ms for 1x1), so it comes with more than one row
 in the matmuls (cuBLASLt instead of the gemv kernel, docs/kernels.md). `MLXD_SDPA_PLAIN_MAX=16`
-turns it on (e.g. to test whether the capture abort goes with cuDNN); 0 (the default) or 1
-leaves every call to MLX's kernel.
+turns it on; 0 (the default) or 1 leaves every call to MLX's kernel. Since mlxd turns cuDNN's
+attention off altogether by default (`MLX_CUDA_USE_CUDNN_SDPA=0`, engine/__init__.py: the capture
+abort came with it), MLX's own plain-op attention already serves these calls; this path matters
+only with `MLX_CUDA_USE_CUDNN_SDPA=1`, to keep verify forwards off cuDNN while prefill uses it.
 """
 
 from __future__ import annotations

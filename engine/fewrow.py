@@ -1,4 +1,4 @@
-"""Few-row matmuls on CUDA as one gathered gemv: x with 2..`MAX_ROWS` rows times a weight.
+"""Few-row matmuls on CUDA as one gathered gemv: x with `MIN_ROWS`..`MAX_ROWS` rows times a weight.
 
 MLX-CUDA multiplies by its gemv kernel only when x has one row; from two rows on it calls
 cuBLASLt, which costs 2-3x the gemv per call at decode sizes (bench/small_m.py on the H200:
@@ -91,11 +91,6 @@ def gather_matmul(x: mx.array, w: mx.array) -> mx.array:
     lhs, rhs = _indices(m)
     y = mx.gather_mm(x.reshape(m, 1, K), w.T[None], lhs, rhs)  # [m, 1, N]
     return y.reshape(*x.shape[:-1], w.shape[0])
-
-
-def matmul(x: mx.array, w: mx.array) -> mx.array:
-    """x @ w.T, through `gather_matmul` when it takes the call."""
-    return gather_matmul(x, w) if takes(x, w) else x @ w.T
 
 
 class FewRowLinear(nn.Linear):

@@ -109,7 +109,7 @@ def load_model(
     if want is not None:
         net.set_dtype(want)
     skinny.install(net)  # opt-in, CUDA only (MLXD_SKINNY=1): fused few-row matmuls, engine/skinny.py
-    fewrow.install(net)  # CUDA only: 2..16-row matmuls as one gathered gemv, engine/fewrow.py
+    fewrow.install(net)  # CUDA only: 3..16-row matmuls as one gathered gemv, engine/fewrow.py
     wrapper = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     hf_tok = wrapper._tokenizer
     template = chat_template

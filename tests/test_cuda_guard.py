@@ -14,8 +14,9 @@ from engine import cuda_guard
 from engine.cuda_guard import rope_reference
 
 
-def _count_calls(monkeypatch, name: str, record) -> list:
-    """Replace mx.fast.<name> with a wrapper that appends record(args) to the returned list."""
+def _forced_guard(monkeypatch, name: str, record, **settings) -> tuple[list, object]:
+    """Wrap mx.fast.<name> with a recorder (record(args) per call to MLX's kernel), apply the
+    guard `settings`, install the guard by force; returns (calls, the recorder)."""
     calls: list = []
     original = getattr(mx.fast, name)
 
@@ -24,7 +25,11 @@ def _count_calls(monkeypatch, name: str, record) -> list:
         return original(*a, **k)
 
     monkeypatch.setattr(mx.fast, name, counting)
-    return calls
+    for attr, value in settings.items():
+        monkeypatch.setattr(cuda_guard, attr, value)
+    cuda_guard.uninstall()
+    assert cuda_guard.install(force=True)
+    return calls, counting
 
 
 CASES = [
@@ -71,11 +76,7 @@ def test_reference_matches_mlx_rope(case, dtype):
 
 def test_guard_sends_only_large_inputs_to_the_reference(monkeypatch):
     original = mx.fast.rope
-    calls = _count_calls(monkeypatch, "rope", lambda a: a[0].shape)
-    counting = mx.fast.rope
-    monkeypatch.setattr(cuda_guard, "ROWS", 64)
-    cuda_guard.uninstall()
-    assert cuda_guard.install(force=True)
+    calls, counting = _forced_guard(monkeypatch, "rope", lambda a: a[0].shape, ROWS=64)
     try:
         assert mx.fast.rope is cuda_guard.rope
         small = mx.ones((16, 4, 1, 16))  # 64 rows: MLX's kernel
@@ -186,11 +187,9 @@ def test_sdpa_reference_matches_mlx_attention(case, dtype):
 
 
 def test_sdpa_guard_sends_only_few_query_calls_to_the_reference(monkeypatch):
-    calls = _count_calls(monkeypatch, "scaled_dot_product_attention", lambda a: a[0].shape[2])
-    counting = mx.fast.scaled_dot_product_attention
-    monkeypatch.setattr(cuda_guard, "PLAIN_MAX", 16)
-    cuda_guard.uninstall()
-    assert cuda_guard.install(force=True)
+    calls, counting = _forced_guard(
+        monkeypatch, "scaled_dot_product_attention", lambda a: a[0].shape[2], PLAIN_MAX=16
+    )
     try:
         assert mx.fast.scaled_dot_product_attention is cuda_guard.sdpa
         k = mx.ones((2, 2, 40, 64))

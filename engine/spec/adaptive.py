@@ -69,6 +69,15 @@ def expected_tokens(alpha: np.ndarray, k: np.ndarray) -> np.ndarray:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
+def median_spread(ordered: list[float]) -> tuple[float, float]:
+    """Median and relative spread (IQR / median; 0 below 3 samples) of sorted samples (np.median
+    costs ~30 us per step)."""
+    n = len(ordered)
+    median = 0.5 * (ordered[(n - 1) // 2] + ordered[n // 2])
+    spread = (ordered[(3 * n) // 4] - ordered[n // 4]) / median if n >= 3 and median > 0 else 0.0
+    return median, spread
+
+
 def bucket_of(num_rows: int) -> int:
     """1, 2, 4, 8, ...: the power of two at or above num_rows."""
     return 1 << max(0, int(num_rows - 1).bit_length())
@@ -99,11 +108,7 @@ class StepCosts:
         if cell is None:
             cell = self.cells[(bucket, width)] = _Cell(deque(maxlen=self.window), 0, step)
         cell.samples.append(seconds)
-        ordered = sorted(cell.samples)  # the median (np.median costs ~30 us per step)
-        n = len(ordered)
-        cell.seconds = 0.5 * (ordered[(n - 1) // 2] + ordered[n // 2])
-        if n >= 3 and cell.seconds > 0:
-            cell.spread = (ordered[(3 * n) // 4] - ordered[n // 4]) / cell.seconds
+        cell.seconds, cell.spread = median_spread(sorted(cell.samples))
         cell.count += 1
         cell.last_step = step
 
@@ -392,9 +397,7 @@ class Controller:
             return None
         cheap = sorted(x for x in samples if x <= dear)  # dear ones: stalls, while the premise holds
         if cheap:
-            n = len(cheap)
-            cost = 0.5 * (cheap[(n - 1) // 2] + cheap[n // 2])
-            spread = (cheap[(3 * n) // 4] - cheap[n // 4]) / cost if n >= 3 else 0.0
+            cost, spread = median_spread(cheap)
         else:  # untried, or one dear sample (a stall or a first use can be one): the premise
             if not self.may_explore(plain):
                 return None
