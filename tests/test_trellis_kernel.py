@@ -92,6 +92,9 @@ XREG_CPU_CASES = [
     (3, 1, 2, 16, "3inst", LaunchConfig("xreg", 2, 8, 2, 2, 1)),
     (7, 1, 3, 16, "1mad", LaunchConfig("xreg", 2, 4, 2, 1, 1)),
     (5, 4, 4, 16, "1mad", LaunchConfig("xreg", 1, 1, 1, 1, 1)),
+    # the grid covers the shape exactly (no bounds checks compiled in), and rows only
+    (7, 3, 3, 16, "1mad", LaunchConfig("xreg", 1, 4, 2, 2, 1)),
+    (6, 2, 3, 12, "1mad", LaunchConfig("xreg", 1, 1, 1, 1, 1)),
 ]
 
 

@@ -140,6 +140,10 @@ BODY_XREG = r"""
     const u32 groups_per_block = (u32)(TB / 32);
     const u32 num_groups = (u32)(N_IN / 32);
     const bool denormal = (DEN != 0) && (CODE == 0);
+    const int WPR = N_IN * K / 32;  // words a row
+    // every row of the grid exists / every lane's group of columns exists
+    const bool full_rows = (N_OUT % (RS * RWU * NCH)) == 0;
+    const bool full_cols = (N_IN % (1024 * GPL)) == 0;
     TRELLIS_SHARED float red[RS * RWU * NCH * BATCH * WC];
     u32 gcol[GPL];
     u32 gnext[GPL];
@@ -195,18 +199,22 @@ BODY_XREG = r"""
             w[t] = wn[t];
         }
         if (c < (u32)NCH) {
+            // One base index per group for the chunk; each row's and word's offset is a constant
+            // (signed indices: the compiler may fold it into the load's immediate). The bounds
+            // checks vanish at compile time when the grid covers the shape exactly.
+            const u32 chunk_row = row_base + c * (u32)RWU;
             TRELLIS_UNROLL
-            for (int r = 0; r < RWU; ++r) {
-                const u32 row = row_base + c * (u32)RWU + (u32)r;
-                const u32 rbase = row * words_per_row;
+            for (int j = 0; j < GPL; ++j) {
+                const int base = (int)(chunk_row * words_per_row + gcol[j]);
+                const int base_next = (int)(chunk_row * words_per_row + gnext[j]);
                 TRELLIS_UNROLL
-                for (int j = 0; j < GPL; ++j) {
-                    const bool on = gon[j] && row < (u32)N_OUT;
+                for (int r = 0; r < RWU; ++r) {
+                    const bool on = (full_cols || gon[j]) && (full_rows || chunk_row + (u32)r < (u32)N_OUT);
                     TRELLIS_UNROLL
                     for (int k = 0; k < K; ++k) {
-                        wn[(r * GPL + j) * (K + 1) + k] = on ? packed[rbase + gcol[j] + (u32)k] : 0u;
+                        wn[(r * GPL + j) * (K + 1) + k] = on ? packed[base + r * WPR + k] : 0u;
                     }
-                    wn[(r * GPL + j) * (K + 1) + K] = on ? packed[rbase + gnext[j]] : 0u;
+                    wn[(r * GPL + j) * (K + 1) + K] = on ? packed[base_next + r * WPR] : 0u;
                 }
             }
         }

@@ -190,6 +190,8 @@ def kernel_constants(
         NP=_pow2(config.rwu * batch),
         DEN=int(config.den and code == "1mad"),
     )
+    if n_out * (n_in * bits // 32) >= 2**31:  # the body indexes the words with 32-bit ints
+        raise ValueError(f"{n_out}x{n_in} at {bits} bits is over 2^31 packed words")
     if consts["NP"] > 32:
         raise ValueError(f"rows a chunk x batch must be <= 32, got {config.rwu} x {batch}")
     return consts
