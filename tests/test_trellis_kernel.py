@@ -93,7 +93,7 @@ XREG_CPU_CASES = [
     (7, 1, 3, 16, "1mad", LaunchConfig("xreg", 2, 4, 2, 1, 1)),
     (5, 4, 4, 16, "1mad", LaunchConfig("xreg", 1, 1, 1, 1, 1)),
     # the grid covers the shape exactly (no bounds checks compiled in), and rows only
-    (7, 3, 3, 16, "1mad", LaunchConfig("xreg", 1, 4, 2, 2, 1)),
+    (7, 1, 3, 16, "1mad", LaunchConfig("xreg", 1, 4, 2, 1, 1)),
     (6, 2, 3, 12, "1mad", LaunchConfig("xreg", 1, 1, 1, 1, 1)),
 ]
 
@@ -538,3 +538,14 @@ def test_gpu_trellis_linear_compiled_equals_uncompiled(monkeypatch, shape_i, lea
     for a, b in zip(outs[True], outs[False], strict=True):
         assert np.isfinite(a).all()
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_layout_over_the_register_file_is_refused_not_launched():
+    """MLX's kernels carry no launch bounds: an xreg threadgroup whose registers exceed one
+    multiprocessor's would not launch and leave y as allocated, so the CUDA path refuses it."""
+    cfg = LaunchConfig("xreg", 1, 4, 2, 2, 1)  # 14 x 2 warps of ~184 registers at batch 3
+    assert not matvec.xreg_fits(cfg, 14336, 3, 3)
+    x = mx.zeros((3, 14336), mx.float32)
+    packed = mx.zeros((8, 14336 * 3 // 32), mx.uint32)
+    with pytest.raises(ValueError, match="does not fit"):
+        matvec._launch("cuda", "dp4a", x, packed, mx.ones((8,), mx.float16), 3, 16, 256, "1mad", cfg)

@@ -285,6 +285,10 @@ def _launch(
     backend, variant, x_rot, packed, scales, bits, L, block, code, config: LaunchConfig = SMEM, out_dtype=None
 ) -> mx.array:
     n_in = x_rot.shape[-1]
+    if backend == "cuda" and config.body == "xreg" and not xreg_fits(config, n_in, x_rot.size // n_in, bits):
+        # MLX's kernels carry no launch bounds: a threadgroup over the register file does not
+        # launch, and y would be left as it was allocated
+        raise ValueError(f"layout {config.key()} does not fit one multiprocessor at n_in={n_in}")
     args = _launch_args(
         int(packed.shape[0]), n_in, x_rot.size // n_in, bits, L, block, code,
         out_dtype or x_rot.dtype, config, tuple(x_rot.shape[:-1]), x_rot.dtype, scales.dtype,
