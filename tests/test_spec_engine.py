@@ -444,3 +444,4 @@ def test_flat_cost_jump_drafts_the_lookup_offer_in_the_engine(tinycoder, monkeyp
     st = stats["ngram"]
     widths = [int(k.split("x")[1]) for k in st["step_ms"]]
     assert st["spec_steps"] > 0 and max(widths) >= 6, st  # the usual caps stop at 4 here
+    assert st["jumps"] > 0, st

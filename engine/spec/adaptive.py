@@ -260,6 +260,7 @@ class Controller:
     lookup_evidence: bool = False  # caps carry a lookup drafter's offer (see long_match)
     _match_cost: float | None = None  # first exploration's expected cost given a long match
     _flat_refuted: set[int] = field(default_factory=set)  # buckets where a jump sample was dear
+    jumps: int = 0  # decisions that took the flat-cost jump (engine stats)
 
     def __post_init__(self) -> None:
         self.pooled_alpha = self.config.prior_alpha
@@ -367,6 +368,7 @@ class Controller:
                 best_w, caps, jumped = top, np.minimum(offer, top - 1), True
         decision = self._maybe_probe(bucket, best_w, caps)
         decision.jump = jumped and decision.width == best_w and not decision.probe
+        self.jumps += decision.jump
         self._exploring = decision.width > 1 and (
             decision.probe or self.costs.measured(bucket, decision.width) is None
         )
@@ -509,5 +511,6 @@ class Controller:
             "explore_ms": round(self.explore_excess * 1e3, 3),
             "busy_s": round(self.busy, 3),
             "speculating_by_bucket": {str(b): v for b, v in sorted(self._chosen_spec.items())},
+            "jumps": self.jumps,
             "step_ms": self.costs.summary(),
         }
