@@ -41,6 +41,9 @@ def _load(path, dtype):
     return model
 
 
+EVAL_EVERY = [0]  # --eval-every: evaluation points in multi-token forwards (0: none)
+
+
 class _Cache:
     """A batch of rows with `prompt_len` tokens, and a per-step rollback to that length."""
 
@@ -65,11 +68,13 @@ class _Cache:
         self.batch = batch
 
     def view(self, width):
-        """What to pass as `cache=` for a forward of `width` tokens per row."""
+        """What to pass as `cache=` for a forward of `width` tokens per row (with
+        `EVAL_EVERY[0]`, the verify forward's evaluation points: engine/spec/evalpoints.py)."""
         if self.kind == "engine" and width > 1:
+            from engine.spec.evalpoints import eval_points
             from engine.spec.widekv import wide
 
-            return wide(self.layers)
+            return eval_points(wide(self.layers), EVAL_EVERY[0])
         return self.layers
 
     def begin(self):
@@ -147,14 +152,16 @@ def measure(model, batch, width, steps, kind, prompt_len=64):
             "build_ms": _ms(build), "pipelined_ms": round(piped * 1e3, 3)}
 
 
-def measure_ab(model, batch, width, steps, kind, chunks=3, what="guard"):
-    """`measure` with `what` (engine.cuda_guard, or engine.fewrow on `model`) off and forced on,
-    alternating in `chunks` chunks of steps // chunks samples each; the medians of the chunks'
-    medians."""
+def measure_ab(model, batch, width, steps, kind, chunks=3, what="guard", eval_every=2):
+    """`measure` with `what` (engine.cuda_guard, engine.fewrow on `model`, or "eval": evaluation
+    points every `eval_every` layers) off and on, alternating in `chunks` chunks of
+    steps // chunks samples each; the medians of the chunks' medians."""
     from engine import cuda_guard, fewrow
 
     def switch(on: bool) -> None:
-        if what == "guard":
+        if what == "eval":
+            EVAL_EVERY[0] = eval_every if on else 0
+        elif what == "guard":
             cuda_guard.uninstall()
             if on:
                 cuda_guard.install(force=True)
@@ -247,11 +254,18 @@ def main(argv=None):
                    help="engine.fewrow (3..16-row matmuls as one gathered gemv) on the models: auto as the "
                         "engine's loader installs it (CUDA), on: forced, off: never (default, the raw "
                         "models), ab: each step row with it off and on, alternating in one process")
+    p.add_argument("--eval-every", default="0",
+                   help="evaluation points in the multi-token (verify) forwards every N layers "
+                        "(engine/spec/evalpoints.py): N, or abN to alternate off and N in one process")
     p.add_argument("--nodes", action="store_true",
                    help="also count the primitives of one step's graph per (model, batch, width)")
     p.add_argument("--out")
     a = p.parse_args(argv)
-    res = {"device": str(mx.default_device()), "cache": a.cache, "skinny": a.skinny, "rows": []}
+    eval_ab = a.eval_every.startswith("ab")
+    eval_n = int(a.eval_every[2:] or 2) if eval_ab else int(a.eval_every)
+    EVAL_EVERY[0] = 0 if eval_ab else eval_n
+    res = {"device": str(mx.default_device()), "cache": a.cache, "skinny": a.skinny,
+           "eval_every": a.eval_every, "rows": []}
     if a.guard not in ("off", "ab"):
         from engine import cuda_guard
 
@@ -274,9 +288,10 @@ def main(argv=None):
             res.setdefault("skinny_modules", {})[name] = skinny.install(m, force=a.skinny == "on")
         for b in batches:
             for w in widths:
-                if a.guard == "ab" or a.fewrow == "ab":
-                    what = "guard" if a.guard == "ab" else "fewrow"
-                    r = dict(measure_ab(m, b, w, a.steps, a.cache, what=what), model=name)
+                if a.guard == "ab" or a.fewrow == "ab" or (eval_ab and w > 1):
+                    what = "guard" if a.guard == "ab" else "fewrow" if a.fewrow == "ab" else "eval"
+                    r = dict(measure_ab(m, b, w, a.steps, a.cache, what=what, eval_every=eval_n),
+                             model=name)
                     print(json.dumps(r), flush=True)
                     res["rows"].append(r)
                     continue

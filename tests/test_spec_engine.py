@@ -445,3 +445,58 @@ def test_flat_cost_jump_drafts_the_lookup_offer_in_the_engine(tinycoder, monkeyp
     widths = [int(k.split("x")[1]) for k in st["step_ms"]]
     assert st["spec_steps"] > 0 and max(widths) >= 6, st  # the usual caps stop at 4 here
     assert st["jumps"] > 0, st
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_eval_points_in_the_verify_forward_keep_greedy_exact(arch, monkeypatch):
+    """`MLXD_SPEC_EVAL_EVERY` (engine/spec/evalpoints.py): the verify forward queues its work
+    every 2 layers; outputs stay plain greedy's, batched, for n-gram and a draft model, and a
+    hybrid model's recurrent layers (their caches are not wrapped) still roll back exactly."""
+    from engine.spec import decoder, evalpoints
+
+    points = []
+    real = evalpoints._EvalPoint.update_and_fetch
+
+    def counted(self, keys, values):
+        points.append(keys.shape[2])
+        return real(self, keys, values)
+
+    monkeypatch.setattr(decoder, "EVAL_EVERY", 2)
+    monkeypatch.setattr(evalpoints._EvalPoint, "update_and_fetch", counted)
+    if arch == "qwen3_next":
+        from engine.models.tiny import TINY_CONFIGS
+        from engine.models.tiny import tiny_model as registry_tiny
+
+        cfg = dict(TINY_CONFIGS[arch], num_hidden_layers=4)  # linear, attention, linear, attention
+        model = registry_tiny(arch, seed=2, num_hidden_layers=4)
+        mx.disable_compile()
+    else:
+        model, cfg = tiny_model(arch)
+    try:
+        lm = loaded(model, cfg)
+        prompts = _repetitive_prompts(cfg["vocab_size"], 4, seed=7)
+        reqs = [greedy(f"r{i}", p, max_tokens=24 + 5 * i) for i, p in enumerate(prompts)]
+        want, _ = _outputs(lm, None, reqs, prefill_chunk=32)
+        _check(lm, SpecConfig("ngram", num_draft_tokens=4, adaptive=False), reqs, want,
+               prefill_chunk=32)
+        assert points and max(points) > 1  # the verify forwards went through the points
+        if arch == "llama":
+            draft = _perturbed(model, cfg, 0.01, seed=1)
+            _check(lm, SpecConfig("draft", draft_model=draft, num_draft_tokens=3, adaptive=False),
+                   reqs, want, min_accept=0.2, prefill_chunk=32)
+    finally:
+        if arch == "qwen3_next":
+            mx.enable_compile()
+
+
+def test_eval_points_wrap_every_nth_attention_cache_but_the_last():
+    from engine.kv.attention import PlainLayout
+    from engine.spec.evalpoints import _EvalPoint, eval_points
+
+    caches = [PlainLayout(1) for _ in range(7)] + [object()]
+    out = eval_points(caches, 2)
+    assert [type(c) is _EvalPoint for c in out] == [False, True, False, True, False, True, False, False]
+    assert eval_points(caches, 0) is caches
+    assert out[1].offset is caches[1].offset and out[1].inner is caches[1]
+    last = eval_points(caches[:4], 2)  # layer 3 is the last: never a point
+    assert [type(c) is _EvalPoint for c in last] == [False, True, False, False]

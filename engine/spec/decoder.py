@@ -32,6 +32,7 @@ from engine.spec.accept import (
 )
 from engine.spec.adaptive import Controller, ControllerConfig
 from engine.spec.base import Drafter, Proposal, ProposeContext
+from engine.spec.evalpoints import eval_points, every_from_env
 from engine.spec.ringcommit import RingRound
 from engine.spec.widekv import wide
 
@@ -40,6 +41,8 @@ from engine.spec.widekv import wide
 HOST_VERDICT = True
 PLAIN_HOLD = 15  # decide() re-decides a plain choice every PLAIN_HOLD + 1 steps
 NOT_FOUND_HOLD = 3  # ... and every NOT_FOUND_HOLD + 1 steps when a lookup drafter found nothing
+# the verify forward queues its work every N layers (engine/spec/evalpoints.py; 0: off)
+EVAL_EVERY = every_from_env()
 
 
 class SpecRows:
@@ -234,7 +237,7 @@ class SpecDecoder:
         else:
             drafts = proposal.tokens.astype(mx.int32)
             inp = mx.concatenate([batch.next_tokens[:, None], drafts], axis=1)
-        logits = self.model(inp, cache=wide(ring_round.model_caches))
+        logits = self.model(inp, cache=eval_points(wide(ring_round.model_caches), EVAL_EVERY))
         constrained = batch.constrained_rows()
         if constrained:
             from engine.runner import _mask_logits
