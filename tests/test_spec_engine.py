@@ -497,6 +497,6 @@ def test_eval_points_wrap_every_nth_attention_cache_but_the_last():
     out = eval_points(caches, 2)
     assert [type(c) is _EvalPoint for c in out] == [False, True, False, True, False, True, False, False]
     assert eval_points(caches, 0) is caches
-    assert out[1].offset is caches[1].offset and out[1].inner is caches[1]
+    assert out[1].offset is caches[1].offset and out[1].layout is caches[1]
     last = eval_points(caches[:4], 2)  # layer 3 is the last: never a point
     assert [type(c) is _EvalPoint for c in last] == [False, True, False, False]

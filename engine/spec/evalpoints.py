@@ -24,6 +24,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.spec.widekv import LayoutView
+
 
 def every_from_env() -> int:
     try:
@@ -38,34 +40,19 @@ def eval_points(caches: list[Any], every: int) -> list[Any]:
     if every <= 0:
         return caches
     from engine.kv.attention import KVLayout
-    from engine.spec.widekv import _Wide
 
     out = list(caches)
     for i in range(every - 1, len(out) - 1, every):
-        if isinstance(out[i], (KVLayout, _Wide)):
+        if isinstance(out[i], (KVLayout, LayoutView)):
             out[i] = _EvalPoint(out[i])
     return out
 
 
-class _EvalPoint:
-    """Delegates to the cache; `update_and_fetch` first queues the keys it is handed."""
+class _EvalPoint(LayoutView):
+    """A view whose `update_and_fetch` first queues the keys and values it is handed."""
 
-    __slots__ = ("inner",)
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    @property
-    def offset(self) -> Any:
-        return self.inner.offset
-
-    @property
-    def state(self) -> Any:
-        return self.inner.state
+    __slots__ = ()
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
         mx.async_eval(keys, values)
-        return self.inner.update_and_fetch(keys, values)
+        return self.layout.update_and_fetch(keys, values)

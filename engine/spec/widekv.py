@@ -47,8 +47,9 @@ def wide(caches: list[Any], force: bool = False) -> list[Any]:
     return [_Wide(c) if type(c) in (PlainLayout, RotatingLayout) else c for c in caches]
 
 
-class _Wide:
-    """`offset`, `make_mask` and `update_and_fetch` of a layout, keys widened (see above)."""
+class LayoutView:
+    """What a model sees of a layout: everything delegated to it, for subclasses to override a
+    method or two (`_Wide` here, `evalpoints._EvalPoint`)."""
 
     __slots__ = ("layout",)
 
@@ -65,6 +66,12 @@ class _Wide:
     @property
     def state(self) -> list[mx.array]:
         return self.layout.state
+
+
+class _Wide(LayoutView):
+    """`offset`, `make_mask` and `update_and_fetch` of a layout, keys widened (see above)."""
+
+    __slots__ = ()
 
     def _target(self, width: int, num_new: int) -> int:
         lay = self.layout
