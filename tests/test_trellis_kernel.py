@@ -150,6 +150,13 @@ def test_default_layouts():
             assert matvec.xreg_fits(cfg, n_in, batch)
     # 14 warps of 128 x registers cannot share one multiprocessor's 64K registers
     assert matvec.default_config(4096, 14336, 4, "cuda") == SMEM
+    # the tuned table was swept at 3 bits: its 14-warp-column layout for 4096x14336 batch 1 fits
+    # there, not at 4 bits (more words a row in registers), where the heuristic takes over
+    for bits in (2, 3, 4):
+        cfg = matvec.default_config(4096, 14336, 1, "cuda", bits)
+        assert cfg.body == "smem" or matvec.xreg_fits(cfg, 14336, 1, bits), (bits, cfg)
+    assert matvec.default_config(4096, 14336, 1, "cuda", 3).body == "xreg"
+    assert matvec.default_config(4096, 14336, 1, "cuda", 4) == SMEM
 
 
 def test_tuned_table_loads_and_fits():
@@ -159,7 +166,7 @@ def test_tuned_table_loads_and_fits():
         assert cfg.body in ("xreg", "smem")
         if cfg.body == "xreg":
             assert batch <= matvec.XREG_MAX_BATCH and matvec.xreg_fits(cfg, n_in, batch, 3)
-        assert matvec.default_config(n_out, n_in, batch, "cuda") == cfg
+        assert matvec.default_config(n_out, n_in, batch, "cuda", 3) == cfg  # swept at 3 bits
         metal = matvec.default_config(n_out, n_in, batch, "metal")
         assert metal.body == "smem" or metal.den == 0
 
