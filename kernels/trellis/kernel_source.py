@@ -140,7 +140,6 @@ BODY_XREG = r"""
     const u32 groups_per_block = (u32)(TB / 32);
     const u32 num_groups = (u32)(N_IN / 32);
     const bool denormal = (DEN != 0) && (CODE == 0);
-    const int WPR = N_IN * K / 32;  // words a row
     // every row of the grid exists / every lane's group of columns exists
     const bool full_rows = (N_OUT % (RS * RWU * NCH)) == 0;
     const bool full_cols = (N_IN % (1024 * GPL)) == 0;
@@ -212,9 +211,9 @@ BODY_XREG = r"""
                     const bool on = (full_cols || gon[j]) && (full_rows || chunk_row + (u32)r < (u32)N_OUT);
                     TRELLIS_UNROLL
                     for (int k = 0; k < K; ++k) {
-                        wn[(r * GPL + j) * (K + 1) + k] = on ? packed[base + r * WPR + k] : 0u;
+                        wn[(r * GPL + j) * (K + 1) + k] = on ? packed[base + r * (int)words_per_row + k] : 0u;
                     }
-                    wn[(r * GPL + j) * (K + 1) + K] = on ? packed[base_next + r * WPR] : 0u;
+                    wn[(r * GPL + j) * (K + 1) + K] = on ? packed[base_next + r * (int)words_per_row] : 0u;
                 }
             }
         }
