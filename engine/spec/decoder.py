@@ -135,8 +135,7 @@ class SpecDecoder:
         rows = batch.rows
         spec: SpecRows = batch.spec
         alpha = self.controller.alpha(spec.accepted, spec.judged)
-        room = np.array([r.max_new_tokens - r.num_generated - 1 for r in rows], np.int64)
-        caps = self.controller.caps(alpha, room)
+        caps = self.controller.caps(alpha, _room(rows))
         for i, r in enumerate(rows):
             if r.constraint is not None:  # a grammar mask needs each token consumed first
                 caps[i] = 0
@@ -171,10 +170,10 @@ class SpecDecoder:
         alpha, caps = self._caps(batch, explore=False)  # what the batch would gain when warm
         offer = None
         if self.drafter.point_mass and caps.max(initial=0) > 0:
-            # the lookup's own offer up to the ceiling (a long match is evidence, long_match)
-            offer = self._available(batch, np.where(caps > 0, self.max_draft, 0))
-            room = np.array([r.max_new_tokens - r.num_generated - 1 for r in rows], np.int64)
-            offer = np.minimum(offer, np.maximum(room, 0))  # the flat-cost jump drafts this much
+            # the lookup's own offer up to the ceiling and the row's room (a long match is
+            # evidence, long_match; the flat-cost jump drafts this much)
+            ask = np.where(caps > 0, np.minimum(self.max_draft, _room(rows)), 0)
+            offer = self._available(batch, ask)
             caps = np.minimum(caps, offer)
         decision = ctl.decide(alpha, caps, offer)
         # the flat-cost jump drafts the lookup's whole offer, beyond the rows' usual caps
@@ -422,6 +421,11 @@ class _FixedDrafter:
 
     def observe(self, ctx: ProposeContext, proposal: Proposal, num_accepted: np.ndarray) -> None:
         del ctx, proposal, num_accepted
+
+
+def _room(rows: list[Any]) -> np.ndarray:
+    """[B] drafts each row has room for: tokens it may still generate, less the target's own."""
+    return np.array([r.max_new_tokens - r.num_generated - 1 for r in rows], np.int64)
 
 
 def _empty(B: int) -> Proposal:
