@@ -1,6 +1,6 @@
 """The engine: one thread owns MLX; continuous batching over KV layouts.
 
-Importing `engine` loads the optimised BLAS first (see `mlxd.blas`), so it must happen before
+Importing `engine` loads the optimised BLAS first (`kernels.device`), so it must happen before
 anything imports `mlx`.
 
 It also turns MLX-CUDA's cuDNN attention off (`MLX_CUDA_USE_CUDNN_SDPA=0`, unless set): with it
@@ -14,7 +14,7 @@ CUDA attention call, so setting it here (before any forward) is early enough.
 
 import os as _os
 
-from mlxd import blas as _blas
+from kernels import device as _device
 
-_blas.load()
+_device.load()
 _os.environ.setdefault("MLX_CUDA_USE_CUDNN_SDPA", "0")

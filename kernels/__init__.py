@@ -1,5 +1,8 @@
-"""Pure array kernels (trellis-quantized matmul: Metal, CUDA and a plain-MLX reference twin)."""
+"""Pure array kernels (trellis-quantized matmul: Metal, CUDA and a plain-MLX reference twin).
 
-from mlxd import blas as _blas
+Importing `kernels` loads the optimised CPU BLAS first (`kernels.device`), before `mlx`.
+"""
 
-_blas.load()
+from kernels import device as _device
+
+_device.load()

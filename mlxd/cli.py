@@ -1,7 +1,7 @@
 """`mlxd` command line: `mlxd serve`, `mlxd quantize`, `mlxd bench`.
 
 Argument parsing happens before anything imports `mlx`, so that `--blas` can choose the BLAS
-library that MLX will bind to (see `mlxd.blas`).
+library that MLX will bind to (see `kernels.device`).
 """
 
 from __future__ import annotations

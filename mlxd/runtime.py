@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from mlxd import blas
+from kernels import device as blas
 
 
 def build_client(args: argparse.Namespace | None = None, **overrides: Any):

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from engine.loader import pick_dtype, resolve_model_path
-from mlxd import DEFAULT_MODEL_DIR, blas
+from kernels import device as blas
+from mlxd import DEFAULT_MODEL_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -90,7 +91,7 @@ def test_blas_loaded_before_mlx_on_linux():
 
 
 def test_blas_override_none_in_subprocess():
-    code = "from mlxd import blas; import json; i = blas.load(); print(json.dumps([i.path, i.reason]))"
+    code = "from kernels import device as blas; import json; i = blas.load(); print(json.dumps([i.path, i.reason]))"
     env = dict(os.environ, MLXD_BLAS="none", PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     path, reason = json.loads(out.stdout)

@@ -1,4 +1,7 @@
-"""Load an optimised CBLAS before MLX on Linux CPU.
+"""Device setup that runs before anything imports `mlx`: the optimised CPU BLAS.
+
+The lowest module of mlxd: `kernels`, `engine` and the CLI (`mlxd`) all load the BLAS through it
+when they are imported, so whichever comes first binds MLX to it.
 
 MLX's Linux CPU wheel links a bundled reference (netlib) BLAS: a float32 128x768 @ 768x2560 matmul
 runs at ~2-4 GFLOP/s on a 2-core x86 machine. Loading an optimised CBLAS (OpenBLAS) into the global
