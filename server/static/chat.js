@@ -46,13 +46,19 @@ function addMessage(role, text) {
   div.dataset.role = role;
   div.innerHTML = render(text);
   $("log").appendChild(div);
-  div.scrollIntoView({ block: "end" });
+  $("log").scrollTop = $("log").scrollHeight;  // a new message: show it
   return div;
 }
 
+// The transcript follows new text while it is scrolled to its end; a reader who scrolled up to
+// read something earlier is left where they are.
+function atEnd(log) { return log.scrollHeight - log.scrollTop - log.clientHeight < 40; }
+
 function showAssistant(div, reasoning, content) {
+  const log = $("log");
+  const follow = atEnd(log);
   div.innerHTML = (reasoning ? `<div class="reasoning">${escapeHtml(reasoning)}</div>` : "") + render(content);
-  div.scrollIntoView({ block: "end" });
+  if (follow) log.scrollTop = log.scrollHeight;
 }
 
 async function loadModel() {
