@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine import fewrow, skinny
+from engine import fewrow
 from mlxd import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
 
 _ALLOW_PATTERNS = [
@@ -108,7 +108,6 @@ def load_model(
     want = pick_dtype(dtype)
     if want is not None:
         net.set_dtype(want)
-    skinny.install(net)  # opt-in, CUDA only (MLXD_SKINNY=1): fused few-row matmuls, engine/skinny.py
     fewrow.install(net)  # CUDA only: 3..16-row matmuls as one gathered gemv, engine/fewrow.py
     wrapper = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     hf_tok = wrapper._tokenizer
