@@ -62,7 +62,7 @@ _override: dict[str, LaunchConfig] = {}
 
 def load_tuned(path: Path | str | None = None) -> dict[tuple[int, int, int], LaunchConfig]:
     """Measured winners per (n_out, n_in, batch) on CUDA, as {"NxMxB": {body, gpl, rwu, nch, rs,
-    den}} in `path` (default: tuned_cuda.json beside this file, written by bench/trellis_sweep.py)."""
+    den}} in `path` (default: tuned_cuda.json beside this file, the winners of an H200 sweep)."""
     path = Path(path or Path(__file__).with_name("tuned_cuda.json"))
     if not path.exists():
         return {}
@@ -100,7 +100,7 @@ def _tuned_fits(cfg: LaunchConfig | None, n_in: int, batch: int, bits: int) -> b
 
 def default_config(n_out: int, n_in: int, batch: int, backend: str, bits: int = 4) -> LaunchConfig:
     """The launch layout for one call: the tuned table first, then a heuristic fitted to the H200
-    sweeps (bench/results/trellis_speed_h200_sweep*.json). One group of 32 columns a lane, 8 rows
+    sweeps (the ones behind tuned_cuda.json). One group of 32 columns a lane, 8 rows
     a chunk at batch 1-2 (4 at batch 3-4), and as many chunks a warp (up to 8: 32-64 rows a warp
     streamed best) as still leave ~512 warps. Rows wider than 8192 (14 warps of a row in one
     threadgroup) take the smem body: measured faster at 4096x14336, and safe on registers."""
