@@ -1,16 +1,16 @@
 """Few-row matmuls on CUDA as one gathered gemv: x with `MIN_ROWS`..`MAX_ROWS` rows times a weight.
 
 MLX-CUDA multiplies by its gemv kernel only when x has one row; from two rows on it calls
-cuBLASLt, which costs 2-3x the gemv per call at decode sizes (bench/small_m.py on the H200:
-16-28 µs against 6-8 µs at 384-1024 wide). A small model's step has ~60 matmuls, so a plain
-decode step of 4 rows or a verify of 2-9 columns costs 2-2.5x a one-row step on the H200
-(bench/step_costs.py, docs/speculative.md "Session 6"), although the arithmetic barely grows.
+cuBLASLt, which costs 2-3x the gemv per call at decode sizes (H200, bf16: 16-28 µs against
+6-8 µs at 384-1024 wide). A small model's step has ~60 matmuls, so a plain decode step of 4 rows
+or a verify of 2-9 columns cost 2-2.5x a one-row step, although the arithmetic barely grows.
 
 `mx.gather_mm(x[m, 1, K], W.T[1, K, N], lhs=arange(m), rhs=zeros(m))` is a built-in op whose
 CUDA path (one row per gathered matrix, a transposed right-hand side) is MLX's `gemv_gather`
 kernel: m gemvs in one launch, each row computed by the same code as the one-row gemv (so a
 row's result does not depend on how many rows share the call), with the weight read once per
-row from L2. One call, no custom-kernel dispatch cost (which sank `engine.skinny`).
+row from L2. One call, and no custom-kernel dispatch cost (a fused custom kernel measured
+slower than cuBLASLt for that reason).
 
 `FewRowLinear` / `FewRowEmbedding.as_linear` (a tied lm_head) route x with `MIN_ROWS`..`MAX_ROWS`
 (3..16) rows in all (leading dims flattened) through `gather_matmul` when x and the weight share a
@@ -19,24 +19,17 @@ row reads the whole weight, so a large weight or many rows make it memory-bound)
 device is the GPU; everything else (one row, two rows, prefill chunks, large weights such as
 tinycoder's 8192 x 384 lm_head at 6 MB a row, other dtypes) goes to the plain matmul.
 
-Measured on the H200 (session 6, bf16, `bench.small_m`, µs per call in a 56-call chain,
-cuBLASLt / gathered): 384 x 384 at 3..16 rows 21.9-22.7 / 18.7-20.6; 1024 x 1024 at 3..16 rows
-22.6-27.5 / 20.0-22.9; but 2 rows 21.5 / 37.7 and 28.5 / 47.0 (hence `MIN_ROWS` = 3), and
-4096 x 4096 at 8 rows 33.0 / 54.3 (hence the byte cap). In whole tinycoder-16m steps
-(`bench.step_costs --fewrow ab`, before the two limits existed) a plain decode step of 4 rows
-went from 3.20 to 1.78 ms; the 9-column verify, where the lm_head took the gathered path, got
-slower (the reason for the cap). `install(model)` swaps the class of every plain `nn.Linear` /
-`nn.Embedding` (exact types only: quantized and trellis layers are untouched); engine/loader.py
-calls it for target and draft models. It does nothing unless the backend is CUDA (or `force`)
-and MLXD_FEWROW is not 0.
-
-Environment: MLXD_FEWROW=0 turns it off; MLXD_FEWROW_ROWS (default 16) is the most rows that
-take the gathered path; MLXD_FEWROW_BYTES (default 8 MiB) the cap on rows x weight bytes.
+Measured on the H200 (bf16, µs per call in a chain of 56 calls, cuBLASLt / gathered): 384 x 384
+at 3..16 rows 21.9-22.7 / 18.7-20.6; 1024 x 1024 at 3..16 rows 22.6-27.5 / 20.0-22.9; but 2 rows
+21.5 / 37.7 and 28.5 / 47.0 (hence `MIN_ROWS` = 3), and 4096 x 4096 at 8 rows 33.0 / 54.3 (hence
+the byte cap). In whole tinycoder-16m steps a plain decode step of 4 rows went from 3.20 to
+1.78 ms. `install(model)` swaps the class of every plain `nn.Linear` / `nn.Embedding` (exact
+types only: quantized and trellis layers are untouched); engine/loader.py calls it for target
+and draft models. It does nothing unless the backend is CUDA (or `force`).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import mlx.core as mx
@@ -46,8 +39,8 @@ from engine.modswap import swap_classes
 from kernels.common import gpu_backend
 
 MIN_ROWS = 3  # 2 rows measured slower gathered than through cuBLASLt (module doc)
-MAX_ROWS = max(MIN_ROWS, int(os.environ.get("MLXD_FEWROW_ROWS", "16")))
-MAX_BYTES = int(os.environ.get("MLXD_FEWROW_BYTES", str(8 << 20)))
+MAX_ROWS = 16  # more rows (a prefill chunk) go to cuBLASLt
+MAX_BYTES = 8 << 20  # rows x weight bytes: above it the gathered rows are memory-bound
 _FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 
 ANY_DEVICE = False  # tests: take the gathered path on the CPU too
@@ -56,8 +49,8 @@ _INDICES: dict[int, tuple[mx.array, mx.array]] = {}
 
 
 def enabled() -> bool:
-    """On unless MLXD_FEWROW=0, and only on a CUDA GPU (elsewhere matmuls have no one-row cliff)."""
-    return os.environ.get("MLXD_FEWROW", "1") != "0" and gpu_backend() == "cuda"
+    """On a CUDA GPU only (elsewhere matmuls have no one-row cliff)."""
+    return gpu_backend() == "cuda"
 
 
 def _indices(m: int) -> tuple[mx.array, mx.array]:

@@ -11,12 +11,13 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
-from engine import fewrow, skinny
+from engine import cuda_guard, fewrow
 from mlxd import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
 
 _ALLOW_PATTERNS = [
@@ -108,8 +109,8 @@ def load_model(
     want = pick_dtype(dtype)
     if want is not None:
         net.set_dtype(want)
-    skinny.install(net)  # opt-in, CUDA only (MLXD_SKINNY=1): fused few-row matmuls, engine/skinny.py
     fewrow.install(net)  # CUDA only: 3..16-row matmuls as one gathered gemv, engine/fewrow.py
+    cuda_guard.install(net)  # CUDA only: RoPE modules that slice inputs MLX-CUDA cannot launch
     wrapper = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     hf_tok = wrapper._tokenizer
     template = chat_template
@@ -118,7 +119,7 @@ def load_model(
     eos = tuple(sorted(int(t) for t in wrapper.eos_token_ids))
     vocab = int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") or len(hf_tok))
     mx.eval(net.parameters())
-    params = [p for _, p in _tree_flat(net.parameters())]
+    params = [p for _, p in cast(list[tuple[str, mx.array]], tree_flatten(net.parameters()))]
     dtypes = sorted({str(p.dtype) for p in params if mx.issubdtype(p.dtype, mx.floating)})
     return LoadedModel(
         model=net,
@@ -133,9 +134,3 @@ def load_model(
         vocab_size=vocab,
         extra={"loaded_at": int(time.time()), "config": json.loads(json.dumps(config, default=str))},
     )
-
-
-def _tree_flat(tree: Any) -> list[tuple[str, mx.array]]:
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(tree)

@@ -1,6 +1,6 @@
-"""Swap module classes in place (the few-row matmul dispatches, engine/fewrow.py and
-engine/skinny.py, subclass `nn.Linear` / `nn.Embedding` and are installed this way: parameters,
-names and saving stay as they were)."""
+"""Swap module classes in place: a subclass that changes only how a module computes (the
+few-row matmul dispatch of engine/fewrow.py, the RoPE guard of engine/cuda_guard.py) is installed
+this way, so parameters, names and saving stay as they were."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
-"""Pieces the fused kernels share: the warp reduction's source and the CPU harness's compiler.
+"""Pieces of the fused trellis kernels: the warp reduction's source and the CPU harness's compiler.
 
-`warp_reduce_source` writes the one reduction both kernel families use (kernels/trellis xreg
-body, kernels/skinny): sum NV values (NV a power of two <= 32) over a warp in NV - 1 shuffles
-plus 5 - log2(NV) butterflies. Each halving step trades half of the values with the partner lane
+`warp_reduce_source` writes the warp reduction of the trellis kernels' xreg body: sum NV values
+(NV a power of two <= 32) over a warp in NV - 1 shuffles plus 5 - log2(NV) butterflies. Each halving step trades half of the values with the partner lane
 (the lane keeps the half its lane bit selects and adds the partner's copy of it), so after
 log2(NV) steps a lane holds one sum, whose index it returns in `idx` (bit b of idx = lane bit
-16 >> b), and plain butterflies finish it. Each family passes its own spelling of the function
+16 >> b), and plain butterflies finish it. Each backend passes its own spelling of the function
 qualifier, the unroll pragma and the shuffle, so the text serves CUDA, Metal and the g++ harness.
 
 `gpu_backend` says which GPU backend the default device has ("cuda", "metal" or None).

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench.__main__ import main as bench_main
 
         return bench_main(args.rest)
-    if getattr(args, "supervise", False) and not os.environ.get("MLXD_SUPERVISED"):
+    if getattr(args, "supervise", False):  # the child's command line has no --supervise
         from mlxd.supervise import child_argv, supervise
 
         logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

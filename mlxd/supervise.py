@@ -3,12 +3,12 @@ crash kills it.
 
 Why: some failures inside MLX end the process from C++ (`std::terminate`, SIGABRT; a segfault),
 where no Python handler runs and no request can be failed cleanly. On the H200 MLX-CUDA 0.32.4
-aborted twice with `cudaStreamEndCapture ... previous error during capture` while speculating
-(docs/speculative.md, "Session 5"). A supervised server loses the requests in flight (their
-connections close) and serves again once the model is loaded, instead of staying down.
+aborted with `cudaStreamEndCapture ... previous error during capture` while speculating. A
+supervised server loses the requests in flight (their connections close) and serves again once
+the model is loaded, instead of staying down.
 
 Rules:
-- The child is `python -m mlxd <the same arguments>` with `MLXD_SUPERVISED=1` (so it does not
+- The child is `python -m mlxd <the same arguments>` without `--supervise` (so it does not
   supervise itself), in its own process group: SIGINT, SIGTERM and SIGHUP sent to the
   supervisor are passed on once, and the supervisor then returns the child's exit code without
   restarting it.
@@ -29,16 +29,24 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 log = logging.getLogger("mlxd.supervise")
 
-ENV_FLAG = "MLXD_SUPERVISED"
+FLAG = "--supervise"
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+@dataclass(slots=True)
+class _State:
+    proc: subprocess.Popen | None = None  # the child now running
+    stopping: int | None = None  # the signal that asked the supervisor to stop
+
+
 def child_argv(argv: Sequence[str]) -> list[str]:
-    """The server's own command line: the same arguments without `--supervise`."""
-    rest = [a for a in argv if a != "--supervise"]
+    """The server's own command line: the same arguments without `--supervise` (nor an
+    abbreviation of it that argparse accepted, such as `--superv`)."""
+    rest = [a for a in argv if not (a.startswith("--su") and FLAG.startswith(a))]
     return [sys.executable, "-m", "mlxd", *rest]
 
 
@@ -51,13 +59,12 @@ def supervise(
 ) -> int:
     """Run `cmd` until it exits or a forwarded signal stops it; restart it after a crash."""
     child_env = dict(os.environ if env is None else env)
-    child_env[ENV_FLAG] = "1"
-    state: dict[str, object] = {"proc": None, "stopping": None}
+    state = _State()
 
     def forward(signum: int, _frame: object) -> None:
-        state["stopping"] = signum
-        proc = state["proc"]
-        if isinstance(proc, subprocess.Popen) and proc.poll() is None:
+        state.stopping = signum
+        proc = state.proc
+        if proc is not None and proc.poll() is None:
             try:
                 proc.send_signal(signum)
             except ProcessLookupError:
@@ -69,12 +76,12 @@ def supervise(
         while True:
             started = time.monotonic()
             proc = subprocess.Popen(list(cmd), env=child_env, process_group=0)
-            state["proc"] = proc
+            state.proc = proc
             log.info("server process %d started", proc.pid)
-            if state["stopping"] is not None:  # a signal came while it was starting
-                forward(int(state["stopping"]), None)  # type: ignore[arg-type]
+            if state.stopping is not None:  # a signal came while it was starting
+                forward(state.stopping, None)
             rc = _wait(proc)
-            if state["stopping"] is not None:
+            if state.stopping is not None:
                 return rc if rc >= 0 else 0  # stopped on request: its own exit status
             if rc >= 0:
                 return rc  # it exited by itself: not a crash
@@ -104,13 +111,13 @@ def _wait(proc: subprocess.Popen) -> int:
             continue
 
 
-def _sleep_unless_stopped(seconds: float, state: dict[str, object]) -> bool:
+def _sleep_unless_stopped(seconds: float, state: _State) -> bool:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        if state["stopping"] is not None:
+        if state.stopping is not None:
             return True
         time.sleep(min(0.05, max(0.0, end - time.monotonic())))
-    return state["stopping"] is not None
+    return state.stopping is not None
 
 
 def _signal_name(signum: int) -> str:

@@ -1,4 +1,4 @@
-"""engine/fewrow.py: 2..16-row matmuls as one gathered gemv (`mx.gather_mm`, MLX-CUDA's
+"""engine/fewrow.py: 3..16-row matmuls as one gathered gemv (`mx.gather_mm`, MLX-CUDA's
 gemv_gather kernel). On the CPU the path is forced (`ANY_DEVICE`) and compared with `x @ W.T`;
 the dispatch rules are checked; and the engine's exact tier holds with every Linear of a tiny
 model swapped (spec vs plain greedy, batched vs alone). The GPU test compares against MLX's

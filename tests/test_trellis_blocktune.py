@@ -236,17 +236,23 @@ def test_cli_block_tune_target_reaches_block_tune(tmp_path, monkeypatch, tiny_di
     monkeypatch.setattr(kernels.trellis, "quantize_model", spy)
     calib = tmp_path / "calib.jsonl"
     calib.write_text("\n".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n" * 8}) for i in range(6)) + "\n")
-    argv = [str(tiny_dir), str(tmp_path / "q"), "--trellis-bits", "2", "--trellis-L", "8", "--no-progress", "--calibration", str(calib)]
-    argv += ["--calibration-windows", "2", "--calibration-length", "64", "--finetune-steps", "0", "--block-tune-steps", "2"]
-    assert main([*argv, "--block-tune-target", "float"]) == 0
+    argv = [str(tiny_dir), str(tmp_path / "q"), "--bits", "2", "--no-progress", "--calibration", str(calib)]
+
+    def recipe(**block_tune) -> list[str]:
+        path = tmp_path / "recipe.json"
+        path.write_text(json.dumps({"L": 8, "calibration": {"windows": 2, "length": 64}, "finetune": {"steps": 0},
+                                    "block_tune": {"steps": 2, **block_tune}}))
+        return ["--recipe", str(path)]
+
+    assert main([*argv, *recipe(target="float")]) == 0
     assert seen[-1] == BlockTune(steps=2, lr=1e-3, target="float")
     q = json.loads((tmp_path / "q" / "config.json").read_text())["quantization"]
     assert q["block_tune"] == {"steps": 2, "lr": 1e-3, "target": "float"}
-    assert main([*argv, "--block-tune-target", "own"]) == 0
+    assert main([*argv, *recipe(target="own")]) == 0
     assert seen[-1].target == "own"
     q = json.loads((tmp_path / "q" / "config.json").read_text())["quantization"]
     assert q["block_tune"] == {"steps": 2, "lr": 1e-3, "target": "own"}
-    assert main(argv) == 0  # default: "auto", which takes "float" on a simple chain of blocks
+    assert main([*argv, *recipe()]) == 0  # default: "auto", which takes "float" on a simple chain of blocks
     assert seen[-1].target == "auto"
     q = json.loads((tmp_path / "q" / "config.json").read_text())["quantization"]
     assert q["block_tune"] == {"steps": 2, "lr": 1e-3, "target": "float"}

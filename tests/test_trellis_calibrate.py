@@ -136,16 +136,20 @@ def test_disjoint_records_drops_shared_text():
     assert disjoint_records(recs, held) == recs[:1]
 
 
-def _quantize_cli(tmp_path, tiny_dir, line, steps: int, finetune_windows: int, extra: tuple[str, ...] = ()):  # noqa: F811
+def _quantize_cli(tmp_path, tiny_dir, line, steps: int, finetune_windows: int, block_tune: dict | None = None):  # noqa: F811
     """`mlxd quantize` at 2 bits, L = 8, on six records of `line(i)`; returns the output dir."""
     from mlxd.quantize import main
 
     calib = tmp_path / "calib.jsonl"
     calib.write_text("\n".join(json.dumps({"text": line(i) * 8}) for i in range(6)) + "\n")
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(
+        f"L = 8\n[calibration]\nwindows = 2\nlength = 64\n"
+        f"[finetune]\nsteps = {steps}\nwindows = {finetune_windows}\nlength = 32\nbatch = 2\n"
+        + ("[block_tune]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in block_tune.items()) if block_tune else "")
+    )
     dst = tmp_path / "cli"
-    argv = [str(tiny_dir), str(dst), "--trellis-bits", "2", "--trellis-L", "8", "--no-progress", "--calibration", str(calib)]
-    argv += ["--calibration-windows", "2", "--calibration-length", "64", "--finetune-steps", str(steps)]
-    argv += ["--finetune-windows", str(finetune_windows), "--finetune-length", "32", "--finetune-batch", "2", *extra]
+    argv = [str(tiny_dir), str(dst), "--bits", "2", "--no-progress", "--calibration", str(calib), "--recipe", str(recipe)]
     assert main(argv) == 0
     return dst
 
@@ -200,7 +204,7 @@ def test_finetune_holdout_kl_is_logged():
 
 def test_cli_finetune_with_a_teacher_copy(tmp_path, tiny_dir):  # noqa: F811
     # 2 steps x batch 2 = 4 visits of 8 windows: the float copy runs per batch
-    dst = _quantize_cli(tmp_path, tiny_dir, lambda i: f"def g{i}(y):\n    return y - {i}\n", 2, 8, ("--block-tune-steps", "0"))
+    dst = _quantize_cli(tmp_path, tiny_dir, lambda i: f"def g{i}(y):\n    return y - {i}\n", 2, 8, {"steps": 0})
     q = json.loads((dst / "config.json").read_text())["quantization"]
     assert q["finetune"]["windows"] == 8 and q["finetune"]["kl_last"] > 0 and "block_tune" not in q
     model, _ = tr.load_model(dst)

@@ -428,7 +428,7 @@ def test_repeat_calls_take_the_cached_launch(monkeypatch):
     assert calls[0]["output_shapes"] == [(1, 1, 64)] and calls[0]["output_dtypes"] == [mx.bfloat16]
 
 
-# ---- TrellisLinear's fused decode through mx.compile (MLXD_TRELLIS_COMPILE) ----------------------
+# ---- TrellisLinear's fused decode through mx.compile (matvec.COMPILED_BACKENDS) -----------------
 
 
 def _twin(calls=None):
@@ -474,7 +474,7 @@ def test_compiled_decode_equals_uncompiled_with_a_stand_in(shape_i, lead, dtype,
 @pytest.mark.parametrize("bias", [False, True])
 def test_trellis_linear_compiled_path_on_cpu(monkeypatch, bias):
     """TrellisLinear's wiring: fused path (faked backend, stand-in kernel) compiled == uncompiled
-    == the dense fallback's arithmetic; MLXD_TRELLIS_COMPILE picks which runs."""
+    == the dense fallback's arithmetic; matvec.COMPILED_BACKENDS picks which runs."""
     import mlx.nn as nn
 
     from kernels import trellis as tr
@@ -490,24 +490,41 @@ def test_trellis_linear_compiled_path_on_cpu(monkeypatch, bias):
     monkeypatch.setattr(tr.linear, "fused_backend", lambda: "cuda")
     outs = {}
     try:
-        for setting in (False, True, None):  # None: auto, on for CUDA
-            monkeypatch.setattr(matvec, "COMPILE", setting)
+        for compiled in (False, True):
+            monkeypatch.setattr(matvec, "COMPILED_BACKENDS", frozenset({"cuda"} if compiled else ()))
             calls.clear()
-            outs[setting] = [np.array(layer(x).astype(mx.float32)) for _ in range(3)]
-            assert len(calls) == (3 if setting is False else (1 if setting is True else 0)), (setting, calls)
+            outs[compiled] = [np.array(layer(x).astype(mx.float32)) for _ in range(3)]
+            # uncompiled: the kernel runs each call; compiled: traced once, then replayed
+            assert len(calls) == (1 if compiled else 3), (compiled, calls)
     finally:
         matvec.fused_decode.cache_clear()
-    for o in outs[True] + outs[None] + outs[False][1:]:
+    for o in outs[True] + outs[False][1:]:
         np.testing.assert_array_equal(o, outs[False][0])
     np.testing.assert_allclose(outs[False][0], np.array(dense.astype(mx.float32)), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize(
-    "value,cuda,metal", [(None, True, False), ("", True, False), ("0", False, False), ("off", False, False), ("1", True, True)]
-)
-def test_compile_switch(monkeypatch, value, cuda, metal):
-    monkeypatch.setattr(matvec, "COMPILE", matvec._compile_setting(value))
-    assert matvec.compile_decode("cuda") is cuda and matvec.compile_decode("metal") is metal
+def test_decode_is_compiled_on_cuda_only():
+    assert matvec.compile_decode("cuda") and not matvec.compile_decode("metal")
+    assert not matvec.compile_decode(None)
+
+
+def test_trellis_reads_no_environment_switches():
+    """Compiling the decode, the tuned layouts and the CPU's dense cache are fixed choices:
+    the environment variables that once switched them change nothing."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, MLXD_TRELLIS_COMPILE="0", MLXD_TRELLIS_DENSE_CACHE="0",
+               MLXD_TRELLIS_TUNED="/nonexistent.json")
+    code = (
+        "import engine, mlx.core as mx\n"
+        "from kernels.trellis import matvec, TrellisLinear\n"
+        "mx.set_default_device(mx.cpu)\n"
+        "print(matvec.compile_decode('cuda'), bool(matvec.TUNED), TrellisLinear(64, 8, 3, 10).cache_dense)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True", "True"]
 
 
 @pytest.mark.gpu
@@ -537,7 +554,7 @@ def test_gpu_trellis_linear_compiled_equals_uncompiled(monkeypatch, shape_i, lea
     xs = [mx.random.normal((*lead, n_in), key=mx.random.key(i)).astype(dtype) for i in range(3)]
     outs = {}
     for setting in (False, True):
-        monkeypatch.setattr(matvec, "COMPILE", setting)
+        monkeypatch.setattr(matvec, "COMPILED_BACKENDS", frozenset({"cuda"} if setting else ()))
         ys = [layer(x) for x in xs] + [layer(xs[0])]
         mx.eval(ys)
         outs[setting] = [np.array(y.astype(mx.float32)) for y in ys]

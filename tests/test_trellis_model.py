@@ -116,9 +116,11 @@ def test_cli_logic_writes_a_loadable_dir_with_calibration(tmp_path, tiny_dir):
         + "\n"
     )
     dst = tmp_path / "cli"
-    argv = [str(tiny_dir), str(dst), "--trellis-bits", "3", "--trellis-L", "8", "--no-progress"]
-    calib_args = ["--calibration", str(calib), "--calibration-windows", "2", "--calibration-length", "64"]
-    assert main(argv + calib_args + ["--finetune-steps", "2", "--finetune-windows", "2", "--finetune-length", "32"]) == 0
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(json.dumps({"L": 8, "calibration": {"windows": 2, "length": 64},
+                                  "finetune": {"steps": 2, "windows": 2, "length": 32}}))
+    argv = [str(tiny_dir), str(dst), "--bits", "3", "--no-progress", "--recipe", str(recipe)]
+    assert main(argv + ["--calibration", str(calib)]) == 0
     q = json.loads((dst / "config.json").read_text())["quantization"]
     assert q["method"] == "trellis" and q["bits"] == 3 and q["L"] == 8 and q["ldlq"] is True
     model, _ = tr.load_model(dst)

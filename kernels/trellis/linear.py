@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -37,9 +36,6 @@ from .quantizer import (
 )
 
 METHOD = "trellis"
-# Cache dequantized weights on layers that have no fused kernel (CPU). MLXD_TRELLIS_DENSE_CACHE=0
-# turns it off (then every call dequantizes: slow, but weights stay K bits in memory).
-DENSE_CACHE = os.environ.get("MLXD_TRELLIS_DENSE_CACHE", "1") != "0"
 DEFAULT_SKIP = ("lm_head",)
 
 
@@ -97,7 +93,7 @@ class TrellisLinear(nn.Module):
     @property
     def cache_dense(self) -> bool:
         """Keep the dequantized W~ when there is no fused kernel (CPU): speed over memory there."""
-        return DENSE_CACHE and fused_backend() is None
+        return fused_backend() is None
 
     def _signs_f32(self) -> mx.array:
         cached = self.__dict__.get("_signs32")
@@ -122,7 +118,7 @@ class TrellisLinear(nn.Module):
         backend = fused_backend() if rows <= MAX_FUSED_BATCH else None
         if backend is not None:
             # decode path: sign flip, Hadamard, one kernel (any leading shape, output in x's
-            # dtype), as one mx.compile'd function on CUDA (MLXD_TRELLIS_COMPILE)
+            # dtype), as one mx.compile'd function on CUDA (matvec.COMPILED_BACKENDS)
             fn = self._decode_fn(backend)
             if "bias" in self:
                 return fn(x, self._signs_f32(), self.packed, self.scales, self.bias)
@@ -221,7 +217,7 @@ def quantize_model(
     targets = [(p, m) for p, m in quantizable_linears(model, spec, skip) if only is None or only(p)]
     keys = {path: mx.random.key(seed * 100003 + index) for index, (path, _) in enumerate(targets)}
 
-    def quantize_one(path: str, linear: nn.Linear, hessian: mx.array | None) -> TrellisLinear:
+    def quantize_one(path: str, linear: Any, hessian: mx.array | None) -> nn.Module:
         return TrellisLinear.from_linear(linear, spec, key=keys[path], progress=progress, hessian=hessian)
 
     if calibration is not None:
@@ -269,7 +265,7 @@ def _load_weights(weights_dir: Path) -> dict[str, mx.array]:
         raise FileNotFoundError(f"no model*.safetensors in {weights_dir}")
     weights: dict[str, mx.array] = {}
     for f in files:
-        weights.update(mx.load(f))
+        weights.update(cast(dict[str, mx.array], mx.load(f)))  # safetensors: a dict
     return weights
 
 

@@ -4,14 +4,13 @@
 ``trellis_matvec`` runs it for up to ``MAX_FUSED_BATCH`` rows of x~ (already rotated),
 ``matmul_rotated`` picks the fused kernel or the dequantize-then-matmul fallback, and
 ``fused_decode`` is TrellisLinear's whole small-batch path (sign flip, Hadamard, kernel), through
-``mx.compile`` on CUDA (``MLXD_TRELLIS_COMPILE``).
+``mx.compile`` on CUDA (``COMPILED_BACKENDS``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -62,9 +61,9 @@ _override: dict[str, LaunchConfig] = {}
 
 
 def load_tuned(path: Path | str | None = None) -> dict[tuple[int, int, int], LaunchConfig]:
-    """Measured winners per (n_out, n_in, batch) on CUDA (written by bench/trellis_sweep.py as
-    {"NxMxB": {body, gpl, rwu, nch, rs, den}}). MLXD_TRELLIS_TUNED names another file."""
-    path = Path(path or os.environ.get("MLXD_TRELLIS_TUNED") or Path(__file__).with_name("tuned_cuda.json"))
+    """Measured winners per (n_out, n_in, batch) on CUDA, as {"NxMxB": {body, gpl, rwu, nch, rs,
+    den}} in `path` (default: tuned_cuda.json beside this file, the winners of an H200 sweep)."""
+    path = Path(path or Path(__file__).with_name("tuned_cuda.json"))
     if not path.exists():
         return {}
     import json
@@ -101,7 +100,7 @@ def _tuned_fits(cfg: LaunchConfig | None, n_in: int, batch: int, bits: int) -> b
 
 def default_config(n_out: int, n_in: int, batch: int, backend: str, bits: int = 4) -> LaunchConfig:
     """The launch layout for one call: the tuned table first, then a heuristic fitted to the H200
-    sweeps (bench/results/trellis_speed_h200_sweep*.json). One group of 32 columns a lane, 8 rows
+    sweeps (the ones behind tuned_cuda.json). One group of 32 columns a lane, 8 rows
     a chunk at batch 1-2 (4 at batch 3-4), and as many chunks a warp (up to 8: 32-64 rows a warp
     streamed best) as still leave ~512 warps. Rows wider than 8192 (14 warps of a row in one
     threadgroup) take the smem body: measured faster at 4096x14336, and safe on registers."""
@@ -303,24 +302,15 @@ def _launch(
     return y
 
 
-def _compile_setting(value: str | None) -> bool | None:
-    """MLXD_TRELLIS_COMPILE: unset/'' -> None (auto: on for CUDA), 0/off/false/no -> False, else True."""
-    v = (value or "").strip().lower()
-    if v == "":
-        return None
-    return v not in ("0", "off", "false", "no")
-
-
-# mx.compile around TrellisLinear's fused decode. Auto (unset): on for CUDA, where the H200
-# measured 27.4 -> 16.5 us per call at 4096x4096 3-bit batch 1 (bench/dispatch.py, docs/kernels.md:
-# MLX replays the traced kernel call, no Python or binding work per call); off for Metal
-# (never measured). MLXD_TRELLIS_COMPILE=0 turns it off, =1 on for any fused backend.
-COMPILE: bool | None = _compile_setting(os.environ.get("MLXD_TRELLIS_COMPILE"))
+# Backends whose TrellisLinear decode runs through mx.compile: CUDA, where the H200 measured
+# 27.4 -> 16.5 us per call at 4096x4096 3-bit batch 1 (MLX replays the traced kernel call, no
+# Python or binding work per call; docs/kernels.md). Metal has not been measured.
+COMPILED_BACKENDS = frozenset({"cuda"})
 
 
 def compile_decode(backend: str | None) -> bool:
     """Whether TrellisLinear's fused decode runs through mx.compile on this backend."""
-    return COMPILE if COMPILE is not None else backend == "cuda"
+    return backend in COMPILED_BACKENDS
 
 
 @lru_cache(maxsize=256)
@@ -345,18 +335,15 @@ def fused_decode(
         # trellis_matvec looked up when traced (a bench's --dry-run may swap it for a stand-in)
         return (kernel or trellis_matvec)(x_rot, packed, scales, out_dtype=out_dtype, **kw)
 
-    if bias:
+    def decode_bias(x, signs, packed, scales, b):
+        y = matvec(rotate(x, signs), packed, scales, mx.float32)
+        return (y + b.astype(mx.float32)).astype(x.dtype)
 
-        def decode(x, signs, packed, scales, b):
-            y = matvec(rotate(x, signs), packed, scales, mx.float32)
-            return (y + b.astype(mx.float32)).astype(x.dtype)
+    def decode(x, signs, packed, scales):
+        return matvec(rotate(x, signs), packed, scales, x.dtype)
 
-    else:
-
-        def decode(x, signs, packed, scales):
-            return matvec(rotate(x, signs), packed, scales, x.dtype)
-
-    return mx.compile(decode) if compiled else decode
+    fn = decode_bias if bias else decode
+    return mx.compile(fn) if compiled else fn
 
 
 def matmul_rotated(x_rot: mx.array, w: TrellisWeight, use_fused: bool | None = None) -> mx.array:
