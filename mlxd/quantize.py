@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxd import blas as _blas
+from kernels import device as _blas
 
 _blas.load()  # before mlx: float32 matmuls through OpenBLAS on Linux CPUs
 
