@@ -18,11 +18,12 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import from_json
 from starlette.responses import JSONResponse, Response
 
 from engine.api import EngineError, SamplingParams
@@ -91,7 +92,7 @@ class _Model(BaseModel):
 
 
 class MessageParam(_Model):
-    role: Literal["user", "assistant"]
+    role: str  # user | assistant | system (checked in chat_messages, in Anthropic's words)
     content: str | list[dict[str, Any]]
 
 
@@ -161,12 +162,25 @@ def system_text(system: Any) -> str:
     return "\n".join(_block_text(b, f"system[{i}]") for i, b in enumerate(system))
 
 
+ROLES = ("user", "assistant", "system")
+
+
 def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
+    """Anthropic messages → chat messages. A `system` message inside `messages` (Anthropic's
+    mid-conversation system messages, which Claude Code sends; see
+    https://platform.claude.com/docs/en/build-with-claude/mid-conversation-system-messages)
+    stays where it stands; `server.turn` folds it for templates that refuse it there."""
     out: list[dict[str, Any]] = []
     system = system_text(body.system)
     if system:
         out.append({"role": "system", "content": system})
     for i, m in enumerate(body.messages):
+        if m.role not in ROLES:  # Anthropic's wording: clients (Claude Code) match on it
+            raise bad_request(f'messages.{i}: Unexpected role "{m.role}". The Messages API accepts '
+                              'the roles "user", "assistant" and "system".')
+        if m.role == "system":
+            out.append({"role": "system", "content": _system_message_text(m.content, i)})
+            continue
         blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
@@ -189,6 +203,12 @@ def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
                 msg["tool_calls"] = calls
             out.append(msg)
     return out
+
+
+def _system_message_text(content: str | list[dict[str, Any]], i: int) -> str:
+    if isinstance(content, str):
+        return content
+    return "\n".join(_block_text(b, f"messages[{i}].content[{j}]") for j, b in enumerate(content))
 
 
 def functions_of(body: CountTokensRequest) -> list[dict[str, Any]]:
@@ -283,14 +303,22 @@ def _tool_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-def _input_of(arguments: str) -> dict[str, Any] | None:
-    """The call's input object; None when the arguments are not a JSON object (a call cut off by
-    max_tokens, or a malformed one from free decoding)."""
+def _input_of(arguments: str) -> dict[str, Any]:
+    """A tool_use block's input: what parsed of the call's arguments.
+
+    A call cut by max_tokens stays in the answer, as on Anthropic's API: stop_reason
+    "max_tokens" with the incomplete tool_use block last, which the client retries with a higher
+    max_tokens (https://platform.claude.com/docs/en/agents-and-tools/tool-use/implement-tool-use,
+    "Handling the max_tokens stop reason").
+    Its input is the partial JSON read the way Anthropic's SDKs read the streamed
+    input_json_delta fragments (complete members kept, an unfinished string or key dropped), so a
+    whole answer and a streamed one end with the same blocks. Arguments that are no JSON object
+    at all give {}."""
     try:
-        value = json.loads(arguments) if arguments else {}
-    except json.JSONDecodeError:
-        return None
-    return value if isinstance(value, dict) else None
+        value = from_json(arguments, allow_partial=True) if arguments else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _stop(gen: Generation, finish: str | None) -> tuple[str, str | None]:
@@ -315,9 +343,7 @@ def _message(mid: str, model: ServedModel, r: TurnResult, gen: Generation) -> di
     if text:
         content.append({"type": "text", "text": text})
     for c in r.calls:
-        args = _input_of(c.arguments)
-        if args is not None:  # an unusable call is left out rather than shown with a made-up input
-            content.append({"type": "tool_use", "id": _tool_id(c.id), "name": c.name, "input": args})
+        content.append({"type": "tool_use", "id": _tool_id(c.id), "name": c.name, "input": _input_of(c.arguments)})
     stop_reason, stop_sequence = _stop(gen, r.finish_reason)
     return {"id": mid, "type": "message", "role": "assistant", "model": model.name, "content": content,
             "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": _usage(gen)}
@@ -327,17 +353,26 @@ def sse(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
 
 
+def _message_start(mid: str, model: ServedModel, gen: Generation) -> list[bytes]:
+    start: dict[str, Any] = {"id": mid, "type": "message", "role": "assistant", "model": model.name, "content": [],
+             "stop_reason": None, "stop_sequence": None, "usage": _usage(gen)}
+    return [sse("message_start", {"type": "message_start", "message": start}), sse("ping", {"type": "ping"})]
+
+
 async def _stream(gen: Generation, plan: TurnPlan, parallel: bool, model: ServedModel, mid: str) -> AsyncIterator[bytes]:
-    start = {"id": mid, "type": "message", "role": "assistant", "model": model.name, "content": [],
-             "stop_reason": None, "stop_sequence": None,
-             "usage": {"input_tokens": len(plan.prompt_ids), "output_tokens": 0}}
-    yield sse("message_start", {"type": "message_start", "message": start})
-    yield sse("ping", {"type": "ping"})
+    """message_start goes out with the first step, once the engine has said how much of the
+    prompt the prefix cache served (its usage then splits input and cache reads as the final
+    message_delta does)."""
+    started = False
     blocks = _BlockWriter()
     finish: str | None = None
     last_ping = time.monotonic()
     try:
         async for step in turn_steps([gen], plan, parallel):
+            if not started:
+                started = True
+                for out in _message_start(mid, model, gen):
+                    yield out
             for e in step.events:
                 for out in blocks.write(e):
                     yield out
@@ -349,24 +384,29 @@ async def _stream(gen: Generation, plan: TurnPlan, parallel: bool, model: Served
     except GenerationError as exc:
         yield sse("error", {"type": "error", "error": {"type": "api_error", "message": str(exc)}})
         return
+    if not started:
+        for out in _message_start(mid, model, gen):
+            yield out
     for out in blocks.close():
         yield out
     stop_reason, stop_sequence = _stop(gen, finish)
-    usage = _usage(gen)
     yield sse("message_delta", {"type": "message_delta",
                                 "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                "usage": {"output_tokens": usage["output_tokens"]}})
+                                "usage": _usage(gen)})  # cumulative, as Anthropic's
     yield sse("message_stop", {"type": "message_stop"})
 
 
 class _BlockWriter:
     """Turn events → content_block_* events; one block open at a time. Whitespace-only text
-    between tool calls is held and dropped if no real text follows."""
+    between tool calls is held and dropped if no real text follows; a text block's trailing
+    whitespace is held too, and dropped when a tool call follows (a whole answer strips it)."""
 
     def __init__(self) -> None:
         self.index = -1
         self.open: str | None = None  # thinking | text | tool_use
         self.pending_ws = ""
+        self.tail_ws = ""  # trailing whitespace of the open text block, not sent yet
+        self.called = False
 
     def _start(self, block: dict[str, Any]) -> list[bytes]:
         out = self._stop()
@@ -396,17 +436,10 @@ class _BlockWriter:
                 out += self._start({"type": "thinking", "thinking": ""})
             out.append(self._delta({"type": "thinking_delta", "thinking": e.text}))
         elif isinstance(e, TextEvent):
-            text = e.text
-            if self.open != "text":
-                if not (self.pending_ws + text).strip():
-                    self.pending_ws += text
-                    return out
-                text = (self.pending_ws + text).lstrip() if self.index >= 0 else self.pending_ws + text
-                self.pending_ws = ""
-                out += self._start({"type": "text", "text": ""})
-            out.append(self._delta({"type": "text_delta", "text": text}))
+            out += self._text(e.text)
         elif isinstance(e, CallStart):
-            self.pending_ws = ""
+            self.pending_ws = self.tail_ws = ""
+            self.called = True
             out += self._start({"type": "tool_use", "id": _tool_id(e.id), "name": e.name, "input": {}})
         elif isinstance(e, CallArgs):
             out.append(self._delta({"type": "input_json_delta", "partial_json": e.fragment}))
@@ -414,5 +447,25 @@ class _BlockWriter:
             out += self._stop()
         return out
 
+    def _text(self, text: str) -> list[bytes]:
+        out: list[bytes] = []
+        if self.open != "text":
+            if not (self.pending_ws + text).strip():
+                self.pending_ws += text
+                return out
+            text = (self.pending_ws + text).lstrip() if self.index >= 0 else self.pending_ws + text
+            self.pending_ws = ""
+            out += self._start({"type": "text", "text": ""})
+        text = self.tail_ws + text
+        body = text.rstrip()
+        self.tail_ws = text[len(body):]
+        if body:
+            out.append(self._delta({"type": "text_delta", "text": body}))
+        return out
+
     def close(self) -> list[bytes]:
-        return self._stop()
+        out = []
+        if self.open == "text" and self.tail_ws and not self.called:
+            out.append(self._delta({"type": "text_delta", "text": self.tail_ws}))
+        self.tail_ws = ""
+        return out + self._stop()
