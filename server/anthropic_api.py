@@ -1,11 +1,17 @@
 """Anthropic Messages: POST /v1/messages (+ streaming) and POST /v1/messages/count_tokens.
 
-Requests become OpenAI-style chat messages for `server.turn` (system → a system message,
-tool_use blocks → assistant tool_calls, tool_result blocks → tool messages); the turn's events
-become Anthropic content blocks: thinking, text, tool_use. Streaming sends Anthropic's events:
+Requests become OpenAI-style chat messages for `server.turn` (system, and system messages
+inside `messages`, → system messages where they stand; tool_use blocks → assistant tool_calls;
+tool_result blocks → tool messages); the turn's events become Anthropic content blocks: thinking,
+text, tool_use. Streaming sends Anthropic's events:
 
     message_start, ping, (content_block_start, content_block_delta*, content_block_stop)*,
     message_delta (stop_reason, usage), message_stop
+
+A whole answer is written by the same block writer as a stream, so both have the same blocks in
+the order the model wrote them. Usage counts `input_tokens` as Anthropic does (prompt tokens not
+read from the prefix cache) beside `cache_read_input_tokens`, in message_start, message_delta and
+whole answers.
 
 Errors have Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`, including
 401s from the key check and 400s from the engine (`AnthropicRoute` converts them).
@@ -35,10 +41,9 @@ from server.sse import SSEResponse, run_until_disconnect
 from server.tools import CallArgs, CallEnd, CallStart, TextEvent
 from server.turn import (
     ReasoningEvent,
+    Step,
     ToolChoice,
     TurnPlan,
-    TurnResult,
-    collect_turn,
     plan_turn,
     turn_steps,
 )
@@ -289,14 +294,22 @@ async def messages(request: Request) -> Response:
     if body.stream:
         return SSEResponse(_stream(gens[0], plan, parallel, model, mid), on_close=gens[0].abort)
     try:
-        results = await run_until_disconnect(request, lambda: collect_turn(gens, plan, parallel))
+        blocks = await run_until_disconnect(request, lambda: _collect(gens[0], plan, parallel))
     except GenerationError as exc:
         return anthropic_error(500, str(exc))
     finally:
         gens[0].abort()
-    if results is None:
+    if blocks is None:
         return Response(status_code=499)
-    return JSONResponse(_message(mid, model, results[0], gens[0]))
+    return JSONResponse(_message(mid, model, blocks, gens[0]))
+
+
+async def _collect(gen: Generation, plan: TurnPlan, parallel: bool) -> _BlockWriter:
+    blocks = _BlockWriter(send=False)
+    async for step in turn_steps([gen], plan, parallel):
+        blocks.feed(step)
+    blocks.close()
+    return blocks
 
 
 def _tool_id(call_id: str) -> str:
@@ -335,17 +348,9 @@ def _usage(gen: Generation) -> dict[str, Any]:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
-def _message(mid: str, model: ServedModel, r: TurnResult, gen: Generation) -> dict[str, Any]:
-    content: list[dict[str, Any]] = []
-    if r.reasoning:
-        content.append({"type": "thinking", "thinking": r.reasoning, "signature": ""})
-    text = r.text.strip() if r.calls else r.text
-    if text:
-        content.append({"type": "text", "text": text})
-    for c in r.calls:
-        content.append({"type": "tool_use", "id": _tool_id(c.id), "name": c.name, "input": _input_of(c.arguments)})
-    stop_reason, stop_sequence = _stop(gen, r.finish_reason)
-    return {"id": mid, "type": "message", "role": "assistant", "model": model.name, "content": content,
+def _message(mid: str, model: ServedModel, blocks: _BlockWriter, gen: Generation) -> dict[str, Any]:
+    stop_reason, stop_sequence = _stop(gen, blocks.finish)
+    return {"id": mid, "type": "message", "role": "assistant", "model": model.name, "content": blocks.content,
             "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": _usage(gen)}
 
 
@@ -365,7 +370,6 @@ async def _stream(gen: Generation, plan: TurnPlan, parallel: bool, model: Served
     message_delta does)."""
     started = False
     blocks = _BlockWriter()
-    finish: str | None = None
     last_ping = time.monotonic()
     try:
         async for step in turn_steps([gen], plan, parallel):
@@ -373,11 +377,8 @@ async def _stream(gen: Generation, plan: TurnPlan, parallel: bool, model: Served
                 started = True
                 for out in _message_start(mid, model, gen):
                     yield out
-            for e in step.events:
-                for out in blocks.write(e):
-                    yield out
-            if step.finish_reason:
-                finish = step.finish_reason
+            for out in blocks.feed(step):
+                yield out
             if time.monotonic() - last_ping > 10.0:  # keep idle proxies from closing the stream
                 last_ping = time.monotonic()
                 yield sse("ping", {"type": "ping"})
@@ -389,7 +390,7 @@ async def _stream(gen: Generation, plan: TurnPlan, parallel: bool, model: Served
             yield out
     for out in blocks.close():
         yield out
-    stop_reason, stop_sequence = _stop(gen, finish)
+    stop_reason, stop_sequence = _stop(gen, blocks.finish)
     yield sse("message_delta", {"type": "message_delta",
                                 "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                 "usage": _usage(gen)})  # cumulative, as Anthropic's
@@ -397,52 +398,69 @@ async def _stream(gen: Generation, plan: TurnPlan, parallel: bool, model: Served
 
 
 class _BlockWriter:
-    """Turn events → content_block_* events; one block open at a time. Whitespace-only text
-    between tool calls is held and dropped if no real text follows; a text block's trailing
-    whitespace is held too, and dropped when a tool call follows (a whole answer strips it)."""
+    """Turn events → content_block_* events, one block open at a time, and the message content
+    they make (`content`): a whole answer is written by the same writer with send=False, so it
+    has the blocks a streamed one ends with. Whitespace-only text between tool calls is held and
+    dropped if no real text follows; a text block's trailing whitespace is held until more text
+    comes, dropped when another block follows."""
 
-    def __init__(self) -> None:
+    def __init__(self, send: bool = True) -> None:
+        self.send = send
         self.index = -1
         self.open: str | None = None  # thinking | text | tool_use
         self.pending_ws = ""
         self.tail_ws = ""  # trailing whitespace of the open text block, not sent yet
-        self.called = False
+        self.json = ""  # the open tool_use block's arguments so far
+        self.content: list[dict[str, Any]] = []
+        self.finish: str | None = None
+
+    def _event(self, event: str, data: dict[str, Any]) -> list[bytes]:
+        return [sse(event, data)] if self.send else []
 
     def _start(self, block: dict[str, Any]) -> list[bytes]:
         out = self._stop()
         self.index += 1
         self.open = block["type"]
-        out.append(sse("content_block_start", {"type": "content_block_start", "index": self.index,
-                                               "content_block": block}))
-        return out
+        self.content.append({**block, "signature": ""} if block["type"] == "thinking" else dict(block))
+        self.json = ""
+        return out + self._event("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                         "content_block": block})
 
     def _stop(self) -> list[bytes]:
         if self.open is None:
             return []
         out = []
         if self.open == "thinking":
-            out.append(self._delta({"type": "signature_delta", "signature": ""}))
-        out.append(sse("content_block_stop", {"type": "content_block_stop", "index": self.index}))
+            out += self._delta({"type": "signature_delta", "signature": ""})
+        elif self.open == "tool_use":
+            self.content[-1]["input"] = _input_of(self.json)
+        out += self._event("content_block_stop", {"type": "content_block_stop", "index": self.index})
         self.open = None
         return out
 
-    def _delta(self, delta: dict[str, Any]) -> bytes:
-        return sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+    def _delta(self, delta: dict[str, Any]) -> list[bytes]:
+        return self._event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def feed(self, step: Step) -> list[bytes]:
+        if step.finish_reason:
+            self.finish = step.finish_reason
+        return [b for e in step.events for b in self.write(e)]
 
     def write(self, e: Any) -> list[bytes]:
         out: list[bytes] = []
         if isinstance(e, ReasoningEvent):
             if self.open != "thinking":
                 out += self._start({"type": "thinking", "thinking": ""})
-            out.append(self._delta({"type": "thinking_delta", "thinking": e.text}))
+            self.content[-1]["thinking"] += e.text
+            out += self._delta({"type": "thinking_delta", "thinking": e.text})
         elif isinstance(e, TextEvent):
             out += self._text(e.text)
         elif isinstance(e, CallStart):
             self.pending_ws = self.tail_ws = ""
-            self.called = True
             out += self._start({"type": "tool_use", "id": _tool_id(e.id), "name": e.name, "input": {}})
         elif isinstance(e, CallArgs):
-            out.append(self._delta({"type": "input_json_delta", "partial_json": e.fragment}))
+            self.json += e.fragment
+            out += self._delta({"type": "input_json_delta", "partial_json": e.fragment})
         elif isinstance(e, CallEnd):
             out += self._stop()
         return out
@@ -460,12 +478,15 @@ class _BlockWriter:
         body = text.rstrip()
         self.tail_ws = text[len(body):]
         if body:
-            out.append(self._delta({"type": "text_delta", "text": body}))
+            self.content[-1]["text"] += body
+            out += self._delta({"type": "text_delta", "text": body})
         return out
 
     def close(self) -> list[bytes]:
+        """The end of the answer: an open text block keeps its trailing whitespace."""
         out = []
-        if self.open == "text" and self.tail_ws and not self.called:
-            out.append(self._delta({"type": "text_delta", "text": self.tail_ws}))
+        if self.open == "text" and self.tail_ws:
+            self.content[-1]["text"] += self.tail_ws
+            out += self._delta({"type": "text_delta", "text": self.tail_ws})
         self.tail_ws = ""
         return out + self._stop()

@@ -89,6 +89,13 @@ def test_tool_use_cut_by_max_tokens_gives_the_same_blocks_streamed_and_whole(fak
     assert seen_inputs[-1] == '{"city": "Paris", "days": [1, 2]}'
     full = claude.messages.create(model=MODEL, max_tokens=500, tools=TOOLS, messages=msgs)
     assert full.stop_reason == "tool_use" and _blocks(full)[-1]["input"] == {"city": "Paris", "days": [1, 2]}
+    # blocks come in the order the model wrote them, whole and streamed
+    fake.reset(script=scripted(fake, "Let me check.\n" + CALL + "\nDone.\n"))
+    whole = claude.messages.create(model=MODEL, max_tokens=500, tools=TOOLS, messages=msgs)
+    with claude.messages.stream(model=MODEL, max_tokens=500, tools=TOOLS, messages=msgs) as s:
+        streamed = s.get_final_message()
+    assert [b["type"] for b in _blocks(whole)] == ["text", "tool_use", "text"]
+    assert _blocks(whole) == _blocks(streamed) and _blocks(whole)[2]["text"] == "Done.\n"
 
 
 def test_system_messages_inside_messages_stay_where_they_stand(fake, claude):
