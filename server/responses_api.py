@@ -366,7 +366,9 @@ async def _prepare(request: Request) -> _Prepared:
                            param="previous_response_id", code="previous_response_not_found")
         if prev.response["status"] == "in_progress":
             raise bad_request("The previous response is still in progress.", "previous_response_id")
-        history = [m for m in prev.messages if m["role"] != "system"]  # instructions do not carry over
+        history = prev.messages  # less its instructions: they do not carry over (other system messages do)
+        if prev.response.get("instructions"):
+            history = history[1:]
     messages = [*history, *input_messages(body)]
     if body.instructions:
         messages = [{"role": "system", "content": body.instructions}, *messages]

@@ -165,3 +165,21 @@ def test_a_call_cut_by_the_limit_is_incomplete_streamed_and_whole(fake, server):
         statuses |= {(whole["status"], i["type"], i["status"]) for i in whole["output"]}
     assert ("incomplete", "function_call", "incomplete") in statuses
     assert ("completed", "function_call", "completed") in statuses
+
+
+def test_developer_messages_mid_conversation_stay_and_carry_over(fake, server):
+    fake.reset(script=scripted(fake, "Noted."))
+    r1 = post(server, instructions="You are a coding agent.", input=[
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello"}]},
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Sandbox: read-only."}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "list files"}]}])
+    assert r1.status_code == 200, r1.text
+    prompt = fake.tokenizer.decode(fake.submits[-1].prompt_ids)
+    order = [prompt.index(t) for t in ("You are a coding agent.", "hello", "Sandbox: read-only.", "list files")]
+    assert order == sorted(order)
+    fake.reset(script=scripted(fake, "Done."))
+    r2 = post(server, previous_response_id=r1.json()["id"], input="and now?")
+    assert r2.status_code == 200, r2.text
+    prompt = fake.tokenizer.decode(fake.submits[-1].prompt_ids)
+    assert "You are a coding agent." not in prompt  # instructions do not carry over
+    assert prompt.index("Sandbox: read-only.") < prompt.index("list files") < prompt.index("and now?")
