@@ -118,11 +118,16 @@ def _with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, An
     return [{"role": "system", "content": text}, *messages]
 
 
-def _is_mid_system(messages: list[dict[str, Any]], i: int) -> bool:
-    """A system message after the conversation started (not part of the leading run)."""
-    return messages[i].get("role") == "system" and any(
-        m.get("role") != "system" for m in messages[:i]
-    )
+def _mid_system(messages: list[dict[str, Any]]) -> set[int]:
+    """Indices of the system messages after the conversation started (not the leading run)."""
+    out: set[int] = set()
+    started = False
+    for i, m in enumerate(messages):
+        if m.get("role") != "system":
+            started = True
+        elif started:
+            out.add(i)
+    return out
 
 
 def _joined(*texts: Any) -> str:
@@ -136,21 +141,19 @@ def fold_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
     the next user message, so it still comes before what follows it. One with no user message
     after it goes after the last message when that is a user message, else becomes a user
     message of its own."""
+    mid = _mid_system(messages)
     out: list[dict[str, Any]] = []
     pending: list[str] = []
     for i, m in enumerate(messages):
-        if m.get("role") == "system":
-            if _is_mid_system(messages, i):
-                pending.append(m.get("content") or "")
-            elif out:
-                out[0] = {**out[0], "content": _joined(out[0].get("content"), m.get("content"))}
-            else:
-                out.append(dict(m))
-            continue
-        if m.get("role") == "user" and pending:
-            m = {**m, "content": _joined(*pending, m.get("content"))}
+        if i in mid:
+            pending.append((m.get("content") or "").strip())
+        elif m.get("role") == "system" and out:  # the leading run
+            out[0] = {**out[0], "content": _joined(out[0].get("content"), m.get("content"))}
+        elif m.get("role") == "user" and pending:
+            out.append({**m, "content": _joined(*pending, m.get("content"))})
             pending = []
-        out.append(m)
+        else:
+            out.append(dict(m))
     if pending and out and out[-1].get("role") == "user":
         out[-1] = {**out[-1], "content": _joined(out[-1].get("content"), *pending)}
     elif pending:
@@ -162,7 +165,7 @@ def _render(model: ServedModel, msgs: list[dict[str, Any]], **kwargs: Any) -> st
     """The chat template's prompt. Mid-conversation system messages (Claude Code and Codex send
     them) go to the template where they stand; a template that refuses them, or renders without
     their text, gets them folded by `fold_system_messages` instead."""
-    mid = [m.get("content") or "" for i, m in enumerate(msgs) if _is_mid_system(msgs, i)]
+    mid = [(msgs[i].get("content") or "").strip() for i in sorted(_mid_system(msgs))]
     try:
         text = render_chat(model, msgs, **kwargs)
     except APIError as exc:

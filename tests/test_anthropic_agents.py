@@ -15,6 +15,7 @@ import pytest
 
 from server.app import create_app
 from server.config import ServerConfig
+from server.turn import fold_system_messages
 from tests.fake_engine import FakeEngine, ServerThread
 
 MODEL = "tinycoder-16m"
@@ -137,6 +138,37 @@ def test_a_template_that_refuses_them_gets_them_folded_into_the_next_user_turn(f
     # the last one, with no user turn after it, becomes one of its own, still last
     assert prompt.endswith("second answer<|im_end|>\n<|im_start|>user\nBe brief.<|im_end|>\n"
                            "<|im_start|>assistant\n")
+
+
+# a template that renders the first system message and silently skips later ones
+DROPPING_TEMPLATE = (
+    "{% for m in messages %}{% if m.role != 'system' or loop.first %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_drops_them_gets_them_folded(fake, claude):
+    fake.reset(script=scripted(fake, "ok"))
+    fake.model.chat_template = DROPPING_TEMPLATE
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+            {"role": "system", "content": "  Answer in French.\n"}, {"role": "user", "content": "bye"}]
+    claude.messages.create(model=MODEL, max_tokens=5, messages=msgs)
+    prompt = fake.tokenizer.decode(fake.submits[-1].prompt_ids)
+    assert "<|im_start|>user\nAnswer in French.\n\nbye<|im_end|>" in prompt
+
+
+def test_fold_system_messages():
+    sys_, user, asst = ({"role": r, "content": r[0]} for r in ("system", "user", "assistant"))
+    assert fold_system_messages([sys_, {"role": "system", "content": "s2"}, user]) == [
+        {"role": "system", "content": "s\n\ns2"}, user]
+    assert fold_system_messages([user, asst, {"role": "system", "content": "x"}, {"role": "tool", "content": "t"},
+                                 user]) == [user, asst, {"role": "tool", "content": "t"},
+                                            {"role": "user", "content": "x\n\nu"}]
+    assert fold_system_messages([user, {"role": "system", "content": "x"}]) == [{"role": "user", "content": "u\n\nx"}]
+    assert fold_system_messages([user, asst, {"role": "system", "content": "x"}]) == [
+        user, asst, {"role": "user", "content": "x"}]
+    assert fold_system_messages([sys_, user]) == [sys_, user]
 
 
 def test_unknown_roles_are_refused_in_anthropic_words(fake, server):
