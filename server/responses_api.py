@@ -3,11 +3,13 @@ DELETE /v1/responses/{id}.
 
 Input items become chat messages for `server.turn` (messages; function_call → an assistant tool
 call; function_call_output → a tool message); output items are reasoning, message and
-function_call. Tools: function tools; namespace tools (Codex's grouping of MCP tools) unpacked into
-their functions, which the prompt names `namespace + name` and function_call items give back as
-`name` and `namespace`; hosted tools (web_search, image_generation, ...) and other types this
+function_call. Tools: function tools; namespace tools (Codex's grouping of MCP tools) unpacked
+into their functions, which the prompt names `namespace + name` and function_call items give back
+as `name` and `namespace`; hosted tools (web_search, image_generation, ...) and other types this
 server cannot run are left out of the prompt, logged once per type. A whole answer is written by
-the same item writer as a stream, so both have the same output items. `previous_response_id` continues a stored conversation: each stored response keeps
+the same item writer as a stream, so both have the same output items.
+
+`previous_response_id` continues a stored conversation: each stored response keeps
 the chat messages that led to it plus its own output, in a bounded in-memory LRU
 (`ResponseStore`, default 1,024 responses; `store: false` keeps nothing). `background: true`
 returns at once (status "in_progress"); GET polls, cancel aborts the engine rows.
@@ -542,7 +544,8 @@ class _ItemWriter:
     """Turn events → output item events; one item open at a time. A message's
     output_item.added carries no content yet (its part follows in content_part.added), as
     OpenAI's does. Whitespace-only text between tool calls is held and dropped if no real text
-    follows."""
+    follows; a message's trailing whitespace is held until more text comes, dropped when another
+    item follows."""
 
     def __init__(self, ev: _Events, tools: ToolSet):
         self.ev = ev
@@ -550,8 +553,8 @@ class _ItemWriter:
         self.out_index = -1
         self.open_item: dict[str, Any] | None = None
         self.result = TurnResult()
-        self.ids: dict[str, str] = {}
         self.pending_ws = ""
+        self.tail_ws = ""  # trailing whitespace of the open message, not sent yet
         self.items: list[dict[str, Any]] = []  # the closed items: the response's output
 
     def feed(self, step: Step) -> list[bytes]:
@@ -561,11 +564,16 @@ class _ItemWriter:
         return out
 
     def end(self) -> list[bytes]:
-        return self.close(cut=self.result.finish_reason == "length")
+        """The end of the answer: an open message keeps its trailing whitespace."""
+        out = []
+        if self.open_item is not None and self.open_item["type"] == "message" and self.tail_ws:
+            out.append(self._text_delta(self.tail_ws))
+        return out + self.close(cut=self.result.finish_reason == "length")
 
     def close(self, cut: bool = False) -> list[bytes]:
         """Close the open item; `cut`: the output limit ended the response with it open."""
         item, self.open_item = self.open_item, None
+        self.tail_ws = ""
         if item is None:
             return []
         ev, where = self.ev, {"item_id": item["id"], "output_index": self.out_index}
@@ -617,7 +625,7 @@ class _ItemWriter:
         self.result.reasoning = (self.result.reasoning or "") + text
         out: list[bytes] = []
         if self.open_item is None or self.open_item["type"] != "reasoning":
-            out += self._open({"type": "reasoning", "id": self.ids.setdefault("rs", _new("rs")), "summary": [],
+            out += self._open({"type": "reasoning", "id": _new("rs"), "summary": [],
                                "content": [{"type": "reasoning_text", "text": ""}]})
         assert self.open_item is not None
         self.open_item["content"][0]["text"] += text
@@ -634,14 +642,22 @@ class _ItemWriter:
                 return out
             text = (self.pending_ws + text).lstrip() if self.out_index >= 0 else self.pending_ws + text
             self.pending_ws = ""
-            out += self._open({"type": "message", "id": self.ids.setdefault("msg", _new("msg")),
+            out += self._open({"type": "message", "id": _new("msg"),
                                "status": "in_progress", "role": "assistant",
                                "content": [{"type": "output_text", "text": "", "annotations": []}]})
-        assert self.open_item is not None
-        self.open_item["content"][0]["text"] += text
-        out.append(self.ev("response.output_text.delta", item_id=self.open_item["id"], output_index=self.out_index,
-                           content_index=0, delta=text))
+        text = self.tail_ws + text
+        body = text.rstrip()
+        self.tail_ws = text[len(body):]
+        if body:
+            out.append(self._text_delta(body))
         return out
+
+    def _text_delta(self, text: str) -> bytes:
+        item = self.open_item
+        assert item is not None
+        item["content"][0]["text"] += text
+        return self.ev("response.output_text.delta", item_id=item["id"], output_index=self.out_index,
+                       content_index=0, delta=text)
 
     def _args(self, e: CallArgs) -> list[bytes]:
         self.result.calls[e.index].arguments += e.fragment

@@ -183,3 +183,16 @@ def test_developer_messages_mid_conversation_stay_and_carry_over(fake, server):
     prompt = fake.tokenizer.decode(fake.submits[-1].prompt_ids)
     assert "You are a coding agent." not in prompt  # instructions do not carry over
     assert prompt.index("Sandbox: read-only.") < prompt.index("list files") < prompt.index("and now?")
+
+
+def test_items_keep_the_model_order_and_their_own_ids(fake, server):
+    text = "Checking.\n" + CALL + "\nDone."
+    fake.reset(script=scripted(fake, text))
+    whole = post(server, input="x", tools=[NAMESPACE]).json()["output"]
+    fake.reset(script=scripted(fake, text))
+    done = [e["item"] for e in events(server, input="x", tools=[NAMESPACE])
+            if e["type"] == "response.output_item.done"]
+    for items in (whole, done):
+        assert [i["type"] for i in items] == ["message", "function_call", "message"]
+        assert [i["content"][0]["text"] for i in items if i["type"] == "message"] == ["Checking.", "Done."]
+        assert len({i["id"] for i in items}) == 3
