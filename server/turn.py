@@ -7,7 +7,9 @@ Messages, Responses): prompt with tools → engine → reasoning, text and tool-
         ...
 
 Messages are OpenAI chat dicts (role, content as a string, tool_calls, tool_call_id); every
-endpoint converts its own shapes into them. Templates that handle `tools` get them as-is (tool
+endpoint converts its own shapes into them. System messages after the conversation started (agent
+clients send them) reach the template where they stand; a template that refuses them, or drops
+their text, gets them folded into the next user message (`fold_system_messages`). Templates that handle `tools` get them as-is (tool
 call arguments as objects, the Hugging Face convention); others get the tools in the system
 prompt and the tool history as Hermes text (server.tools). Each choice's text goes through the
 reasoning splitter, then the tool-call parser, both incremental, so streamed and whole responses
