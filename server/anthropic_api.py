@@ -1,11 +1,17 @@
 """Anthropic Messages: POST /v1/messages (+ streaming) and POST /v1/messages/count_tokens.
 
-Requests become OpenAI-style chat messages for `server.turn` (system → a system message,
-tool_use blocks → assistant tool_calls, tool_result blocks → tool messages); the turn's events
-become Anthropic content blocks: thinking, text, tool_use. Streaming sends Anthropic's events:
+Requests become OpenAI-style chat messages for `server.turn` (system, and system messages
+inside `messages`, → system messages where they stand; tool_use blocks → assistant tool_calls;
+tool_result blocks → tool messages); the turn's events become Anthropic content blocks: thinking,
+text, tool_use. Streaming sends Anthropic's events:
 
     message_start, ping, (content_block_start, content_block_delta*, content_block_stop)*,
     message_delta (stop_reason, usage), message_stop
+
+A whole answer is written by the same block writer as a stream, so both have the same blocks in
+the order the model wrote them. Usage counts `input_tokens` as Anthropic does (prompt tokens not
+read from the prefix cache) beside `cache_read_input_tokens`, in message_start, message_delta and
+whole answers.
 
 Errors have Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`, including
 401s from the key check and 400s from the engine (`AnthropicRoute` converts them).
@@ -18,11 +24,12 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import from_json
 from starlette.responses import JSONResponse, Response
 
 from engine.api import EngineError, SamplingParams
@@ -34,10 +41,9 @@ from server.sse import SSEResponse, run_until_disconnect
 from server.tools import CallArgs, CallEnd, CallStart, TextEvent
 from server.turn import (
     ReasoningEvent,
+    Step,
     ToolChoice,
     TurnPlan,
-    TurnResult,
-    collect_turn,
     plan_turn,
     turn_steps,
 )
@@ -91,7 +97,7 @@ class _Model(BaseModel):
 
 
 class MessageParam(_Model):
-    role: Literal["user", "assistant"]
+    role: str  # user | assistant | system (checked in chat_messages, in Anthropic's words)
     content: str | list[dict[str, Any]]
 
 
@@ -161,12 +167,25 @@ def system_text(system: Any) -> str:
     return "\n".join(_block_text(b, f"system[{i}]") for i, b in enumerate(system))
 
 
+ROLES = ("user", "assistant", "system")
+
+
 def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
+    """Anthropic messages → chat messages. A `system` message inside `messages` (Anthropic's
+    mid-conversation system messages, which Claude Code sends; see
+    https://platform.claude.com/docs/en/build-with-claude/mid-conversation-system-messages)
+    stays where it stands; `server.turn` folds it for templates that refuse it there."""
     out: list[dict[str, Any]] = []
     system = system_text(body.system)
     if system:
         out.append({"role": "system", "content": system})
     for i, m in enumerate(body.messages):
+        if m.role not in ROLES:  # Anthropic's wording: clients (Claude Code) match on it
+            raise bad_request(f'messages.{i}: Unexpected role "{m.role}". The Messages API accepts '
+                              'the roles "user", "assistant" and "system".')
+        if m.role == "system":
+            out.append({"role": "system", "content": _system_message_text(m.content, i)})
+            continue
         blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
@@ -189,6 +208,12 @@ def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
                 msg["tool_calls"] = calls
             out.append(msg)
     return out
+
+
+def _system_message_text(content: str | list[dict[str, Any]], i: int) -> str:
+    if isinstance(content, str):
+        return content
+    return "\n".join(_block_text(b, f"messages[{i}].content[{j}]") for j, b in enumerate(content))
 
 
 def functions_of(body: CountTokensRequest) -> list[dict[str, Any]]:
@@ -269,28 +294,44 @@ async def messages(request: Request) -> Response:
     if body.stream:
         return SSEResponse(_stream(gens[0], plan, parallel, model, mid), on_close=gens[0].abort)
     try:
-        results = await run_until_disconnect(request, lambda: collect_turn(gens, plan, parallel))
+        blocks = await run_until_disconnect(request, lambda: _collect(gens[0], plan, parallel))
     except GenerationError as exc:
         return anthropic_error(500, str(exc))
     finally:
         gens[0].abort()
-    if results is None:
+    if blocks is None:
         return Response(status_code=499)
-    return JSONResponse(_message(mid, model, results[0], gens[0]))
+    return JSONResponse(_message(mid, model, blocks, gens[0]))
+
+
+async def _collect(gen: Generation, plan: TurnPlan, parallel: bool) -> _BlockWriter:
+    blocks = _BlockWriter(send=False)
+    async for step in turn_steps([gen], plan, parallel):
+        blocks.feed(step)
+    blocks.close()
+    return blocks
 
 
 def _tool_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-def _input_of(arguments: str) -> dict[str, Any] | None:
-    """The call's input object; None when the arguments are not a JSON object (a call cut off by
-    max_tokens, or a malformed one from free decoding)."""
+def _input_of(arguments: str) -> dict[str, Any]:
+    """A tool_use block's input: what parsed of the call's arguments.
+
+    A call cut by max_tokens stays in the answer, as on Anthropic's API: stop_reason
+    "max_tokens" with the incomplete tool_use block last, which the client retries with a higher
+    max_tokens (https://platform.claude.com/docs/en/agents-and-tools/tool-use/implement-tool-use,
+    "Handling the max_tokens stop reason").
+    Its input is the partial JSON read the way Anthropic's SDKs read the streamed
+    input_json_delta fragments (complete members kept, an unfinished string or key dropped), so a
+    whole answer and a streamed one end with the same blocks. Arguments that are no JSON object
+    at all give {}."""
     try:
-        value = json.loads(arguments) if arguments else {}
-    except json.JSONDecodeError:
-        return None
-    return value if isinstance(value, dict) else None
+        value = from_json(arguments, allow_partial=True) if arguments else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _stop(gen: Generation, finish: str | None) -> tuple[str, str | None]:
@@ -307,19 +348,9 @@ def _usage(gen: Generation) -> dict[str, Any]:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
-def _message(mid: str, model: ServedModel, r: TurnResult, gen: Generation) -> dict[str, Any]:
-    content: list[dict[str, Any]] = []
-    if r.reasoning:
-        content.append({"type": "thinking", "thinking": r.reasoning, "signature": ""})
-    text = r.text.strip() if r.calls else r.text
-    if text:
-        content.append({"type": "text", "text": text})
-    for c in r.calls:
-        args = _input_of(c.arguments)
-        if args is not None:  # an unusable call is left out rather than shown with a made-up input
-            content.append({"type": "tool_use", "id": _tool_id(c.id), "name": c.name, "input": args})
-    stop_reason, stop_sequence = _stop(gen, r.finish_reason)
-    return {"id": mid, "type": "message", "role": "assistant", "model": model.name, "content": content,
+def _message(mid: str, model: ServedModel, blocks: _BlockWriter, gen: Generation) -> dict[str, Any]:
+    stop_reason, stop_sequence = _stop(gen, blocks.finish)
+    return {"id": mid, "type": "message", "role": "assistant", "model": model.name, "content": blocks.content,
             "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": _usage(gen)}
 
 
@@ -327,92 +358,135 @@ def sse(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
 
 
+def _message_start(mid: str, model: ServedModel, gen: Generation) -> list[bytes]:
+    start: dict[str, Any] = {"id": mid, "type": "message", "role": "assistant", "model": model.name, "content": [],
+             "stop_reason": None, "stop_sequence": None, "usage": _usage(gen)}
+    return [sse("message_start", {"type": "message_start", "message": start}), sse("ping", {"type": "ping"})]
+
+
 async def _stream(gen: Generation, plan: TurnPlan, parallel: bool, model: ServedModel, mid: str) -> AsyncIterator[bytes]:
-    start = {"id": mid, "type": "message", "role": "assistant", "model": model.name, "content": [],
-             "stop_reason": None, "stop_sequence": None,
-             "usage": {"input_tokens": len(plan.prompt_ids), "output_tokens": 0}}
-    yield sse("message_start", {"type": "message_start", "message": start})
-    yield sse("ping", {"type": "ping"})
+    """message_start goes out with the first step, once the engine has said how much of the
+    prompt the prefix cache served (its usage then splits input and cache reads as the final
+    message_delta does)."""
+    started = False
     blocks = _BlockWriter()
-    finish: str | None = None
     last_ping = time.monotonic()
     try:
         async for step in turn_steps([gen], plan, parallel):
-            for e in step.events:
-                for out in blocks.write(e):
+            if not started:
+                started = True
+                for out in _message_start(mid, model, gen):
                     yield out
-            if step.finish_reason:
-                finish = step.finish_reason
+            for out in blocks.feed(step):
+                yield out
             if time.monotonic() - last_ping > 10.0:  # keep idle proxies from closing the stream
                 last_ping = time.monotonic()
                 yield sse("ping", {"type": "ping"})
     except GenerationError as exc:
         yield sse("error", {"type": "error", "error": {"type": "api_error", "message": str(exc)}})
         return
+    if not started:
+        for out in _message_start(mid, model, gen):
+            yield out
     for out in blocks.close():
         yield out
-    stop_reason, stop_sequence = _stop(gen, finish)
-    usage = _usage(gen)
+    stop_reason, stop_sequence = _stop(gen, blocks.finish)
     yield sse("message_delta", {"type": "message_delta",
                                 "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                "usage": {"output_tokens": usage["output_tokens"]}})
+                                "usage": _usage(gen)})  # cumulative, as Anthropic's
     yield sse("message_stop", {"type": "message_stop"})
 
 
 class _BlockWriter:
-    """Turn events → content_block_* events; one block open at a time. Whitespace-only text
-    between tool calls is held and dropped if no real text follows."""
+    """Turn events → content_block_* events, one block open at a time, and the message content
+    they make (`content`): a whole answer is written by the same writer with send=False, so it
+    has the blocks a streamed one ends with. Whitespace-only text between tool calls is held and
+    dropped if no real text follows; a text block's trailing whitespace is held until more text
+    comes, dropped when another block follows."""
 
-    def __init__(self) -> None:
+    def __init__(self, send: bool = True) -> None:
+        self.send = send
         self.index = -1
         self.open: str | None = None  # thinking | text | tool_use
         self.pending_ws = ""
+        self.tail_ws = ""  # trailing whitespace of the open text block, not sent yet
+        self.json = ""  # the open tool_use block's arguments so far
+        self.content: list[dict[str, Any]] = []
+        self.finish: str | None = None
+
+    def _event(self, event: str, data: dict[str, Any]) -> list[bytes]:
+        return [sse(event, data)] if self.send else []
 
     def _start(self, block: dict[str, Any]) -> list[bytes]:
         out = self._stop()
         self.index += 1
         self.open = block["type"]
-        out.append(sse("content_block_start", {"type": "content_block_start", "index": self.index,
-                                               "content_block": block}))
-        return out
+        self.content.append({**block, "signature": ""} if block["type"] == "thinking" else dict(block))
+        self.json = ""
+        return out + self._event("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                         "content_block": block})
 
     def _stop(self) -> list[bytes]:
         if self.open is None:
             return []
         out = []
         if self.open == "thinking":
-            out.append(self._delta({"type": "signature_delta", "signature": ""}))
-        out.append(sse("content_block_stop", {"type": "content_block_stop", "index": self.index}))
+            out += self._delta({"type": "signature_delta", "signature": ""})
+        elif self.open == "tool_use":
+            self.content[-1]["input"] = _input_of(self.json)
+        out += self._event("content_block_stop", {"type": "content_block_stop", "index": self.index})
         self.open = None
         return out
 
-    def _delta(self, delta: dict[str, Any]) -> bytes:
-        return sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+    def _delta(self, delta: dict[str, Any]) -> list[bytes]:
+        return self._event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def feed(self, step: Step) -> list[bytes]:
+        if step.finish_reason:
+            self.finish = step.finish_reason
+        return [b for e in step.events for b in self.write(e)]
 
     def write(self, e: Any) -> list[bytes]:
         out: list[bytes] = []
         if isinstance(e, ReasoningEvent):
             if self.open != "thinking":
                 out += self._start({"type": "thinking", "thinking": ""})
-            out.append(self._delta({"type": "thinking_delta", "thinking": e.text}))
+            self.content[-1]["thinking"] += e.text
+            out += self._delta({"type": "thinking_delta", "thinking": e.text})
         elif isinstance(e, TextEvent):
-            text = e.text
-            if self.open != "text":
-                if not (self.pending_ws + text).strip():
-                    self.pending_ws += text
-                    return out
-                text = (self.pending_ws + text).lstrip() if self.index >= 0 else self.pending_ws + text
-                self.pending_ws = ""
-                out += self._start({"type": "text", "text": ""})
-            out.append(self._delta({"type": "text_delta", "text": text}))
+            out += self._text(e.text)
         elif isinstance(e, CallStart):
-            self.pending_ws = ""
+            self.pending_ws = self.tail_ws = ""
             out += self._start({"type": "tool_use", "id": _tool_id(e.id), "name": e.name, "input": {}})
         elif isinstance(e, CallArgs):
-            out.append(self._delta({"type": "input_json_delta", "partial_json": e.fragment}))
+            self.json += e.fragment
+            out += self._delta({"type": "input_json_delta", "partial_json": e.fragment})
         elif isinstance(e, CallEnd):
             out += self._stop()
         return out
 
+    def _text(self, text: str) -> list[bytes]:
+        out: list[bytes] = []
+        if self.open != "text":
+            if not (self.pending_ws + text).strip():
+                self.pending_ws += text
+                return out
+            text = (self.pending_ws + text).lstrip() if self.index >= 0 else self.pending_ws + text
+            self.pending_ws = ""
+            out += self._start({"type": "text", "text": ""})
+        text = self.tail_ws + text
+        body = text.rstrip()
+        self.tail_ws = text[len(body):]
+        if body:
+            self.content[-1]["text"] += body
+            out += self._delta({"type": "text_delta", "text": body})
+        return out
+
     def close(self) -> list[bytes]:
-        return self._stop()
+        """The end of the answer: an open text block keeps its trailing whitespace."""
+        out = []
+        if self.open == "text" and self.tail_ws:
+            self.content[-1]["text"] += self.tail_ws
+            out += self._delta({"type": "text_delta", "text": self.tail_ws})
+        self.tail_ws = ""
+        return out + self._stop()

@@ -3,7 +3,13 @@ DELETE /v1/responses/{id}.
 
 Input items become chat messages for `server.turn` (messages; function_call → an assistant tool
 call; function_call_output → a tool message); output items are reasoning, message and
-function_call. `previous_response_id` continues a stored conversation: each stored response keeps
+function_call. Tools: function tools; namespace tools (Codex's grouping of MCP tools) unpacked
+into their functions, which the prompt names `namespace + name` and function_call items give back
+as `name` and `namespace`; hosted tools (web_search, image_generation, ...) and other types this
+server cannot run are left out of the prompt, logged once per type. A whole answer is written by
+the same item writer as a stream, so both have the same output items.
+
+`previous_response_id` continues a stored conversation: each stored response keeps
 the chat messages that led to it plus its own output, in a bounded in-memory LRU
 (`ResponseStore`, default 1,024 responses; `store: false` keeps nothing). `background: true`
 returns at once (status "in_progress"); GET polls, cancel aborts the engine rows.
@@ -20,10 +26,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,15 +48,16 @@ from server.structured import response_format_constraint
 from server.tools import CallArgs, CallEnd, CallStart, TextEvent, ToolCall, function_specs
 from server.turn import (
     ReasoningEvent,
+    Step,
     TurnPlan,
     TurnResult,
-    collect_turn,
     parse_tool_choice,
     plan_turn,
     turn_steps,
 )
 
 router = APIRouter()
+log = logging.getLogger("mlxd.server")
 
 DEFAULT_STORE_SIZE = 1024
 
@@ -143,8 +151,11 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             out.append({"role": "system" if role == "developer" else role,
                         "content": _content_text(item.get("content"), where)})
         elif kind == "function_call":
+            name = str(item.get("name") or "")
+            if isinstance(item.get("namespace"), str) and item["namespace"]:
+                name = flat_name(item["namespace"], name)
             call = {"id": str(item.get("call_id") or ""), "type": "function",
-                    "function": {"name": str(item.get("name") or ""), "arguments": str(item.get("arguments") or "{}")}}
+                    "function": {"name": name, "arguments": str(item.get("arguments") or "{}")}}
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
@@ -160,17 +171,93 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     return out
 
 
-def _functions(body: ResponsesRequest) -> list[dict[str, Any]]:
-    tools = []
-    for i, t in enumerate(body.tools or []):
-        if not isinstance(t, dict) or t.get("type") != "function":
-            raise bad_request(f"tools[{i}]: only function tools are supported", "tools")
-        tools.append({"type": "function", "function": {k: t.get(k) for k in ("name", "description", "parameters")
-                                                       if t.get(k) is not None}})
+@dataclass(slots=True)
+class ToolSet:
+    """The request's tools as the prompt sees them: function specs (a namespace's functions under
+    their flat names) and, for each flat name, the (namespace, name) the client calls back."""
+
+    functions: list[dict[str, Any]] = field(default_factory=list)
+    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def call_name(self, flat: str) -> dict[str, str]:
+        """A function_call item's name fields: {"name"} or {"name", "namespace"}."""
+        if flat in self.namespaced:
+            namespace, name = self.namespaced[flat]
+            return {"name": name, "namespace": namespace}
+        return {"name": flat}
+
+
+def flat_name(namespace: str, name: str) -> str:
+    """One name for a namespaced function in the prompt: Codex's MCP namespaces end in "__"
+    ("mcp__server__" + "tool"); others get "__" between."""
+    return f"{namespace}{name}" if namespace.endswith("__") else f"{namespace}__{name}"
+
+
+_NOT_RUN_LOGGED: set[str] = set()  # tool types already logged as left out
+
+
+def _not_run(kind: str) -> None:
+    if kind not in _NOT_RUN_LOGGED:
+        _NOT_RUN_LOGGED.add(kind)
+        log.warning("tools of type %r are not run by this server; left out of the prompt", kind)
+
+
+def _function_spec(t: dict[str, Any], where: str, name: Any) -> dict[str, Any]:
+    if not isinstance(name, str) or not name:
+        raise bad_request(f"{where}.name must be a non-empty string", "tools")
+    fn = {k: t[k] for k in ("description", "parameters") if t.get(k) is not None}
     try:
-        return function_specs(tools)
+        return function_specs([{"type": "function", "function": {**fn, "name": name}}])[0]
     except ValueError as exc:
-        raise bad_request(str(exc), "tools") from None
+        raise bad_request(str(exc).replace("tools[0].function", where, 1).replace("tools[0]", where, 1),
+                          "tools") from None
+
+
+def tool_set(body: ResponsesRequest) -> ToolSet:
+    """Function tools; namespace tools (Codex groups MCP tools so) unpacked into their functions;
+    hosted tools (web_search, file_search, ...) and other types this server cannot run left out,
+    logged once per type."""
+    out = ToolSet()
+    for i, t in enumerate(body.tools or []):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or not isinstance(t.get("type"), str):
+            raise bad_request(f"{where} must be an object with a string 'type'", "tools")
+        if t["type"] == "function":
+            out.functions.append(_function_spec(t, where, t.get("name")))
+        elif t["type"] == "namespace":
+            _unpack_namespace(t, where, out)
+        else:
+            _not_run(t["type"])
+    if len({f["name"] for f in out.functions}) != len(out.functions):
+        raise bad_request("tools: tool names must be unique (a namespace's tools count as "
+                          "namespace + name)", "tools")
+    return out
+
+
+def _unpack_namespace(t: dict[str, Any], where: str, out: ToolSet) -> None:
+    namespace, inner = t.get("name"), t.get("tools")
+    if not isinstance(namespace, str) or not namespace:
+        raise bad_request(f"{where}.name must be a non-empty string", "tools")
+    if not isinstance(inner, list):
+        raise bad_request(f"{where}.tools must be a list of function tools", "tools")
+    for j, f in enumerate(inner):
+        fwhere = f"{where}.tools[{j}]"
+        if not isinstance(f, dict) or f.get("type", "function") != "function":
+            _not_run(f"{f.get('type')} (in a namespace)" if isinstance(f, dict) else "non-object")
+            continue
+        spec = _function_spec(f, fwhere, f.get("name"))
+        name = spec["name"]
+        spec["name"] = flat_name(namespace, name)
+        out.functions.append(spec)
+        out.namespaced[spec["name"]] = (namespace, name)
+
+
+def _tool_choice(value: Any) -> Any:
+    """A tool_choice naming a namespaced function ({"type": "function", "namespace", "name"})
+    names it by its flat name."""
+    if isinstance(value, dict) and isinstance(value.get("namespace"), str) and isinstance(value.get("name"), str):
+        return {"type": "function", "name": flat_name(value["namespace"], value["name"])}
+    return value
 
 
 # -- output -----------------------------------------------------------------------------------
@@ -180,21 +267,18 @@ def _new(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
-def output_items(r: TurnResult, ids: dict[str, str]) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = []
-    if r.reasoning:
-        items.append({"type": "reasoning", "id": ids.setdefault("rs", _new("rs")), "summary": [],
-                      "content": [{"type": "reasoning_text", "text": r.reasoning}]})
-    text = r.text.strip() if r.calls else r.text
-    if text or not r.calls:
-        items.append({"type": "message", "id": ids.setdefault("msg", _new("msg")), "status": "completed",
-                      "role": "assistant",
-                      "content": [{"type": "output_text", "text": text, "annotations": []}]})
-    for c in r.calls:
-        items.append({"type": "function_call", "id": "fc_" + c.id.removeprefix("call_"), "call_id": c.id,
-                      "name": c.name, "arguments": c.arguments,
-                      "status": "completed" if _is_json_object(c.arguments) else "incomplete"})
-    return items
+def _set_status(item: dict[str, Any], cut: bool) -> None:
+    """A finished item's status. `cut`: the output limit ended the response with this item
+    open. A message cut so is "incomplete"; a function call is "incomplete" when its arguments
+    are no JSON object (cut inside them, or malformed), whatever ended it; else "completed".
+    Reasoning items have none."""
+    kind = item["type"]
+    if kind == "reasoning":
+        item.pop("status", None)
+    elif (kind == "message" and cut) or (kind == "function_call" and not _is_json_object(item["arguments"])):
+        item["status"] = "incomplete"
+    else:
+        item["status"] = "completed"
 
 
 def _is_json_object(text: str) -> bool:
@@ -229,8 +313,9 @@ def _skeleton(rid: str, body: ResponsesRequest, model: ServedModel, status: str)
     }
 
 
-def _finish(resp: dict[str, Any], r: TurnResult, gens: list[Generation], ids: dict[str, str]) -> None:
-    resp["output"] = output_items(r, ids)
+def _finish(resp: dict[str, Any], items: _ItemWriter, gens: list[Generation]) -> None:
+    r = items.result
+    resp["output"] = items.items
     resp["usage"] = _usage(gens)
     if r.finish_reason == "length":
         resp["status"] = "incomplete"
@@ -259,6 +344,7 @@ class _Prepared:
     parallel: bool
     messages: list[dict[str, Any]]
     gens: list[Generation]
+    tools: ToolSet
 
 
 async def _prepare(request: Request) -> _Prepared:
@@ -282,12 +368,15 @@ async def _prepare(request: Request) -> _Prepared:
                            param="previous_response_id", code="previous_response_not_found")
         if prev.response["status"] == "in_progress":
             raise bad_request("The previous response is still in progress.", "previous_response_id")
-        history = [m for m in prev.messages if m["role"] != "system"]  # instructions do not carry over
+        history = prev.messages  # less its instructions: they do not carry over (other system messages do)
+        if prev.response.get("instructions"):
+            history = history[1:]
     messages = [*history, *input_messages(body)]
     if body.instructions:
         messages = [{"role": "system", "content": body.instructions}, *messages]
-    functions = _functions(body)
-    choice = parse_tool_choice(body.tool_choice, functions)
+    tools = tool_set(body)
+    functions = tools.functions
+    choice = parse_tool_choice(_tool_choice(body.tool_choice), functions)
     parallel = body.parallel_tool_calls is not False
     fmt = (body.text or {}).get("format")
     plan = plan_turn(model, messages, functions, choice, parallel=parallel,
@@ -304,7 +393,7 @@ async def _prepare(request: Request) -> _Prepared:
     spec = ChoiceSpec(index=0, req_id=rid, prompt_ids=plan.prompt_ids, params=params,
                       skip_special_tokens=plan.skip_special_tokens)
     gens = await start_all(st.client, [spec], model.info.eos_token_ids)
-    return _Prepared(rid, body, plan, parallel, messages, gens)
+    return _Prepared(rid, body, plan, parallel, messages, gens, tools)
 
 
 @router.post("/v1/responses")
@@ -322,28 +411,38 @@ async def create_response(request: Request) -> Response:
     if p.body.stream:
         return SSEResponse(_stream(p, resp, stored), on_close=p.gens[0].abort)
     try:
-        results = await run_until_disconnect(request, lambda: collect_turn(p.gens, p.plan, p.parallel))
+        items = await run_until_disconnect(request, lambda: _collect(p))
     except GenerationError as exc:
         resp["status"] = "failed"
         resp["error"] = {"code": "server_error", "message": str(exc)}
         return JSONResponse(error_body(str(exc), "server_error", None, "generation_failed"), 500)
     finally:
         p.gens[0].abort()
-    if results is None:
+    if items is None:
         store.pop(p.rid)
         return Response(status_code=499)
-    _finish(resp, results[0], p.gens, {})
-    stored.messages = _history(p.messages, results[0])
+    _finish(resp, items, p.gens)
+    stored.messages = _history(p.messages, items.result)
     return JSONResponse(resp)
+
+
+async def _collect(p: _Prepared) -> _ItemWriter:
+    """The whole answer: the same item writer a stream uses, its events not sent, so a whole
+    response and a streamed one have the same output items."""
+    items = _ItemWriter(_Events(send=False), p.tools)
+    async for step in turn_steps(p.gens, p.plan, p.parallel):
+        items.feed(step)
+    items.end()
+    return items
 
 
 async def _run_background(p: _Prepared, stored: Stored) -> None:
     resp = stored.response
     try:
-        results = await collect_turn(p.gens, p.plan, p.parallel)
+        items = await _collect(p)
         if resp["status"] != "cancelled":
-            _finish(resp, results[0], p.gens, {})
-        stored.messages = _history(p.messages, results[0])
+            _finish(resp, items, p.gens)
+        stored.messages = _history(p.messages, items.result)
     except GenerationError as exc:
         resp["status"] = "failed"
         resp["error"] = {"code": "server_error", "message": str(exc)}
@@ -395,10 +494,15 @@ async def cancel_response(rid: str, request: Request) -> Response:
 
 
 class _Events:
-    def __init__(self) -> None:
+    """Numbered stream events; with send=False only counted (a whole answer's writer)."""
+
+    def __init__(self, send: bool = True) -> None:
         self.seq = 0
+        self.send = send
 
     def __call__(self, kind: str, **data: Any) -> bytes:
+        if not self.send:
+            return b""
         payload = {"type": kind, "sequence_number": self.seq, **data}
         self.seq += 1
         return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
@@ -414,106 +518,152 @@ async def _stream(p: _Prepared, resp: dict[str, Any], stored: Stored) -> AsyncIt
             resp["status"] = "cancelled"
 
 
-async def _stream_events(p: _Prepared, resp: dict[str, Any], stored: Stored) -> AsyncIterator[bytes]:
+async def _stream_events(p: _Prepared, resp: dict[str, Any], stored: Stored) -> AsyncGenerator[bytes, None]:
     ev = _Events()
     yield ev("response.created", response=dict(resp))
     yield ev("response.in_progress", response=dict(resp))
-    out_index = -1
-    open_item: dict[str, Any] | None = None  # the output item being streamed
-    result = TurnResult()
-    ids: dict[str, str] = {}
-    calls: list[ToolCall] = []
-
-    def close_item() -> list[bytes]:
-        nonlocal open_item
-        item, open_item = open_item, None
-        if item is None:
-            return []
-        out = []
-        if item["type"] == "message":
-            part = item["content"][0]
-            out.append(ev("response.output_text.done", item_id=item["id"], output_index=out_index,
-                          content_index=0, text=part["text"]))
-            out.append(ev("response.content_part.done", item_id=item["id"], output_index=out_index,
-                          content_index=0, part=part))
-        elif item["type"] == "reasoning":
-            text = item["content"][0]["text"]
-            out.append(ev("response.reasoning_text.done", item_id=item["id"], output_index=out_index,
-                          content_index=0, text=text))
-        elif item["type"] == "function_call":
-            out.append(ev("response.function_call_arguments.done", item_id=item["id"], output_index=out_index,
-                          arguments=item["arguments"]))
-        item["status"] = "completed" if item["type"] != "reasoning" else item.get("status")
-        if item["type"] == "reasoning":
-            item.pop("status", None)
-        out.append(ev("response.output_item.done", output_index=out_index, item=item))
-        return out
-
-    def open_new(item: dict[str, Any]) -> list[bytes]:
-        nonlocal open_item, out_index
-        out = close_item()
-        out_index += 1
-        open_item = item
-        out.append(ev("response.output_item.added", output_index=out_index, item=item))
-        if item["type"] == "message":
-            out.append(ev("response.content_part.added", item_id=item["id"], output_index=out_index,
-                          content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
-        return out
-
-    pending_ws = ""
+    items = _ItemWriter(ev, p.tools)
     try:
         async for step in turn_steps(p.gens, p.plan, p.parallel):
-            for e in step.events:
-                if isinstance(e, ReasoningEvent):
-                    result.reasoning = (result.reasoning or "") + e.text
-                    if open_item is None or open_item["type"] != "reasoning":
-                        for b in open_new({"type": "reasoning", "id": ids.setdefault("rs", _new("rs")),
-                                           "summary": [], "content": [{"type": "reasoning_text", "text": ""}]}):
-                            yield b
-                    open_item["content"][0]["text"] += e.text
-                    yield ev("response.reasoning_text.delta", item_id=open_item["id"], output_index=out_index,
-                             content_index=0, delta=e.text)
-                elif isinstance(e, TextEvent):
-                    result.text += e.text
-                    text = e.text
-                    if open_item is None or open_item["type"] != "message":
-                        if not (pending_ws + text).strip():
-                            pending_ws += text
-                            continue
-                        text, pending_ws = (pending_ws + text).lstrip() if out_index >= 0 else pending_ws + text, ""
-                        for b in open_new({"type": "message", "id": ids.setdefault("msg", _new("msg")),
-                                           "status": "in_progress", "role": "assistant",
-                                           "content": [{"type": "output_text", "text": "", "annotations": []}]}):
-                            yield b
-                    open_item["content"][0]["text"] += text
-                    yield ev("response.output_text.delta", item_id=open_item["id"], output_index=out_index,
-                             content_index=0, delta=text)
-                elif isinstance(e, CallStart):
-                    pending_ws = ""
-                    calls.append(ToolCall(e.id, e.name, ""))
-                    for b in open_new({"type": "function_call", "id": "fc_" + e.id.removeprefix("call_"),
-                                       "call_id": e.id, "name": e.name, "arguments": "", "status": "in_progress"}):
-                        yield b
-                elif isinstance(e, CallArgs):
-                    calls[e.index].arguments += e.fragment
-                    if open_item is not None and open_item["type"] == "function_call":
-                        open_item["arguments"] += e.fragment
-                        yield ev("response.function_call_arguments.delta", item_id=open_item["id"],
-                                 output_index=out_index, delta=e.fragment)
-                elif isinstance(e, CallEnd):
-                    for b in close_item():
-                        yield b
-            if step.finish_reason:
-                result.finish_reason = step.finish_reason
+            for b in items.feed(step):
+                yield b
     except GenerationError as exc:
         resp["status"] = "failed"
         resp["error"] = {"code": "server_error", "message": str(exc)}
         yield ev("response.failed", response=resp)
         return
-    for b in close_item():
+    for b in items.end():
         yield b
-    result.calls = calls
-    _finish(resp, result, p.gens, ids)
-    stored.messages = _history(p.messages, result)
+    _finish(resp, items, p.gens)
+    stored.messages = _history(p.messages, items.result)
     kind = "response.completed" if resp["status"] == "completed" else "response.incomplete"
     yield ev(kind, response=resp)
+
+
+class _ItemWriter:
+    """Turn events → output item events; one item open at a time. A message's
+    output_item.added carries no content yet (its part follows in content_part.added), as
+    OpenAI's does. Whitespace-only text between tool calls is held and dropped if no real text
+    follows; a message's trailing whitespace is held until more text comes, dropped when another
+    item follows."""
+
+    def __init__(self, ev: _Events, tools: ToolSet):
+        self.ev = ev
+        self.tools = tools
+        self.out_index = -1
+        self.open_item: dict[str, Any] | None = None
+        self.result = TurnResult()
+        self.pending_ws = ""
+        self.tail_ws = ""  # trailing whitespace of the open message, not sent yet
+        self.items: list[dict[str, Any]] = []  # the closed items: the response's output
+
+    def feed(self, step: Step) -> list[bytes]:
+        out = [b for e in step.events for b in self.write(e)]
+        if step.finish_reason:
+            self.result.finish_reason = step.finish_reason
+        return out
+
+    def end(self) -> list[bytes]:
+        """The end of the answer: an open message keeps its trailing whitespace."""
+        out = []
+        if self.open_item is not None and self.open_item["type"] == "message" and self.tail_ws:
+            out.append(self._text_delta(self.tail_ws))
+        return out + self.close(cut=self.result.finish_reason == "length")
+
+    def close(self, cut: bool = False) -> list[bytes]:
+        """Close the open item; `cut`: the output limit ended the response with it open."""
+        item, self.open_item = self.open_item, None
+        self.tail_ws = ""
+        if item is None:
+            return []
+        ev, where = self.ev, {"item_id": item["id"], "output_index": self.out_index}
+        out = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            out.append(ev("response.output_text.done", **where, content_index=0, text=part["text"]))
+            out.append(ev("response.content_part.done", **where, content_index=0, part=part))
+        elif item["type"] == "reasoning":
+            out.append(ev("response.reasoning_text.done", **where, content_index=0,
+                          text=item["content"][0]["text"]))
+        elif item["type"] == "function_call":
+            out.append(ev("response.function_call_arguments.done", **where, arguments=item["arguments"]))
+        _set_status(item, cut)
+        self.items.append(item)
+        out.append(ev("response.output_item.done", output_index=self.out_index, item=item))
+        return out
+
+    def _open(self, item: dict[str, Any]) -> list[bytes]:
+        out = self.close()
+        self.out_index += 1
+        self.open_item = item
+        shown = {**item, "content": []} if item["type"] == "message" else item
+        out.append(self.ev("response.output_item.added", output_index=self.out_index, item=shown))
+        if item["type"] == "message":
+            out.append(self.ev("response.content_part.added", item_id=item["id"], output_index=self.out_index,
+                               content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+        return out
+
+    def write(self, e: Any) -> list[bytes]:
+        if isinstance(e, ReasoningEvent):
+            out = self._reasoning(e.text)
+        elif isinstance(e, TextEvent):
+            out = self._text(e.text)
+        elif isinstance(e, CallStart):
+            self.pending_ws = ""
+            self.result.calls.append(ToolCall(e.id, e.name, ""))
+            out = self._open({"type": "function_call", "id": "fc_" + e.id.removeprefix("call_"), "call_id": e.id,
+                              **self.tools.call_name(e.name), "arguments": "", "status": "in_progress"})
+        elif isinstance(e, CallArgs):
+            out = self._args(e)
+        elif isinstance(e, CallEnd):
+            out = self.close()
+        else:
+            out = []
+        return out
+
+    def _reasoning(self, text: str) -> list[bytes]:
+        self.result.reasoning = (self.result.reasoning or "") + text
+        out: list[bytes] = []
+        if self.open_item is None or self.open_item["type"] != "reasoning":
+            out += self._open({"type": "reasoning", "id": _new("rs"), "summary": [],
+                               "content": [{"type": "reasoning_text", "text": ""}]})
+        assert self.open_item is not None
+        self.open_item["content"][0]["text"] += text
+        out.append(self.ev("response.reasoning_text.delta", item_id=self.open_item["id"],
+                           output_index=self.out_index, content_index=0, delta=text))
+        return out
+
+    def _text(self, text: str) -> list[bytes]:
+        self.result.text += text
+        out: list[bytes] = []
+        if self.open_item is None or self.open_item["type"] != "message":
+            if not (self.pending_ws + text).strip():
+                self.pending_ws += text
+                return out
+            text = (self.pending_ws + text).lstrip() if self.out_index >= 0 else self.pending_ws + text
+            self.pending_ws = ""
+            out += self._open({"type": "message", "id": _new("msg"),
+                               "status": "in_progress", "role": "assistant",
+                               "content": [{"type": "output_text", "text": "", "annotations": []}]})
+        text = self.tail_ws + text
+        body = text.rstrip()
+        self.tail_ws = text[len(body):]
+        if body:
+            out.append(self._text_delta(body))
+        return out
+
+    def _text_delta(self, text: str) -> bytes:
+        item = self.open_item
+        assert item is not None
+        item["content"][0]["text"] += text
+        return self.ev("response.output_text.delta", item_id=item["id"], output_index=self.out_index,
+                       content_index=0, delta=text)
+
+    def _args(self, e: CallArgs) -> list[bytes]:
+        self.result.calls[e.index].arguments += e.fragment
+        item = self.open_item
+        if item is None or item["type"] != "function_call":
+            return []
+        item["arguments"] += e.fragment
+        return [self.ev("response.function_call_arguments.delta", item_id=item["id"], output_index=self.out_index,
+                        delta=e.fragment)]

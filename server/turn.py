@@ -7,7 +7,9 @@ Messages, Responses): prompt with tools → engine → reasoning, text and tool-
         ...
 
 Messages are OpenAI chat dicts (role, content as a string, tool_calls, tool_call_id); every
-endpoint converts its own shapes into them. Templates that handle `tools` get them as-is (tool
+endpoint converts its own shapes into them. System messages after the conversation started (agent
+clients send them) reach the template where they stand; a template that refuses them, or drops
+their text, gets them folded into the next user message (`fold_system_messages`). Templates that handle `tools` get them as-is (tool
 call arguments as objects, the Hugging Face convention); others get the tools in the system
 prompt and the tool history as Hermes text (server.tools). Each choice's text goes through the
 reasoning splitter, then the tool-call parser, both incremental, so streamed and whole responses
@@ -18,12 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
-from server.errors import bad_request
-from server.generation import Generation, TokenLogprob, stream_all
+from server.errors import APIError, bad_request
+from server.generation import Delta, Generation, TokenLogprob, stream_all
 from server.prompts import ServedModel, check_prompt_ids, encode, render_chat
 from server.reasoning import ReasoningSplitter, model_thinks, prompt_opens_thinking
 from server.tools import (
@@ -63,7 +65,8 @@ def parse_tool_choice(value: Any, functions: Sequence[dict[str, Any]], param: st
             raise bad_request(f"'{param}' is 'required' but no tools were given", param)
         return ToolChoice(value)
     if isinstance(value, dict) and value.get("type") == "function":
-        fn = value.get("function") if isinstance(value.get("function"), dict) else value
+        inner = value.get("function")
+        fn: dict[str, Any] = inner if isinstance(inner, dict) else value
         name = fn.get("name")
         if not isinstance(name, str) or name not in names:
             raise bad_request(f"'{param}' names a function that is not in 'tools': {name!r}", param)
@@ -117,6 +120,68 @@ def _with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, An
     return [{"role": "system", "content": text}, *messages]
 
 
+def _mid_system(messages: list[dict[str, Any]]) -> set[int]:
+    """Indices of the system messages after the conversation started (not the leading run)."""
+    out: set[int] = set()
+    started = False
+    for i, m in enumerate(messages):
+        if m.get("role") != "system":
+            started = True
+        elif started:
+            out.add(i)
+    return out
+
+
+def _joined(*texts: Any) -> str:
+    return "\n\n".join(t for t in texts if isinstance(t, str) and t)
+
+
+def fold_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same conversation for a template that takes one system prompt, at the start.
+
+    The leading run of system messages becomes one; a later system message is put in front of
+    the next user message, so it still comes before what follows it. One with no user message
+    after it goes after the last message when that is a user message, else becomes a user
+    message of its own."""
+    mid = _mid_system(messages)
+    out: list[dict[str, Any]] = []
+    pending: list[str] = []
+    for i, m in enumerate(messages):
+        if i in mid:
+            pending.append((m.get("content") or "").strip())
+        elif m.get("role") == "system" and out:  # the leading run
+            out[0] = {**out[0], "content": _joined(out[0].get("content"), m.get("content"))}
+        elif m.get("role") == "user" and pending:
+            out.append({**m, "content": _joined(*pending, m.get("content"))})
+            pending = []
+        else:
+            out.append(dict(m))
+    if pending and out and out[-1].get("role") == "user":
+        out[-1] = {**out[-1], "content": _joined(out[-1].get("content"), *pending)}
+    elif pending:
+        out.append({"role": "user", "content": _joined(*pending)})
+    return out
+
+
+def _render(model: ServedModel, msgs: list[dict[str, Any]], **kwargs: Any) -> str:
+    """The chat template's prompt. Mid-conversation system messages (Claude Code and Codex send
+    them) go to the template where they stand; a template that refuses them, or renders without
+    their text, gets them folded by `fold_system_messages` instead."""
+    mid = [(msgs[i].get("content") or "").strip() for i in sorted(_mid_system(msgs))]
+    try:
+        text = render_chat(model, msgs, **kwargs)
+    except APIError as exc:
+        if not mid:
+            raise
+        try:
+            return render_chat(model, fold_system_messages(msgs), **kwargs)
+        except APIError:
+            raise exc from None
+    if all(t in text for t in mid):
+        return text
+    return render_chat(model, fold_system_messages(msgs), **kwargs)
+
+
 def plan_turn(
     model: ServedModel,
     messages: list[dict[str, Any]],
@@ -140,7 +205,7 @@ def plan_turn(
         msgs = history_for_fallback(messages, fmt)
         if use_tools:
             msgs = _with_system(msgs, tools_system_prompt(functions, fmt))
-    text = render_chat(
+    text = _render(
         model,
         msgs,
         add_generation_prompt=add_generation_prompt,
@@ -243,11 +308,12 @@ class Step:
 
 async def turn_steps(
     gens: Sequence[Generation], plan: TurnPlan, parallel: bool = True
-) -> AsyncIterator[Step]:
+) -> AsyncGenerator[Step, None]:
     """The engine's deltas for every choice, as turn events; the finish reason becomes
     "tool_calls" when the choice called a tool and stopped."""
     outputs = {g.spec.index: TurnOutput(plan, parallel) for g in gens}
-    async with contextlib.aclosing(stream_all(gens)) as deltas:
+    source = cast("AsyncGenerator[Delta, None]", stream_all(gens))  # an async generator function
+    async with contextlib.aclosing(source) as deltas:
         async for d in deltas:
             out = outputs[d.index]
             step = Step(d.index, out.feed(d.text) if d.text else [], list(d.logprobs))

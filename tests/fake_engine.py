@@ -56,6 +56,7 @@ class FakeEngine:
     overloaded: bool = False  # submit raises EngineOverloaded
     fail_after: int | None = None  # finish with FINISH_ERROR after this many tokens
     submit_error: Exception | None = None  # submit raises this (e.g. a RuntimeError: a "bug")
+    cached_tokens: int = 4  # prompt tokens each request reports served by the prefix cache
     submits: list[Request] = field(default_factory=list)
     aborts: list[tuple[str, float]] = field(default_factory=list)  # (req_id, time.monotonic())
     closes: list[tuple[str, float]] = field(default_factory=list)  # streams closed before finishing
@@ -95,6 +96,7 @@ class FakeEngine:
             "overloaded",
             "fail_after",
             "submit_error",
+            "cached_tokens",
         ):
             f = defaults[name]
             setattr(self, name, f.default)
@@ -203,7 +205,7 @@ class FakeEngine:
                     ids,
                     finish_reason=finish,
                     num_prompt_tokens=n_prompt,
-                    num_cached_tokens=min(4, n_prompt - 1),
+                    num_cached_tokens=min(self.cached_tokens, n_prompt - 1),
                 )
                 if params.logprobs:
                     ev.logprobs = [self.fake_logprob(t) for t in ids]

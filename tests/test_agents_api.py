@@ -237,11 +237,12 @@ def test_messages_max_tokens_and_stop_sequences(fake, claude):
                                  messages=[{"role": "user", "content": "count"}])
     assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == " four"
     assert msg.content[0].text == "one two three"
-    # a tool call cut off by max_tokens is left out, not shown with a made-up input
+    # a tool call cut off by max_tokens stays, last, with the input that parsed (as Anthropic's)
     fake.reset(script=scripted(fake, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'))
     tools = [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]
-    msg = claude.messages.create(model=MODEL, max_tokens=12, tools=tools, messages=[{"role": "user", "content": "x"}])
-    assert msg.stop_reason == "max_tokens" and not [b for b in msg.content if b.type == "tool_use"]
+    msg = claude.messages.create(model=MODEL, max_tokens=25, tools=tools, messages=[{"role": "user", "content": "x"}])
+    assert msg.stop_reason == "max_tokens" and msg.content[-1].type == "tool_use"
+    assert msg.content[-1].name == "get_weather" and msg.content[-1].input == {}
 
 
 def test_messages_tools_round_trip(fake, claude):
