@@ -1,5 +1,6 @@
 """Pure-ASGI middleware (no BaseHTTPMiddleware, so streaming and disconnects pass through intact):
-request ids, the body-size limit, and the last-resort JSON 500."""
+request ids, the body-size limit, and the last-resort JSON 500. A client that leaves before its
+body is complete is not a server error: no 500, no traceback (the access line says 499)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 import re
 import uuid
 
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError, error_body
@@ -92,6 +94,8 @@ class RequestContextMiddleware:
 
         try:
             await self.app(scope, limited_receive, send_with_id)
+        except ClientDisconnect:
+            log.debug("client left before the request body was complete (id %s)", request_id)
         except Exception:
             log.exception(
                 "request %s %s failed (id %s)", scope.get("method"), scope.get("path"), request_id
@@ -126,5 +130,5 @@ async def _drain(receive: Receive, max_bytes: int, max_seconds: float) -> None:
 
     try:
         await asyncio.wait_for(loop(), max_seconds)
-    except (asyncio.TimeoutError, Exception):
+    except Exception:  # TimeoutError, or the client left
         pass

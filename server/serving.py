@@ -1,0 +1,92 @@
+"""The uvicorn settings `mlxd serve` runs with: `uvicorn_config(app, host=..., port=...)`.
+
+- HTTP/1.1 through h11 (chosen explicitly, not uvicorn's "auto", which picks httptools when it is
+  installed: httptools has no limit on the request head, so a client could send a header of any
+  size and the server would hold all of it in memory). h11 buffers at most `max_header_bytes` of
+  an unfinished request line + headers; a larger head gets 431 with an OpenAI-shaped JSON body and
+  the connection is closed. The request body is not counted: it streams through in chunks and
+  `RequestContextMiddleware` limits it (413).
+- No uvicorn access log: `ObservabilityMiddleware` writes one access line per request (with its
+  request id).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from server.errors import error_body
+
+access_log = logging.getLogger("mlxd.access")
+
+MAX_HEADER_BYTES = 64 * 1024  # request line + headers; nginx/Node defaults are 8-16 KiB
+# After a 431 the rest of the oversized head is read and dropped (bounded) before the socket is
+# closed: closing with unread data makes the kernel send a reset, and the client would then see
+# "connection reset" instead of the 431.
+DRAIN_BYTES = 4 * 1024 * 1024
+DRAIN_SECONDS = 2.0
+
+
+class HeadLimitedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, answering a request head over the limit with 431 + JSON."""
+
+    _refused = False
+    _dropped = 0
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            self._dropped += len(data)
+            if self._dropped > DRAIN_BYTES:
+                self.transport.close()
+            return
+        super().data_received(data)
+
+    def send_400_response(self, msg: str) -> None:
+        limit = self.config.h11_max_incomplete_event_size or MAX_HEADER_BYTES
+        if len(self.conn.trailing_data[0]) <= limit:
+            super().send_400_response(msg)  # some other malformed request: uvicorn's own 400
+            return
+        self._refused = True
+        body = json.dumps(error_body(
+            f"The request line and headers are larger than {limit} bytes.",
+            "invalid_request_error", None, "request_header_fields_too_large",
+        )).encode()
+        head = (
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+            b"content-type: application/json\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n"
+            b"connection: close\r\n\r\n"
+        )
+        self.transport.write(head + body)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(DRAIN_SECONDS, self.transport.close)
+        who = f"{self.client[0]}:{self.client[1]}" if self.client else "-"
+        access_log.info('%s "-" 431 request line and headers over %d bytes', who, limit)
+
+
+def uvicorn_config(
+    app: Any,
+    *,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    max_header_bytes: int = MAX_HEADER_BYTES,
+    **extra: Any,
+) -> uvicorn.Config:
+    """The uvicorn configuration of `mlxd serve` (tests build their servers with it too)."""
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level.lower(),
+        http=HeadLimitedH11Protocol,
+        h11_max_incomplete_event_size=max_header_bytes,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        **extra,
+    )
