@@ -160,7 +160,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "(MLX's bundled reference BLAS, ~30x slower matmuls on a CPU)")
     g = p.add_argument_group("HTTP")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    g.add_argument("--port", type=_int_in(1, 65535), default=8080, help="TCP port")
+    g.add_argument("--port", type=_int_in(0, 65535), default=8080,
+                   help="TCP port; 0 = any free one (the log says which)")
     g.add_argument("--allowed-origins", nargs="*", default=[],
                    help="CORS origins, e.g. '*' (default: none, no CORS headers)")
     g.add_argument("--api-key", type=_api_key, default=None,
@@ -295,20 +296,32 @@ def serve(args: argparse.Namespace) -> int:
     )
     from engine.kvcache import UnsupportedKV
     from mlxd.runtime import StartupError, build_client, describe_load_error
+    from server.serving import listen_socket
 
+    try:
+        sock = listen_socket(args.host, args.port)  # before the model loads: fail fast
+    except OSError as exc:
+        return _fail(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}; choose "
+                     "another --port (or --host)", 1)
     try:
         client = build_client(args)
     except (StartupError, UnsupportedKV) as exc:  # a configuration this machine cannot run
         return _fail(str(exc), 2)
+    except KeyboardInterrupt:  # Ctrl-C while the model loads
+        return 130
     except Exception as exc:  # a model that cannot be loaded: say what to do, not a traceback
         log.debug("loading the model failed", exc_info=True)
         return _fail(describe_load_error(exc, args.model), 1)
     _log_model(client)
-    import uvicorn
+    _run_server(client, args, sock)
+    _exit_without_teardown(0)
+    return 0
 
+
+def _run_server(client: Any, args: argparse.Namespace, sock: Any) -> None:
     from server.app import create_app
     from server.config import ServerConfig
-    from server.serving import uvicorn_config
+    from server.serving import Server, uvicorn_config
 
     config = ServerConfig(
         host=args.host,
@@ -322,14 +335,15 @@ def serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
     )
     app = create_app(client, config)
+    server = Server(uvicorn_config(app, host=args.host, port=args.port,
+                                           log_level=args.log_level))
     client.start()
     try:
-        uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port,
-                                      log_level=args.log_level)).run()
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # a second Ctrl-C during shutdown
+        pass
     finally:
         client.stop()
-    _exit_without_teardown(0)
-    return 0
 
 
 def _fail(message: str, code: int) -> int:

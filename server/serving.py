@@ -6,6 +6,8 @@
   an unfinished request line + headers; a larger head gets 431 with an OpenAI-shaped JSON body and
   the connection is closed. The request body is not counted: it streams through in chunks and
   `RequestContextMiddleware` limits it (413).
+- The listening socket is bound first (`listen_socket`), before the model loads, so a port in use
+  is reported at once.
 - No uvicorn access log: `ObservabilityMiddleware` writes one access line per request (with its
   request id).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 from typing import Any
 
 import uvicorn
@@ -21,6 +24,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from server.errors import error_body
 
+log = logging.getLogger("mlxd.server")
 access_log = logging.getLogger("mlxd.access")
 
 MAX_HEADER_BYTES = 64 * 1024  # request line + headers; nginx/Node defaults are 8-16 KiB
@@ -90,3 +94,29 @@ def uvicorn_config(
         timeout_graceful_shutdown=5,
         **extra,
     )
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, saying where it listens once it does (uvicorn is silent about that
+    when it is handed a bound socket)."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and sockets:
+            host, port = sockets[0].getsockname()[:2]
+            shown = f"[{host}]" if ":" in host else host
+            log.info("serving on http://%s:%d (Ctrl-C stops)", shown, port)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket for uvicorn (`Server.run(sockets=[...])`); OSError when it cannot be."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
