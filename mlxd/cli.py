@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"no command before {argv[0]}; to start a server: mlxd serve {' '.join(argv)}")
         parser.parse_args(argv)  # --help, or an unknown command: argparse says which
     args = parse_serve_args(argv[1:])
-    if args.supervise and not os.environ.get("MLXD_SUPERVISED"):
+    if args.supervise:  # the child's command line has no --supervise
         from mlxd.supervise import child_argv, supervise
 
         logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
