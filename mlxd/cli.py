@@ -20,7 +20,6 @@ from typing import Any, NoReturn
 log = logging.getLogger("mlxd")
 
 
-
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors: `mlxd serve: error: argument --port: ...` (exit 2)."""
 
