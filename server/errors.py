@@ -104,6 +104,14 @@ def unsupported(field: str, why: str = "") -> APIError:
     )
 
 
+def headers_too_large(limit: int) -> APIError:
+    return APIError(
+        431,
+        f"The request line and headers are larger than {limit} bytes.",
+        code="request_header_fields_too_large",
+    )
+
+
 def from_engine_error(exc: EngineError) -> APIError:
     """EngineOverloaded → 429 with Retry-After; any other EngineError → its own status."""
     if isinstance(exc, EngineOverloaded):

@@ -22,12 +22,12 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from server.errors import error_body
+from server.errors import headers_too_large
+from server.middleware import MAX_HEADER_BYTES
 
 log = logging.getLogger("mlxd.server")
 access_log = logging.getLogger("mlxd.access")
 
-MAX_HEADER_BYTES = 64 * 1024  # request line + headers; nginx/Node defaults are 8-16 KiB
 # After a 431 the rest of the oversized head is read and dropped (bounded) before the socket is
 # closed: closing with unread data makes the kernel send a reset, and the client would then see
 # "connection reset" instead of the 431.
@@ -55,10 +55,7 @@ class HeadLimitedH11Protocol(H11Protocol):
             super().send_400_response(msg)  # some other malformed request: uvicorn's own 400
             return
         self._refused = True
-        body = json.dumps(error_body(
-            f"The request line and headers are larger than {limit} bytes.",
-            "invalid_request_error", None, "request_header_fields_too_large",
-        )).encode()
+        body = json.dumps(headers_too_large(limit).body()).encode()
         head = (
             b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
             b"content-type: application/json\r\n"

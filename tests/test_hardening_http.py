@@ -27,7 +27,8 @@ from starlette.routing import Mount, Route
 from server.app import create_app
 from server.config import ServerConfig
 from server.errors import ROUTE_FAMILIES
-from server.serving import MAX_HEADER_BYTES, uvicorn_config
+from server.middleware import MAX_HEADER_BYTES
+from server.serving import uvicorn_config
 from tests.fake_engine import FakeEngine
 
 KEY = "sk-test-key"
@@ -131,6 +132,15 @@ def test_oversized_header_is_431_at_once(open_server, size):
     # answered while the client was still sending: the server did not wait for (or keep) the rest
     assert sent < 8 << 20 and time.monotonic() - t0 < 5
     assert httpx.get(open_server.url + "/health").status_code == 200  # and it keeps serving
+
+
+@pytest.mark.parametrize("size", [MAX_HEADER_BYTES + 1000, 200_000, 1 << 20])
+def test_oversized_header_from_an_ordinary_client(open_server, size):
+    # a head that arrives in one read is complete before the HTTP server can count it: the app
+    # refuses it; a longer one the HTTP server refuses while it arrives; the client sees 431 both
+    r = httpx.get(open_server.url + "/health", headers={"X-Big": "a" * size}, timeout=10)
+    assert r.status_code == 431 and r.headers["content-type"] == "application/json"
+    assert r.json()["error"]["code"] == "request_header_fields_too_large"
 
 
 def test_headers_under_the_limit_pass(open_server):
