@@ -1,11 +1,19 @@
-"""Build the engine client from CLI arguments (or keyword arguments, in tests and benchmarks)."""
+"""Build the engine client from CLI arguments (or keyword arguments, in tests and benchmarks),
+and say in a line what to do when a model cannot be loaded (`describe_load_error`)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from kernels import device as blas
+
+BLAS_KEYWORDS = ("", "auto", "none", "off", "0", "reference")
+
+
+class StartupError(Exception):
+    """A setting this machine cannot run with; the message names the flag and what to do."""
 
 
 def build_client(args: argparse.Namespace | None = None, **overrides: Any):
@@ -13,6 +21,10 @@ def build_client(args: argparse.Namespace | None = None, **overrides: Any):
     opts = dict(vars(args)) if args is not None else {}
     opts.update(overrides)
     info = blas.load()  # before mlx is imported
+    wanted = str(opts.get("blas") or "")
+    if wanted.strip().lower() not in BLAS_KEYWORDS and info.path is None:
+        raise StartupError(f"--blas {wanted}: {info.reason}; give a CBLAS library such as "
+                           "libopenblas.so.0, or auto / none")
     import mlx.core as mx
 
     from engine.core import AsyncEngine, Engine, EngineConfig
@@ -53,7 +65,7 @@ def build_client(args: argparse.Namespace | None = None, **overrides: Any):
     client.model.extra.update(
         blas={"path": info.path, "status": info.reason},
         device=str(mx.default_device()),
-        mlx_version=mx.__version__,
+        mlx_version=getattr(mx, "__version__", "unknown"),
     )
     return client
 
@@ -71,3 +83,33 @@ def _spec_config(opts: dict[str, Any]) -> Any:
         num_draft_tokens=opts.get("num_draft_tokens") or 4,
         draft_dtype=opts.get("dtype", "auto"),
     )
+
+
+def describe_load_error(exc: BaseException, model: str | None) -> str:
+    """One or two lines for a model that failed to load: what went wrong and what to do."""
+    name = model or "(the bundled model)"
+    kinds = {c.__name__ for c in type(exc).__mro__}
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "GatedRepoError" in kinds:
+        return (f"--model {name}: a gated repository; accept its terms on huggingface.co and set "
+                "HF_TOKEN")
+    if "RepositoryNotFoundError" in kinds:
+        return (f"--model {name}: no such repository on the Hugging Face Hub (a private one "
+                "needs HF_TOKEN); check the id, or give a local model directory")
+    if "RevisionNotFoundError" in kinds:
+        return f"--revision: no such revision of {name} on the Hugging Face Hub"
+    if "LocalEntryNotFoundError" in kinds or "OfflineModeIsEnabled" in kinds:
+        why = ("HF_HUB_OFFLINE is set" if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
+               else "the Hub could not be reached")
+        return (f"--model {name}: not in the local Hugging Face cache and {why}; download it "
+                f"where there is a network (hf download {name}), or give a local model directory")
+    if isinstance(exc, FileNotFoundError):
+        missing = str(exc.filename or "")
+        if missing.endswith("config.json"):
+            return (f"--model {name}: not a model directory (no config.json in "
+                    f"{os.path.dirname(missing)}); give the directory that holds config.json "
+                    "and the weights")
+        return (f"--model {name}: no such directory; give a local model directory or a Hugging "
+                "Face repo id (owner/name)")
+    return (f"could not load --model {name}: {type(exc).__name__}: {text[:300]}\n"
+            "(run with --log-level DEBUG for the traceback)")

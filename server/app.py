@@ -6,7 +6,9 @@
     uvicorn.run(app, host=..., port=...)
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{id},
-GET /health. The app's shared state is `app.state.mlxd` (`server.openai_api.AppState`); later
+GET /health, GET /openapi.json, /docs, /redoc. With `config.api_key` every route needs the key
+except `/health` (which then answers only `{"status": ...}` without it) and the static chat page.
+The app's shared state is `app.state.mlxd` (`server.openai_api.AppState`); later
 routers (Anthropic, Responses) include themselves with `app.include_router(router,
 dependencies=[Depends(require_api_key)])` and reuse `server.generation`.
 """
@@ -19,8 +21,9 @@ import secrets
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from starlette.middleware.cors import CORSMiddleware
-from starlette.responses import JSONResponse
+from starlette.responses import HTMLResponse, JSONResponse
 
 from engine.api import EngineClient
 from server.agents import install as install_agents
@@ -34,22 +37,37 @@ from server.prompts import ServedModel
 log = logging.getLogger("mlxd.server")
 
 
-async def require_api_key(request: Request) -> None:
-    """`Authorization: Bearer <key>` or `x-api-key: <key>` when the server has a key."""
+MISSING_KEY = (
+    "Missing API key: send it as 'Authorization: Bearer <key>' or as 'x-api-key: <key>'."
+)
+INVALID_KEY = "Invalid API key: the key sent is not this server's key."
+
+
+def _key_problem(request: Request) -> str | None:
+    """None when the request may pass (no server key, or the right one); else why not."""
     key = app_state(request).config.api_key
     if not key:
-        return
+        return None
     auth = request.headers.get("authorization", "")
     given = (
         auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
     )
-    if not given or not secrets.compare_digest(given.encode(), key.encode()):
-        raise APIError(
-            401,
-            "Incorrect API key provided.",
-            code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+    if not given:
+        return "missing"
+    return None if secrets.compare_digest(given.encode(), key.encode()) else "invalid"
+
+
+async def require_api_key(request: Request) -> None:
+    """`Authorization: Bearer <key>` or `x-api-key: <key>` when the server has a key."""
+    problem = _key_problem(request)
+    if problem is None:
+        return
+    raise APIError(
+        401,
+        MISSING_KEY if problem == "missing" else INVALID_KEY,
+        code="missing_api_key" if problem == "missing" else "invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
 
 
 def _json_safe(value: Any) -> Any:
@@ -67,10 +85,35 @@ def _model_card(model: ServedModel) -> dict[str, Any]:
     }
 
 
+def _install_api_docs(app: FastAPI, auth: list[Any]) -> None:
+    """/openapi.json, /docs (Swagger UI) and /redoc, under the same key as the API: with
+    --api-key, fetch the schema with the key (`curl -H 'Authorization: Bearer KEY'
+    .../openapi.json`); the two pages are for servers without a key (a browser cannot attach one
+    to the schema request the page makes)."""
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=auth)
+    async def openapi_schema() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=auth)
+    async def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="mlxd API")
+
+    @app.get("/redoc", include_in_schema=False, dependencies=auth)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title="mlxd API")
+
+
 def create_app(client: EngineClient, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     model = ServedModel.from_info(client.model, config.model_alias)
-    app = FastAPI(title="mlxd", version=SYSTEM_FINGERPRINT.removeprefix("mlxd-"))
+    app = FastAPI(
+        title="mlxd",
+        version=SYSTEM_FINGERPRINT.removeprefix("mlxd-"),
+        openapi_url=None,  # served by _install_api_docs, behind the key like the API
+        docs_url=None,
+        redoc_url=None,
+    )
     app.state.mlxd = AppState(client=client, config=config, model=model)
     install_error_handlers(app)
     auth = [Depends(require_api_key)]
@@ -93,13 +136,18 @@ def create_app(client: EngineClient, config: ServerConfig | None = None) -> Fast
         return _model_card(model)
 
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
+        """`{"status": "ok"}` for anyone (a liveness/readiness probe needs no key); the details
+        (engine statistics, memory, device, BLAS, versions) only where the caller may use the
+        API: always without --api-key, with the key otherwise."""
         try:
             stats = client.stats().as_dict()
             status = "ok"
         except Exception as exc:  # report, don't fail the probe's JSON
             log.exception("engine stats failed")
             stats, status = {"error": f"{type(exc).__name__}: {exc}"}, "degraded"
+        if _key_problem(request) is not None:
+            return JSONResponse({"status": status})
         return JSONResponse(
             _json_safe(
                 {
@@ -114,6 +162,7 @@ def create_app(client: EngineClient, config: ServerConfig | None = None) -> Fast
             )
         )
 
+    _install_api_docs(app, auth)
     app.add_middleware(RequestContextMiddleware, max_body_bytes=config.max_request_bytes)
     if config.allowed_origins:  # outermost, so errors (even 413/500) carry CORS headers too
         app.add_middleware(

@@ -34,6 +34,24 @@ _TYPE_BY_STATUS = {
 }
 
 
+# Every public route family, for the 404 message (tests check that no route is left out).
+ROUTE_FAMILIES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/models",
+    "/tokenize",
+    "/detokenize",
+    "/health",
+    "/metrics",
+    "/docs",
+    "/redoc",
+    "/openapi.json",
+)
+ROUTES_HINT = "This server has " + ", ".join(ROUTE_FAMILIES) + " and the chat page at /."
+
+
 def error_type(status: int) -> str:
     return _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
@@ -83,6 +101,14 @@ def unsupported(field: str, why: str = "") -> APIError:
     msg = f"'{field}' is not supported by this server"
     return APIError(
         400, msg + (f": {why}" if why else ""), param=field, code="unsupported_parameter"
+    )
+
+
+def headers_too_large(limit: int) -> APIError:
+    return APIError(
+        431,
+        f"The request line and headers are larger than {limit} bytes.",
+        code="request_header_fields_too_large",
     )
 
 
@@ -152,19 +178,17 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, (ValidationError, RequestValidationError))
         return from_validation_error(exc).response()
 
-    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         status = exc.status_code
         if status == 404:
-            msg = (
-                "Unknown endpoint. See /v1/models, /v1/chat/completions, /v1/completions, /health."
-            )
+            msg = f"Unknown endpoint {request.method} {request.url.path[:200]}. {ROUTES_HINT}"
         elif status == 405:
             msg = "Method not allowed for this endpoint."
         else:
             msg = str(exc.detail)
         err = APIError(
-            status, msg, code="not_found" if status == 404 else None, headers=exc.headers
+            status, msg, code="not_found" if status == 404 else None, headers=dict(exc.headers or {})
         )
         return err.response()
 

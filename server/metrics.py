@@ -32,6 +32,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.api import FINISH_ABORT, Request, TokenEvent
@@ -161,9 +162,19 @@ class InstrumentedClient:
         return getattr(self.inner, name)
 
 
+QUIET_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapes: access lines at DEBUG
+STATUS_CLIENT_LEFT = 499  # nginx's "client closed request": not a server error
+
+
 class ObservabilityMiddleware:
     """Per HTTP request: the request id in a context variable (for log records), the
-    mlxd_http_requests_total counter, and one access log line with the id."""
+    mlxd_http_requests_total counter, and one access line with the id (`mlxd.access`):
+
+        127.0.0.1:50312 "POST /v1/chat/completions" 200 41.3ms
+
+    A client that leaves before its request body is complete is counted and logged as 499.
+    Successful /health and /metrics requests are logged at DEBUG, so scrapes do not fill the log.
+    """
 
     def __init__(self, app: ASGIApp, metrics: Metrics):
         self.app = app
@@ -176,6 +187,7 @@ class ObservabilityMiddleware:
         rid = (scope.get("state") or {}).get("request_id", "-")
         token = request_id_var.set(rid)
         status = 500
+        note = ""
         t0 = time.perf_counter()
 
         async def send_status(message: Message) -> None:
@@ -186,13 +198,25 @@ class ObservabilityMiddleware:
 
         try:
             await self.app(scope, receive, send_status)
+        except ClientDisconnect:
+            status, note = STATUS_CLIENT_LEFT, " (client left before sending the whole body)"
+            raise
         finally:
             route = scope.get("route")
             path = getattr(route, "path", None) or "unmatched"
             self.metrics.http.labels(scope.get("method", ""), path, str(status)).inc()
-            access_log.info("%s %s %d %.1fms", scope.get("method"), scope.get("path"), status,
-                     (time.perf_counter() - t0) * 1e3)
+            _log_access(scope, status, (time.perf_counter() - t0) * 1e3, note)
             request_id_var.reset(token)
+
+
+def _log_access(scope: Scope, status: int, ms: float, note: str) -> None:
+    path = scope.get("path", "")
+    level = logging.DEBUG if path in QUIET_PATHS and status < 400 else logging.INFO
+    if not access_log.isEnabledFor(level):
+        return
+    client = scope.get("client")
+    who = f"{client[0]}:{client[1]}" if client else "-"
+    access_log.log(level, '%s "%s %s" %d %.1fms%s', who, scope.get("method"), path, status, ms, note)
 
 
 _factory_installed = False

@@ -1,5 +1,6 @@
 """Pure-ASGI middleware (no BaseHTTPMiddleware, so streaming and disconnects pass through intact):
-request ids, the body-size limit, and the last-resort JSON 500."""
+request ids, the header- and body-size limits, and the last-resort JSON 500. A client that leaves before its
+body is complete is not a server error: no 500, no traceback (the access line says 499)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,17 @@ import logging
 import re
 import uuid
 
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import APIError, error_body
+from server.errors import APIError, error_body, headers_too_large
 
 log = logging.getLogger("mlxd.server")
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+# Request line + headers. The HTTP server (server/serving.py) refuses a longer head while it
+# arrives; a whole head that came in one read reaches the app and is refused here.
+MAX_HEADER_BYTES = 64 * 1024
 
 
 def _json_message(
@@ -34,12 +39,19 @@ def _json_message(
 
 
 class RequestContextMiddleware:
-    """X-Request-ID in and out (request.state.request_id); bodies over the limit get 413; an
-    exception nobody handled becomes an OpenAI-shaped 500 and the server keeps serving."""
+    """X-Request-ID in and out (request.state.request_id); a request head over the limit gets
+    431 and a body over the limit 413; an exception nobody handled becomes an OpenAI-shaped 500
+    and the server keeps serving."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int = 8 * 1024 * 1024):
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_body_bytes: int = 8 * 1024 * 1024,
+        max_header_bytes: int = MAX_HEADER_BYTES,
+    ):
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.max_header_bytes = max_header_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -50,6 +62,9 @@ class RequestContextMiddleware:
         request_id = given if _SAFE_ID.match(given) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
         rid_header = (b"x-request-id", request_id.encode())
+        if _head_bytes(scope) > self.max_header_bytes:
+            await _refuse(receive, send, headers_too_large(self.max_header_bytes), request_id)
+            return
 
         limit = self.max_body_bytes
         too_large = APIError(
@@ -60,13 +75,7 @@ class RequestContextMiddleware:
         except ValueError:
             declared = 0
         if declared > limit:
-            # Read (and drop) the body first, bounded: closing a socket with unread data makes
-            # the kernel send a reset, and async clients then never see the 413.
-            await _drain(receive, max_bytes=8 * limit, max_seconds=10.0)
-            for msg in _json_message(
-                413, too_large.body(), request_id, [(b"connection", b"close")]
-            ):
-                await send(msg)
+            await _refuse(receive, send, too_large, request_id, drain_bytes=8 * limit)
             return
 
         received = 0
@@ -92,6 +101,8 @@ class RequestContextMiddleware:
 
         try:
             await self.app(scope, limited_receive, send_with_id)
+        except ClientDisconnect:
+            log.debug("client left before the request body was complete (id %s)", request_id)
         except Exception:
             log.exception(
                 "request %s %s failed (id %s)", scope.get("method"), scope.get("path"), request_id
@@ -110,6 +121,25 @@ class RequestContextMiddleware:
                     pass
 
 
+def _head_bytes(scope: Scope) -> int:
+    """Bytes of the request line and headers, as they came on the wire (about)."""
+    line = len(scope.get("method", "")) + len(scope.get("raw_path") or b"") + len(
+        scope.get("query_string") or b""
+    ) + 12
+    return line + sum(len(k) + len(v) + 4 for k, v in scope.get("headers") or [])
+
+
+async def _refuse(
+    receive: Receive, send: Send, err: APIError, request_id: str, drain_bytes: int = 1 << 20
+) -> None:
+    """Answer `err` and close. The body is read (and dropped) first, bounded: closing a socket
+    with unread data makes the kernel send a reset, and async clients then never see the
+    answer."""
+    await _drain(receive, max_bytes=drain_bytes, max_seconds=10.0)
+    for msg in _json_message(err.status, err.body(), request_id, [(b"connection", b"close")]):
+        await send(msg)
+
+
 async def _drain(receive: Receive, max_bytes: int, max_seconds: float) -> None:
     """Consume the request body up to `max_bytes` / `max_seconds`, discarding it."""
     import asyncio
@@ -126,5 +156,5 @@ async def _drain(receive: Receive, max_bytes: int, max_seconds: float) -> None:
 
     try:
         await asyncio.wait_for(loop(), max_seconds)
-    except (asyncio.TimeoutError, Exception):
+    except Exception:  # TimeoutError, or the client left
         pass
