@@ -7,8 +7,6 @@ import argparse
 import os
 from typing import Any
 
-from kernels import device as blas
-
 BLAS_KEYWORDS = ("", "auto", "none", "off", "0", "reference")
 
 
@@ -20,7 +18,9 @@ def build_client(args: argparse.Namespace | None = None, **overrides: Any):
     """Load the model and return an (unstarted) `engine.core.AsyncEngine`."""
     opts = dict(vars(args)) if args is not None else {}
     opts.update(overrides)
-    info = blas.load()  # before mlx is imported
+    from kernels import device  # not at module level: the CLI reads BLAS_KEYWORDS before --blas is set
+
+    info = device.load()  # before mlx is imported
     wanted = str(opts.get("blas") or "")
     if wanted.strip().lower() not in BLAS_KEYWORDS and info.path is None:
         raise StartupError(f"--blas {wanted}: {info.reason}; give a CBLAS library such as "
