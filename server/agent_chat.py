@@ -26,6 +26,7 @@ from server.openai_api import (
     new_id,
     sampling_params,
 )
+from server.prepare import off_loop
 from server.prompts import ServedModel, template_messages
 from server.protocol import ChatCompletionRequest
 from server.reasoning import model_thinks
@@ -75,7 +76,9 @@ async def chat_completions_agent(request: Request, body: ChatCompletionRequest, 
     functions = _functions(body)
     choice = parse_tool_choice(_tool_choice(body), functions)
     parallel = body.parallel_tool_calls is not False
-    plan = plan_turn(
+    plan = await off_loop(
+        request,
+        plan_turn,
         model,
         template_messages(body.messages),
         functions,
@@ -88,8 +91,8 @@ async def chat_completions_agent(request: Request, body: ChatCompletionRequest, 
     )
     want_lp = bool(body.logprobs)
     k = body.top_logprobs or 0
-    params = sampling_params(body, st.config, model, len(plan.prompt_ids), logprobs=want_lp, top_logprobs=k)
-    params.constraint = plan.constraint
+    params = sampling_params(body, st.config, model, plan.prompt_ids, logprobs=want_lp, top_logprobs=k,
+                             constraint=plan.constraint)
     cid = new_id("chatcmpl")
     specs = make_specs(cid, [plan.prompt_ids], [params], body.n or 1, body)
     for s in specs:
