@@ -19,7 +19,7 @@ from server.prompts import ServedModel
 from tests.fake_engine import FakeEngine, ServerThread
 
 MODEL = "tinycoder-16m"
-CTX = 512
+CTX = 2048  # larger than 512 + a prompt: the room is not a fixed default in disguise
 CONFIG = ServerConfig(default_temperature=0.4, default_top_p=0.7)  # as --temp 0.4 --top-p 0.7
 
 
