@@ -21,6 +21,7 @@ from server.generation import Generation, GenerationError, start_all, usage_numb
 from server.openai_api import (
     SYSTEM_FINGERPRINT,
     AppState,
+    abort_all,
     chat_logprobs,
     make_specs,
     new_id,
@@ -102,7 +103,7 @@ async def chat_completions_agent(request: Request, body: ChatCompletionRequest, 
     if body.stream:
         return SSEResponse(
             _stream(gens, plan, parallel, model, cid, created, body, want_lp, k),
-            on_close=lambda: [g.abort() for g in gens],
+            on_close=lambda: abort_all(gens),
         )
     try:
         results = await run_until_disconnect(request, lambda: collect_turn(gens, plan, parallel))

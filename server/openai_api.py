@@ -161,7 +161,7 @@ def _log_start(request: Request, cid: str, specs: Sequence[ChoiceSpec]) -> None:
         log.debug("request %s: %s, %d choices, %d prompt tokens", rid, cid, len(specs), n_prompt)
 
 
-def _abort_all(gens: Sequence[Generation]) -> None:
+def abort_all(gens: Sequence[Generation]) -> None:
     for g in gens:
         g.abort()
 
@@ -254,7 +254,7 @@ async def chat_completions(request: Request) -> Response:
     if body.stream:
         return SSEResponse(
             _chat_stream(gens, model, cid, created, body, want_lp, k),
-            on_close=lambda: _abort_all(gens),
+            on_close=lambda: abort_all(gens),
         )
     results = await _collect(request, gens)
     if isinstance(results, Response):
@@ -387,7 +387,7 @@ async def completions(request: Request) -> Response:
     if body.stream:
         return SSEResponse(
             _completion_stream(gens, model, cid, created, body, echo_of, k),
-            on_close=lambda: _abort_all(gens),
+            on_close=lambda: abort_all(gens),
         )
     results = await _collect(request, gens)
     if isinstance(results, Response):
@@ -551,7 +551,7 @@ async def _collect(request: Request, gens: list) -> list | Response:
     except GenerationError as exc:
         return JSONResponse(error_body(str(exc), "server_error", None, "generation_failed"), 500)
     finally:
-        _abort_all(gens)
+        abort_all(gens)
     if results is None:
         return Response(status_code=499)
     return results

@@ -162,11 +162,13 @@ def max_token_chars(tokenizer: Any) -> int:
     return longest * (1 if backend.normalizer is None else _NORMALIZER_SLACK)
 
 
-def context_error(model: ServedModel, num_tokens: int | None, param: str) -> APIError:
+def context_error(model: ServedModel, num_tokens: int | None, param: str, num_chars: int = 0) -> APIError:
+    """OpenAI's context-length 400; `num_tokens` None: the text was too long to tokenize."""
     ctx = model.context_length
-    has = f"{num_tokens} tokens" if num_tokens is not None else "more tokens than that"
+    has = (f"has {num_tokens} tokens" if num_tokens is not None
+           else f"is {num_chars} characters long, more than {ctx} tokens can hold")
     return bad_request(
-        f"This model's maximum context length is {ctx} tokens. However, your prompt has {has}, "
+        f"This model's maximum context length is {ctx} tokens. However, your prompt {has}, "
         "which leaves no room for a completion. Please shorten the prompt.",
         param,
         code="context_length_exceeded",
@@ -180,7 +182,7 @@ def encode(
     (400 context_length_exceeded) before the tokenizer sees it."""
     bound = model.max_token_chars * model.context_length
     if bound and len(text) > bound:
-        raise context_error(model, None, param)
+        raise context_error(model, None, param, len(text))
     # verbose=False: the context check reports long prompts, not a tokenizer warning
     return list(model.tokenizer.encode(text, add_special_tokens=add_special_tokens, verbose=False))
 

@@ -63,7 +63,8 @@ def parse_tool_choice(value: Any, functions: Sequence[dict[str, Any]], param: st
             raise bad_request(f"'{param}' is 'required' but no tools were given", param)
         return ToolChoice(value)
     if isinstance(value, dict) and value.get("type") == "function":
-        fn = value.get("function") if isinstance(value.get("function"), dict) else value
+        inner = value.get("function")
+        fn: dict[str, Any] = inner if isinstance(inner, dict) else value
         name = fn.get("name")
         if not isinstance(name, str) or name not in names:
             raise bad_request(f"'{param}' names a function that is not in 'tools': {name!r}", param)
