@@ -74,10 +74,15 @@ async def tokenize(request: Request) -> JSONResponse:
 async def detokenize(request: Request) -> JSONResponse:
     model = app_state(request).model
     body: DetokenizeRequest = _parse(DetokenizeRequest, await request.body())
-    bad = [t for t in body.tokens if not 0 <= t < model.vocab_size]
-    if bad:
-        raise bad_request(f"token id {bad[0]} is outside the vocabulary (0..{model.vocab_size - 1})", "tokens")
-    return JSONResponse({"prompt": model.tokenizer.decode(body.tokens)})
+    return JSONResponse({"prompt": await off_loop(request, _text, model, body.tokens)})
+
+
+def _text(model: ServedModel, tokens: list[int]) -> str:
+    """Ids → text, in a worker thread (a body may hold millions of ids)."""
+    for t in tokens:
+        if not 0 <= t < model.vocab_size:
+            raise bad_request(f"token id {t} is outside the vocabulary (0..{model.vocab_size - 1})", "tokens")
+    return str(model.tokenizer.decode(tokens))
 
 
 @router.get("/metrics")

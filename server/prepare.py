@@ -13,6 +13,7 @@ Texts that cannot fit the context are refused before tokenizing (`server.prompts
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -28,11 +29,14 @@ class Preparer:
 
     def __init__(self, threads: int = 2):
         self.threads = max(1, threads)
-        self._limiter: anyio.CapacityLimiter | None = None  # made on first use, in the loop
+        # made in the running loop on first use (again if the app moves to another loop)
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        if self._limiter is None:
-            self._limiter = anyio.CapacityLimiter(self.threads)
+        loop = asyncio.get_running_loop()
+        if self._limiter is None or self._loop is not loop:
+            self._limiter, self._loop = anyio.CapacityLimiter(self.threads), loop
         call = functools.partial(fn, *args, **kwargs)
         return await anyio.to_thread.run_sync(call, limiter=self._limiter)
 

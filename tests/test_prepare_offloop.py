@@ -22,7 +22,8 @@ ENCODE_SECONDS = 1.5
 
 
 class SlowTokenizer:
-    """The real tokenizer, but `encode` takes ENCODE_SECONDS and is recorded (text lengths)."""
+    """The real tokenizer, but `encode` and `decode` take `delay` seconds (the lengths of the
+    texts encoded are recorded)."""
 
     def __init__(self, tok: Any, delay: float = 0.0):
         self._tok = tok
@@ -42,6 +43,11 @@ class SlowTokenizer:
         time.sleep(self.delay)
         return self._tok.encode(text, **kw)
 
+    def decode(self, ids: Any, **kw: Any) -> str:  # /detokenize (streams use the Rust decoder)
+        self.started.release()
+        time.sleep(self.delay)
+        return self._tok.decode(ids, **kw)
+
 
 @pytest.fixture
 def slow():
@@ -59,11 +65,12 @@ def _post(url: str, path: str, body: dict) -> httpx.Response:
 
 CHAT = ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
 TOKENIZE = ("/tokenize", {"prompt": "def f(x):"})
+DETOKENIZE = ("/detokenize", {"tokens": [1, 2, 3]})
 ANTHROPIC = ("/v1/messages", {"model": MODEL, "max_tokens": 4,
                               "messages": [{"role": "user", "content": "hi"}]})
 
 
-@pytest.mark.parametrize("path, body", [CHAT, TOKENIZE, ANTHROPIC])
+@pytest.mark.parametrize("path, body", [CHAT, TOKENIZE, DETOKENIZE, ANTHROPIC])
 def test_health_answers_while_prompts_are_prepared(slow, path, body):
     srv, tok, _ = slow
     tok.delay = ENCODE_SECONDS
