@@ -18,7 +18,7 @@ from server.prompts import ServedModel, max_token_chars
 from tests.fake_engine import FakeEngine, ServerThread, load_tokenizer
 
 MODEL = "tinycoder-16m"
-ENCODE_SECONDS = 1.5
+ENCODE_SECONDS = 2.0
 
 
 class SlowTokenizer:
@@ -76,13 +76,16 @@ def test_health_answers_while_prompts_are_prepared(slow, path, body):
     tok.delay = ENCODE_SECONDS
     with ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(_post, srv.url, path, body) for _ in range(3)]
-        assert tok.started.acquire(timeout=10)  # a prompt is being tokenized now
-        t0 = time.monotonic()
-        health = httpx.get(srv.url + "/health", timeout=30)
-        waited = time.monotonic() - t0
-        assert health.status_code == 200
-        assert waited < ENCODE_SECONDS / 3, f"/health waited {waited:.2f} s"
+        assert tok.started.acquire(timeout=10)  # a prompt is being prepared now
+        waits = []
+        for _ in range(3):  # the median: one probe may lose the CPU on a busy machine
+            t0 = time.monotonic()
+            assert httpx.get(srv.url + "/health", timeout=30).status_code == 200
+            waits.append(time.monotonic() - t0)
+        in_flight = not all(f.done() for f in futures)
         assert [f.result().status_code for f in futures] == [200] * 3
+    assert sorted(waits)[1] < ENCODE_SECONDS / 2, f"/health waited {waits} s"
+    assert in_flight  # the probes ran while prompts were being prepared (3 x 2 s on 2 threads)
 
 
 def test_preparation_is_bounded_by_the_pool(slow):
