@@ -39,7 +39,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None  # a seeded row's draws do not depend on its batch mates
-    max_tokens: int = 256
+    max_tokens: int | None = None  # None = up to the room the prompt leaves in the context
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False  # return the chosen token's logprob

@@ -21,11 +21,13 @@ from server.generation import Generation, GenerationError, start_all, usage_numb
 from server.openai_api import (
     SYSTEM_FINGERPRINT,
     AppState,
+    abort_all,
     chat_logprobs,
     make_specs,
     new_id,
     sampling_params,
 )
+from server.prepare import off_loop
 from server.prompts import ServedModel, template_messages
 from server.protocol import ChatCompletionRequest
 from server.reasoning import model_thinks
@@ -75,7 +77,9 @@ async def chat_completions_agent(request: Request, body: ChatCompletionRequest, 
     functions = _functions(body)
     choice = parse_tool_choice(_tool_choice(body), functions)
     parallel = body.parallel_tool_calls is not False
-    plan = plan_turn(
+    plan = await off_loop(
+        request,
+        plan_turn,
         model,
         template_messages(body.messages),
         functions,
@@ -88,8 +92,8 @@ async def chat_completions_agent(request: Request, body: ChatCompletionRequest, 
     )
     want_lp = bool(body.logprobs)
     k = body.top_logprobs or 0
-    params = sampling_params(body, st.config, model, len(plan.prompt_ids), logprobs=want_lp, top_logprobs=k)
-    params.constraint = plan.constraint
+    params = sampling_params(body, st.config, model, plan.prompt_ids, logprobs=want_lp, top_logprobs=k,
+                             constraint=plan.constraint)
     cid = new_id("chatcmpl")
     specs = make_specs(cid, [plan.prompt_ids], [params], body.n or 1, body)
     for s in specs:
@@ -99,7 +103,7 @@ async def chat_completions_agent(request: Request, body: ChatCompletionRequest, 
     if body.stream:
         return SSEResponse(
             _stream(gens, plan, parallel, model, cid, created, body, want_lp, k),
-            on_close=lambda: [g.abort() for g in gens],
+            on_close=lambda: abort_all(gens),
         )
     try:
         results = await run_until_disconnect(request, lambda: collect_turn(gens, plan, parallel))

@@ -32,10 +32,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import from_json
 from starlette.responses import JSONResponse, Response
 
-from engine.api import EngineError, SamplingParams
+from engine.api import EngineError
 from server.errors import APIError, bad_request, from_engine_error, from_validation_error
 from server.generation import ChoiceSpec, Generation, GenerationError, start_all, usage_numbers
 from server.openai_api import app_state
+from server.params import SamplingRequest, build_params
+from server.prepare import off_loop
 from server.prompts import ServedModel
 from server.sse import SSEResponse, run_until_disconnect
 from server.tools import CallArgs, CallEnd, CallStart, TextEvent
@@ -254,6 +256,12 @@ def _plan(model: ServedModel, body: CountTokensRequest) -> tuple[TurnPlan, bool]
     return plan, parallel
 
 
+def sampling_request(body: MessagesRequest, plan: TurnPlan) -> SamplingRequest:
+    """Anthropic's field names → the shared conversion's input (server.params)."""
+    return SamplingRequest(max_tokens=body.max_tokens, temperature=body.temperature,
+                           top_p=body.top_p, top_k=body.top_k, constraint=plan.constraint)
+
+
 def _check_model(body: CountTokensRequest, model: ServedModel) -> None:
     if body.model is not None and body.model not in model.aliases:
         raise APIError(404, f"model: '{body.model}' does not exist; this server serves '{model.name}'")
@@ -267,7 +275,7 @@ async def count_tokens(request: Request) -> Response:
     st = app_state(request)
     body = _parse(CountTokensRequest, await request.body())
     _check_model(body, st.model)
-    plan, _ = _plan(st.model, body)
+    plan, _ = await off_loop(request, _plan, st.model, body)
     return JSONResponse({"input_tokens": len(plan.prompt_ids)})
 
 
@@ -277,15 +285,8 @@ async def messages(request: Request) -> Response:
     model = st.model
     body: MessagesRequest = _parse(MessagesRequest, await request.body())
     _check_model(body, model)
-    plan, parallel = _plan(model, body)
-    room = model.context_length - len(plan.prompt_ids)
-    params = SamplingParams(
-        temperature=body.temperature if body.temperature is not None else st.config.temperature,
-        top_p=body.top_p if body.top_p is not None else 1.0,
-        top_k=body.top_k or 0,
-        max_tokens=max(1, min(body.max_tokens, room)),
-        constraint=plan.constraint,
-    )
+    plan, parallel = await off_loop(request, _plan, model, body)
+    params = build_params(sampling_request(body, plan), st.config, model, plan.prompt_ids, "messages")
     mid = "msg_" + secrets.token_hex(12)
     stops = [s for s in (body.stop_sequences or []) if s]
     spec = ChoiceSpec(index=0, req_id=mid, prompt_ids=plan.prompt_ids, params=params, stop=stops,

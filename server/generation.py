@@ -22,7 +22,7 @@ import contextlib
 import logging
 import math
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,7 +207,7 @@ class Generation:
             self.finished = True
             self.client.abort(self.spec.req_id)
 
-    async def deltas(self) -> AsyncIterator[Delta]:
+    async def deltas(self) -> AsyncGenerator[Delta, None]:
         index = self.spec.index
         try:
             async for ev in self._stream:
@@ -269,7 +269,7 @@ async def start_all(
 _DONE = object()
 
 
-async def stream_all(gens: Sequence[Generation]) -> AsyncIterator[Delta]:
+async def stream_all(gens: Sequence[Generation]) -> AsyncGenerator[Delta, None]:
     """The deltas of all choices, interleaved as they come; abort the rest if we stop early."""
     if len(gens) == 1:
         async with contextlib.aclosing(gens[0].deltas()) as it:

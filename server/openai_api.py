@@ -7,7 +7,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -26,6 +26,8 @@ from server.generation import (
     stream_all,
     usage_numbers,
 )
+from server.params import SamplingRequest, build_params
+from server.prepare import Preparer, off_loop
 from server.prompts import (
     ServedModel,
     check_prompt_ids,
@@ -57,6 +59,10 @@ class AppState:
     client: EngineClient
     config: ServerConfig
     model: ServedModel
+    preparer: Preparer = field(init=False)  # template rendering and tokenizing threads
+
+    def __post_init__(self) -> None:
+        self.preparer = Preparer(self.config.prepare_threads)
 
 
 def app_state(request: Request) -> AppState:
@@ -70,50 +76,47 @@ def new_id(prefix: str) -> str:
 # -- request → SamplingParams ---------------------------------------------------------------
 
 
+def sampling_request(
+    body: _SamplingRequest, *, logprobs: bool = False, top_logprobs: int = 0, constraint: Any = None
+) -> SamplingRequest:
+    """OpenAI's field names → the shared conversion's input (server.params)."""
+    chat = isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None
+    return SamplingRequest(
+        max_tokens=body.requested_max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        logit_bias=body.logit_bias,
+        seed=body.seed,
+        stop_token_ids=body.stop_token_ids,
+        ignore_eos=bool(body.ignore_eos),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        constraint=constraint,
+        max_tokens_param="max_completion_tokens" if chat else "max_tokens",
+        refuse_over_context=True,
+    )
+
+
 def sampling_params(
     body: _SamplingRequest,
     config: ServerConfig,
     model: ServedModel,
-    num_prompt_tokens: int,
+    prompt_ids: Sequence[int],
     *,
     logprobs: bool = False,
     top_logprobs: int = 0,
+    constraint: Any = None,
+    prompt_param: str = "messages",
 ) -> SamplingParams:
-    """Request fields (or the server's defaults) → the engine's SamplingParams."""
-    requested = body.requested_max_tokens  # type: ignore[attr-defined]
-    if requested is not None and requested < 1:
-        raise bad_request("max_tokens must be at least 1", "max_tokens")
-    if requested is not None and requested > model.context_length:
-        # no prompt could leave that much room: refuse, as OpenAI does (smaller values that only
-        # overflow with this prompt are capped to the room left)
-        raise bad_request(
-            f"max_tokens is too large: {requested}. This model's maximum context length is "
-            f"{model.context_length} tokens.",
-            "max_tokens",
-        )
-    room = model.context_length - num_prompt_tokens
-    max_tokens = min(requested if requested is not None else config.default_max_tokens, room)
-    temperature = body.temperature if body.temperature is not None else config.temperature
-    top_p = body.top_p if body.top_p is not None else config.top_p
-    if top_p == 0.0:  # OpenAI accepts top_p=0: only the most likely token survives
-        temperature, top_p = 0.0, 1.0
-    top_k = body.top_k or 0
-    return SamplingParams(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=max(0, top_k),
-        min_p=body.min_p or 0.0,
-        repetition_penalty=body.repetition_penalty if body.repetition_penalty is not None else 1.0,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        logit_bias=body.logit_bias_ids(model.vocab_size),
-        seed=body.seed,
-        max_tokens=max(1, max_tokens),
-        stop_token_ids=body.checked_stop_token_ids(model.vocab_size),
-        ignore_eos=bool(body.ignore_eos),
-        logprobs=logprobs,
-        top_logprobs=top_logprobs,
-    )
+    """Request fields (or the server's defaults) → the engine's SamplingParams; the prompt is
+    checked here too (server.params.build_params)."""
+    req = sampling_request(body, logprobs=logprobs, top_logprobs=top_logprobs, constraint=constraint)
+    return build_params(req, config, model, prompt_ids, prompt_param)
 
 
 def _choice_seed(seed: int | None, i: int) -> int | None:
@@ -158,7 +161,7 @@ def _log_start(request: Request, cid: str, specs: Sequence[ChoiceSpec]) -> None:
         log.debug("request %s: %s, %d choices, %d prompt tokens", rid, cid, len(specs), n_prompt)
 
 
-def _abort_all(gens: Sequence[Generation]) -> None:
+def abort_all(gens: Sequence[Generation]) -> None:
     for g in gens:
         g.abort()
 
@@ -214,6 +217,19 @@ def completion_logprobs(
 # -- /v1/chat/completions -------------------------------------------------------------------
 
 
+def chat_prompt_ids(model: ServedModel, body: ChatCompletionRequest) -> list[int]:
+    """The plain path's prompt: messages through the chat template, tokenized (a worker thread)."""
+    text = render_chat(
+        model,
+        template_messages(body.messages),
+        add_generation_prompt=bool(body.add_generation_prompt),
+        continue_final_message=bool(body.continue_final_message),
+        template_kwargs=body.chat_template_kwargs,
+        tools=body.tools if body.tools and body.tool_choice != "none" else None,
+    )
+    return encode(model, text, add_special_tokens=False, param="messages")
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     st = app_state(request)
@@ -226,18 +242,10 @@ async def chat_completions(request: Request) -> Response:
         body.check_supported(agent=True)
         return await chat_completions_agent(request, body, st)
     body.check_supported()
-    text = render_chat(
-        model,
-        template_messages(body.messages),
-        add_generation_prompt=bool(body.add_generation_prompt),
-        continue_final_message=bool(body.continue_final_message),
-        template_kwargs=body.chat_template_kwargs,
-        tools=body.tools if body.tools and body.tool_choice != "none" else None,
-    )
-    ids = check_prompt_ids(model, encode(model, text, add_special_tokens=False), "messages")
+    ids = await off_loop(request, chat_prompt_ids, model, body)
     want_lp = bool(body.logprobs)
     k = body.top_logprobs or 0
-    params = sampling_params(body, st.config, model, len(ids), logprobs=want_lp, top_logprobs=k)
+    params = sampling_params(body, st.config, model, ids, logprobs=want_lp, top_logprobs=k)
     cid = new_id("chatcmpl")
     specs = make_specs(cid, [ids], [params], body.n or 1, body)
     gens = await start_all(st.client, specs, model.info.eos_token_ids)
@@ -246,7 +254,7 @@ async def chat_completions(request: Request) -> Response:
     if body.stream:
         return SSEResponse(
             _chat_stream(gens, model, cid, created, body, want_lp, k),
-            on_close=lambda: _abort_all(gens),
+            on_close=lambda: abort_all(gens),
         )
     results = await _collect(request, gens)
     if isinstance(results, Response):
@@ -356,27 +364,22 @@ async def completions(request: Request) -> Response:
     n = body.n or 1
     if len(body.prompt) * n > st.config.max_choices:
         raise bad_request(f"at most {st.config.max_choices} choices (prompts x n) per request", "n")
-    prompts: list[list[int]] = []
-    echoes: list[str] = []
-    for j, p in enumerate(body.prompt):
-        param = "prompt" if len(body.prompt) == 1 else f"prompt[{j}]"
-        if isinstance(p, str):
-            ids = encode(model, p, add_special_tokens=True)
-            echoes.append(p)
-        else:
-            ids = p
-            echoes.append(model.tokenizer.decode(p) if body.echo else "")
-        prompts.append(check_prompt_ids(model, ids, param))
+    params_of = [_prompt_param(body, j) for j in range(len(body.prompt))]
+    prompts = await off_loop(request, completion_prompts, model, body, params_of)
     want_lp = body.logprobs is not None
     k = body.logprobs or 0
     cid = new_id("cmpl")
     created = int(time.time())
     if body.echo and body.max_tokens == 0:  # echo only, nothing to generate
-        return _echo_only(cid, created, model, prompts, echoes, n, body)
+        for ids, param in zip(prompts, params_of, strict=True):
+            check_prompt_ids(model, ids, param)
+        return _echo_only(cid, created, model, prompts, _echoes(model, body, prompts), n, body)
     params = [
-        sampling_params(body, st.config, model, len(ids), logprobs=want_lp, top_logprobs=k)
-        for ids in prompts
+        sampling_params(body, st.config, model, ids, logprobs=want_lp, top_logprobs=k,
+                        prompt_param=param)
+        for ids, param in zip(prompts, params_of, strict=True)
     ]
+    echoes = _echoes(model, body, prompts)
     specs = make_specs(cid, prompts, params, n, body)
     echo_of = {s.index: (echoes[s.prompt_index] if body.echo else "") for s in specs}
     gens = await start_all(st.client, specs, model.info.eos_token_ids)
@@ -384,7 +387,7 @@ async def completions(request: Request) -> Response:
     if body.stream:
         return SSEResponse(
             _completion_stream(gens, model, cid, created, body, echo_of, k),
-            on_close=lambda: _abort_all(gens),
+            on_close=lambda: abort_all(gens),
         )
     results = await _collect(request, gens)
     if isinstance(results, Response):
@@ -413,6 +416,30 @@ async def completions(request: Request) -> Response:
             "usage": usage_numbers(gens),
         }
     )
+
+
+def _prompt_param(body: CompletionRequest, j: int) -> str:
+    return "prompt" if len(body.prompt) == 1 else f"prompt[{j}]"
+
+
+def completion_prompts(
+    model: ServedModel, body: CompletionRequest, params_of: Sequence[str]
+) -> list[list[int]]:
+    """Each prompt as token ids (a worker thread: tokenizing long texts takes a while)."""
+    return [
+        encode(model, p, add_special_tokens=True, param=param) if isinstance(p, str) else p
+        for p, param in zip(body.prompt, params_of, strict=True)
+    ]
+
+
+def _echoes(model: ServedModel, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+    """The text `echo` repeats per prompt (ids checked already, so decoding is safe)."""
+    if not body.echo:
+        return [""] * len(prompts)
+    return [
+        p if isinstance(p, str) else str(model.tokenizer.decode(ids))
+        for p, ids in zip(body.prompt, prompts, strict=True)
+    ]
 
 
 def _echo_only(
@@ -524,7 +551,7 @@ async def _collect(request: Request, gens: list) -> list | Response:
     except GenerationError as exc:
         return JSONResponse(error_body(str(exc), "server_error", None, "generation_failed"), 500)
     finally:
-        _abort_all(gens)
+        abort_all(gens)
     if results is None:
         return Response(status_code=499)
     return results

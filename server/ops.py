@@ -11,8 +11,9 @@ from starlette.responses import JSONResponse, Response
 
 from server.errors import bad_request, from_validation_error
 from server.openai_api import app_state
-from server.prompts import encode, render_chat, template_messages
-from server.protocol import ChatMessage
+from server.prepare import off_loop
+from server.prompts import ServedModel, encode, render_chat, template_messages
+from server.protocol import ChatMessage, check_message_fields
 
 router = APIRouter()
 
@@ -44,6 +45,16 @@ def _parse(cls: type[BaseModel], raw: bytes) -> Any:
         raise from_validation_error(exc) from None
 
 
+def _token_ids(model: ServedModel, body: TokenizeRequest) -> list[int]:
+    """The request's prompt or messages (through the chat template) as ids, in a worker thread."""
+    if body.messages is not None:
+        text = render_chat(model, template_messages(body.messages),
+                           add_generation_prompt=body.add_generation_prompt)
+        return encode(model, text, add_special_tokens=bool(body.add_special_tokens), param="messages")
+    add = True if body.add_special_tokens is None else body.add_special_tokens
+    return encode(model, body.prompt or "", add_special_tokens=add)
+
+
 @router.post("/tokenize")
 async def tokenize(request: Request) -> JSONResponse:
     model = app_state(request).model
@@ -51,12 +62,8 @@ async def tokenize(request: Request) -> JSONResponse:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("send exactly one of 'prompt' or 'messages'")
     if body.messages is not None:
-        text = render_chat(model, template_messages(body.messages),
-                           add_generation_prompt=body.add_generation_prompt)
-        ids = encode(model, text, add_special_tokens=bool(body.add_special_tokens))
-    else:
-        add = True if body.add_special_tokens is None else body.add_special_tokens
-        ids = encode(model, body.prompt or "", add_special_tokens=add)
+        check_message_fields(body.messages)
+    ids = await off_loop(request, _token_ids, model, body)
     out: dict[str, Any] = {"count": len(ids), "max_model_len": model.context_length, "tokens": ids}
     if body.return_token_strs and model.vocab is not None:
         out["token_strs"] = [model.vocab.token_str(t) for t in ids]
@@ -67,10 +74,15 @@ async def tokenize(request: Request) -> JSONResponse:
 async def detokenize(request: Request) -> JSONResponse:
     model = app_state(request).model
     body: DetokenizeRequest = _parse(DetokenizeRequest, await request.body())
-    bad = [t for t in body.tokens if not 0 <= t < model.vocab_size]
-    if bad:
-        raise bad_request(f"token id {bad[0]} is outside the vocabulary (0..{model.vocab_size - 1})", "tokens")
-    return JSONResponse({"prompt": model.tokenizer.decode(body.tokens)})
+    return JSONResponse({"prompt": await off_loop(request, _text, model, body.tokens)})
+
+
+def _text(model: ServedModel, tokens: list[int]) -> str:
+    """Ids → text, in a worker thread (a body may hold millions of ids)."""
+    for t in tokens:
+        if not 0 <= t < model.vocab_size:
+            raise bad_request(f"token id {t} is outside the vocabulary (0..{model.vocab_size - 1})", "tokens")
+    return str(model.tokenizer.decode(tokens))
 
 
 @router.get("/metrics")

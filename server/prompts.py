@@ -35,6 +35,7 @@ class ServedModel:
     aliases: set[str] = field(default_factory=set)  # names a request may use
     vocab: TokenVocab | None = None
     vocab_size: int = 0
+    max_token_chars: int = 0  # the most characters of text one token can stand for; 0 = unknown
 
     @classmethod
     def from_info(cls, info: ModelInfo, alias: str | None = None) -> ServedModel:
@@ -42,7 +43,7 @@ class ServedModel:
         tok = info.tokenizer
         vocab_size = max(int(info.extra.get("vocab_size") or 0), len(tok))
         aliases = {name, info.model_id, info.path}
-        return cls(info, name, aliases, TokenVocab(tok), vocab_size)
+        return cls(info, name, aliases, TokenVocab(tok), vocab_size, max_token_chars(tok))
 
     @property
     def tokenizer(self) -> Any:
@@ -134,25 +135,66 @@ def render_chat(
     return text
 
 
-def encode(model: ServedModel, text: str, *, add_special_tokens: bool) -> list[int]:
-    # verbose=False: the context check below reports long prompts, not a tokenizer warning
+# Normalizers can merge characters (NFC: "e" + U+0301 → "é"), so with one a token may cover a
+# few more characters of the original text than its own string has.
+_NORMALIZER_SLACK = 4
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """An upper bound on the characters of input text one token covers; 0 when unknown.
+
+    Vocabulary strings are at least as long as the text they stand for (byte-level BPE writes
+    one character per byte, SentencePiece one "▁" per space, byte fallback "<0x41>" for one
+    byte). Tokenizers that drop input (whitespace splitting) have no such bound: 0.
+    """
+    try:
+        vocab = tokenizer.get_vocab()
+        added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+        longest = max([len(t) for t in vocab] + [len(str(t)) for t in added])
+    except Exception:  # a tokenizer without a readable vocabulary: no early check
+        return 0
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return 0
+    pre = type(backend.pre_tokenizer).__name__ if backend.pre_tokenizer is not None else ""
+    if pre in ("Whitespace", "WhitespaceSplit", "BertPreTokenizer"):
+        return 0
+    return longest * (1 if backend.normalizer is None else _NORMALIZER_SLACK)
+
+
+def context_error(model: ServedModel, num_tokens: int | None, param: str, num_chars: int = 0) -> APIError:
+    """OpenAI's context-length 400; `num_tokens` None: the text was too long to tokenize."""
+    ctx = model.context_length
+    has = (f"has {num_tokens} tokens" if num_tokens is not None
+           else f"is {num_chars} characters long, more than {ctx} tokens can hold")
+    return bad_request(
+        f"This model's maximum context length is {ctx} tokens. However, your prompt {has}, "
+        "which leaves no room for a completion. Please shorten the prompt.",
+        param,
+        code="context_length_exceeded",
+    )
+
+
+def encode(
+    model: ServedModel, text: str, *, add_special_tokens: bool, param: str = "prompt"
+) -> list[int]:
+    """Text → token ids. A text too long to fit the context in any tokenization is refused
+    (400 context_length_exceeded) before the tokenizer sees it."""
+    bound = model.max_token_chars * model.context_length
+    if bound and len(text) > bound:
+        raise context_error(model, None, param, len(text))
+    # verbose=False: the context check reports long prompts, not a tokenizer warning
     return list(model.tokenizer.encode(text, add_special_tokens=add_special_tokens, verbose=False))
 
 
-def check_prompt_ids(model: ServedModel, ids: Sequence[int], param: str = "prompt") -> list[int]:
+def check_prompt_ids(model: ServedModel, ids: Sequence[int], param: str = "prompt") -> None:
+    """A prompt the engine can run: not empty, shorter than the context, ids in the vocabulary."""
     if not ids:
         raise bad_request("The prompt is empty.", param, code="empty_prompt")
+    if len(ids) >= model.context_length:
+        raise context_error(model, len(ids), param)
     for t in ids:
         if not 0 <= t < model.vocab_size:
             raise bad_request(
                 f"token id {t} is outside the vocabulary (0..{model.vocab_size - 1})", param
             )
-    n, ctx = len(ids), model.context_length
-    if n >= ctx:
-        raise bad_request(
-            f"This model's maximum context length is {ctx} tokens. However, your prompt has {n} "
-            "tokens, which leaves no room for a completion. Please shorten the prompt.",
-            param,
-            code="context_length_exceeded",
-        )
-    return list(ids)

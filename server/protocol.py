@@ -98,6 +98,27 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
 
 
+def check_message_fields(messages: list[ChatMessage], param: str = "messages") -> None:
+    """What OpenAI requires of each message: `content` (an assistant message may carry
+    `tool_calls` or `function_call` instead), and a tool message's `tool_call_id`."""
+    for i, m in enumerate(messages):
+        where = f"{param}[{i}]"
+        if m.content is None and not (m.role == "assistant" and _calls_something(m)):
+            raise _missing(f"{where}.content")
+        if m.role == "tool" and m.tool_call_id is None:
+            raise _missing(f"{where}.tool_call_id")
+
+
+def _calls_something(m: ChatMessage) -> bool:
+    return bool(m.tool_calls) or bool((m.model_extra or {}).get("function_call"))
+
+
+def _missing(param: str) -> APIError:
+    return bad_request(
+        f"Missing required parameter: '{param}'.", param, code="missing_required_parameter"
+    )
+
+
 class _SamplingRequest(_Model):
     """Fields /v1/chat/completions and /v1/completions share."""
 
@@ -131,36 +152,9 @@ class _SamplingRequest(_Model):
         except ValidationError as exc:
             raise from_validation_error(exc) from None
 
-    def logit_bias_ids(self, vocab_size: int) -> dict[int, float]:
-        out: dict[int, float] = {}
-        for key, bias in (self.logit_bias or {}).items():
-            try:
-                token = int(key)
-            except ValueError:
-                raise bad_request(
-                    f"logit_bias keys must be token ids, got {key!r}", "logit_bias"
-                ) from None
-            if not 0 <= token < vocab_size:
-                raise bad_request(
-                    f"logit_bias token {token} is outside the vocabulary (0..{vocab_size - 1})",
-                    "logit_bias",
-                )
-            if not -100.0 <= bias <= 100.0:
-                raise bad_request(
-                    f"logit_bias values must be in [-100, 100], got {bias}", "logit_bias"
-                )
-            out[token] = float(bias)
-        return out
-
-    def checked_stop_token_ids(self, vocab_size: int) -> tuple[int, ...]:
-        ids = tuple(self.stop_token_ids or ())
-        for t in ids:
-            if not 0 <= t < vocab_size:
-                raise bad_request(
-                    f"stop_token_ids: {t} is outside the vocabulary (0..{vocab_size - 1})",
-                    "stop_token_ids",
-                )
-        return ids
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
 
     @property
     def include_usage(self) -> bool:
@@ -205,6 +199,7 @@ class ChatCompletionRequest(_SamplingRequest):
         """`agent`: tools and response_format are handled (server/agent_chat.py)."""
         if not agent:
             self._check_agent_fields()
+        check_message_fields(self.messages)
         if self.audio or (self.modalities and any(m != "text" for m in self.modalities)):
             raise unsupported("modalities", "only text output")
         if self.prediction:
@@ -256,10 +251,6 @@ class CompletionRequest(_SamplingRequest):
                 "echo",
                 "echo with logprobs needs prompt logprobs, which the engine does not provide",
             )
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
 
 
 def require_model_param(body: _SamplingRequest, served: set[str], shown: str) -> None:

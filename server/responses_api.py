@@ -38,10 +38,11 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse, Response
 
-from engine.api import SamplingParams
 from server.errors import APIError, bad_request, error_body, from_validation_error
 from server.generation import ChoiceSpec, Generation, GenerationError, start_all, usage_numbers
 from server.openai_api import app_state
+from server.params import SamplingRequest, build_params
+from server.prepare import off_loop
 from server.prompts import ServedModel, message_text
 from server.sse import SSEResponse, run_until_disconnect
 from server.structured import response_format_constraint
@@ -336,6 +337,13 @@ def _history(messages: list[dict[str, Any]], r: TurnResult) -> list[dict[str, An
 # -- routes -----------------------------------------------------------------------------------
 
 
+def sampling_request(body: ResponsesRequest, plan: TurnPlan) -> SamplingRequest:
+    """The Responses API's field names → the shared conversion's input (server.params)."""
+    return SamplingRequest(max_tokens=body.max_output_tokens, temperature=body.temperature,
+                           top_p=body.top_p, constraint=plan.constraint,
+                           max_tokens_param="max_output_tokens")
+
+
 @dataclass(slots=True)
 class _Prepared:
     rid: str
@@ -379,16 +387,9 @@ async def _prepare(request: Request) -> _Prepared:
     choice = parse_tool_choice(_tool_choice(body.tool_choice), functions)
     parallel = body.parallel_tool_calls is not False
     fmt = (body.text or {}).get("format")
-    plan = plan_turn(model, messages, functions, choice, parallel=parallel,
-                     constraint=response_format_constraint(fmt, "text.format"), param="input")
-    room = model.context_length - len(plan.prompt_ids)
-    requested = body.max_output_tokens or st.config.default_max_tokens
-    params = SamplingParams(
-        temperature=body.temperature if body.temperature is not None else st.config.temperature,
-        top_p=body.top_p if body.top_p is not None else st.config.top_p,
-        max_tokens=max(1, min(requested, room)),
-        constraint=plan.constraint,
-    )
+    plan = await off_loop(request, plan_turn, model, messages, functions, choice, parallel=parallel,
+                          constraint=response_format_constraint(fmt, "text.format"), param="input")
+    params = build_params(sampling_request(body, plan), st.config, model, plan.prompt_ids, "input")
     rid = _new("resp")
     spec = ChoiceSpec(index=0, req_id=rid, prompt_ids=plan.prompt_ids, params=params,
                       skip_special_tokens=plan.skip_special_tokens)

@@ -26,7 +26,7 @@ from typing import Any, cast
 
 from server.errors import APIError, bad_request
 from server.generation import Delta, Generation, TokenLogprob, stream_all
-from server.prompts import ServedModel, check_prompt_ids, encode, render_chat
+from server.prompts import ServedModel, encode, render_chat
 from server.reasoning import ReasoningSplitter, model_thinks, prompt_opens_thinking
 from server.tools import (
     CallArgs,
@@ -213,7 +213,7 @@ def plan_turn(
         template_kwargs=template_kwargs,
         tools=openai_tools(functions) if use_tools and native else None,
     )
-    ids = check_prompt_ids(model, encode(model, text, add_special_tokens=False), param)
+    ids = encode(model, text, add_special_tokens=False, param=param)  # checked in server.params
     if use_tools and choice.mode in ("required", "function"):
         forced = [f for f in functions if choice.mode == "required" or f["name"] == choice.name]
         constraint = fmt.constraint(forced, parallel=parallel and choice.mode == "required")

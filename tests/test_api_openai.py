@@ -331,9 +331,10 @@ def test_sampling_params_reach_engine(client, fake):
 def test_defaults_and_context_cap(client, fake):
     client.chat.completions.create(model=MODEL, messages=HI)
     p = fake.submits[0].params
-    assert (p.max_tokens, p.temperature, p.top_p) == (512, 1.0, 1.0)
-    # fits the context alone but not next to this prompt: capped to the room left
     ctx = fake.model.context_length
+    # no limit in the request and none configured: the whole room the prompt leaves
+    assert (p.max_tokens, p.temperature, p.top_p) == (ctx - len(fake.submits[0].prompt_ids), 1.0, 1.0)
+    # fits the context alone but not next to this prompt: capped to the room left
     client.chat.completions.create(model=MODEL, messages=HI, max_tokens=ctx)
     n_prompt = len(fake.submits[1].prompt_ids)
     assert fake.submits[1].params.max_tokens == ctx - n_prompt
