@@ -9,7 +9,7 @@ touches the grammar engine)::
     {"type": "lark", "grammar": "start: ..."}         # llguidance's Lark dialect
     {"type": "tool_calls", "tools": [{"name": ..., "parameters": {...}}, ...],
      "format": {"call_open": "<tool_call>\\n", "call_close": "\\n</tool_call>", ...},
-     "parallel": true, "max_calls": 4}                # one to max_calls well-formed calls
+     "parallel": true, "max_calls": 4}                # one to max_calls (at most 32) calls
 
 `compile_constraint(spec, tokenizer, vocab_size, eos_ids)` returns a `Constraint` (one per row;
 it raises `ConstraintError` with a reason a person can act on). Each decode step the runner asks

@@ -6,6 +6,7 @@ walks the whole vocabulary (~0.2 s for 8k tokens).
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from engine.constrain.base import ConstraintError
-from engine.constrain.grammars import grammar_of
+from engine.constrain.grammars import CALL_CAPTURE, grammar_of, tool_error
 
 _lock = threading.Lock()
 _tokenizers: dict[tuple[int, int, tuple[int, ...]], Any] = {}
@@ -48,21 +49,42 @@ def _get_executor() -> Any:
         return _executor
 
 
+_SLOT = CALL_CAPTURE + "_"
+
+
 class LLGConstraint:
-    """A row's llguidance matcher."""
+    """A row's llguidance matcher.
 
-    __slots__ = ("matcher", "num_consumed")
+    Under a tool-call grammar it also ends the output at the first call that repeats an earlier
+    one exactly (name and arguments): a model that is not trained to stop after its calls (it
+    hardly ever samples end-of-sequence there) otherwise copies its call into every slot the
+    grammar allows. The repeat is dropped by the server's call parser."""
 
-    def __init__(self, matcher: Any):
+    __slots__ = ("matcher", "num_consumed", "_calls", "_repeated")
+
+    def __init__(self, matcher: Any, tool_calls: bool = False):
         self.matcher = matcher
         self.num_consumed = 0
+        self._calls = 0 if tool_calls else -1  # completed calls seen; -1: not a tool-call grammar
+        self._repeated = False
 
     def consume(self, token: int) -> bool:
         self.num_consumed += 1
-        return bool(self.matcher.consume_token(token))
+        ok = bool(self.matcher.consume_token(token))
+        if ok and self._calls >= 0:
+            self._note_calls()
+        return ok
+
+    def _note_calls(self) -> None:
+        slots = {name: text for name, text in self.matcher.get_captures() if name.startswith(_SLOT)}
+        if len(slots) > self._calls:
+            self._calls = len(slots)
+            last = slots.pop(f"{_SLOT}{self._calls - 1}", None)
+            self._repeated = last is not None and last in slots.values()
 
     def is_done(self) -> bool:
-        return bool(self.matcher.is_stopped())
+        # a repeat is known as soon as its remaining bytes are forced; it ends where the grammar may
+        return (self._repeated and bool(self.matcher.is_accepting())) or bool(self.matcher.is_stopped())
 
     @property
     def error(self) -> str:
@@ -85,10 +107,13 @@ def compile_constraint(
     limits = _limits()
     problem = llguidance.LLMatcher.validate_grammar(grammar, lltok, limits=limits)
     if problem and not problem.startswith("WARNING"):
-        raise ConstraintError(reason(problem))
+        raise ConstraintError(tool_error(spec, reason(problem)))
     matcher = llguidance.LLMatcher(lltok, grammar, log_level=0, limits=limits)
-    _probe(matcher, vocab_size, eos_ids)
-    return LLGConstraint(matcher)
+    try:
+        _probe(matcher, vocab_size, eos_ids)
+    except ConstraintError as exc:
+        raise ConstraintError(tool_error(spec, str(exc))) from None
+    return LLGConstraint(matcher, tool_calls=spec.get("type") == "tool_calls")
 
 
 def _limits() -> Any:
@@ -131,6 +156,7 @@ _KNOWN = (
 )
 MAX_REASON = 400
 _DUMPS = ("<state>", "<grammar>", "<non-verbose/>")  # where the grammar engine's debug dump begins
+_LARK_CONTEXT = re.compile(r"^\s*\d+ \| ")  # "   2 | tool_0: %json {...}": a grammar line quoted
 
 
 def reason(message: str) -> str:
@@ -139,12 +165,25 @@ def reason(message: str) -> str:
     characters (a regex or Lark syntax error keeps its few lines pointing at the mistake)."""
     for marker in _DUMPS:
         message = message.split(marker, 1)[0]
-    message = message.strip()
+    message = "\n".join(_without_grammar_lines(message.strip().splitlines())).strip()
     low = message.lower()
     for key, text in _KNOWN:
         if key in low:
             return text
     return message if len(message) <= MAX_REASON else message[: MAX_REASON - 3] + "..."
+
+
+def _without_grammar_lines(lines: list[str]) -> list[str]:
+    """Drop the grammar lines a Lark error quotes, and the caret line under each."""
+    out: list[str] = []
+    quoted = False
+    for line in lines:
+        if _LARK_CONTEXT.match(line):
+            quoted = True
+        elif not (quoted and line.strip() == "^"):
+            quoted = False
+            out.append(line)
+    return out
 
 
 def fill_masks(rows: Sequence[tuple[LLGConstraint, int]], bitmask: np.ndarray) -> None:
