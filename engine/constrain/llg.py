@@ -83,8 +83,10 @@ class LLGConstraint:
             self._repeated = last is not None and last in slots.values()
 
     def is_done(self) -> bool:
-        # a repeat is known as soon as its remaining bytes are forced; it ends where the grammar may
-        return (self._repeated and bool(self.matcher.is_accepting())) or bool(self.matcher.is_stopped())
+        if self.matcher.is_stopped():
+            return True
+        # a repeat is seen once the rest of it is forced: the output ends when that rest is written
+        return self._repeated and (self.matcher.is_accepting() or not self.matcher.compute_ff_bytes())
 
     @property
     def error(self) -> str:
