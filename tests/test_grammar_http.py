@@ -150,8 +150,9 @@ def test_anthropic_any_with_pydantic_defs(url):
         tool_choice={"type": "any"}, extra_body={"temperature": 1.0})
     assert msg.stop_reason == "tool_use"
     uses = [b for b in msg.content if b.type == "tool_use"]
-    assert [u.name for u in uses] == ["save_person"]
-    Person.model_validate(uses[0].input)
+    assert uses and {u.name for u in uses} == {"save_person"}  # sampled: maybe more than one call
+    for u in uses:
+        Person.model_validate(u.input)
 
 
 def test_required_greedy_is_one_call_streamed_and_whole(url):
