@@ -106,11 +106,9 @@ def compile_constraint(
 
     grammar = grammar_of(spec)
     lltok = _ll_tokenizer(tokenizer, vocab_size, eos_ids)
-    limits = _limits()
-    problem = llguidance.LLMatcher.validate_grammar(grammar, lltok, limits=limits)
-    if problem and not problem.startswith("WARNING"):
-        raise ConstraintError(tool_error(spec, reason(problem)))
-    matcher = llguidance.LLMatcher(lltok, grammar, log_level=0, limits=limits)
+    # an invalid grammar leaves the matcher in its error state, with the message
+    # LLMatcher.validate_grammar would give (compiling it only once)
+    matcher = llguidance.LLMatcher(lltok, grammar, log_level=0, limits=_limits())
     try:
         _probe(matcher, vocab_size, eos_ids)
     except ConstraintError as exc:
