@@ -23,6 +23,11 @@ and `finish()` flushes what is held. Text that might be the start of a call mark
 (like a partial stop string) until it is decided. The arguments are streamed as they arrive once
 the name is known and the arguments value has begun; the concatenated fragments equal the
 non-streamed `arguments` string exactly.
+
+A call that repeats an earlier call of the same output exactly (same name, same arguments text)
+is dropped: that is a model looping on its call, not a second call (a constrained output also
+ends there, see engine.constrain). While a call with an earlier call's name is still a prefix of
+that call, its events are held back, so the repeat is never streamed.
 """
 
 from __future__ import annotations
@@ -347,7 +352,9 @@ class ToolCallParser:
         self._obj: _JsonObjectScanner | None = None
         self._obj_raw = ""  # raw text since the section opened, returned as text on failure
         self._sent_args = 0  # characters of the current call's arguments already streamed
-        self._started = False  # CallStart sent for the current object
+        self._started = False  # the current object is a call (its name is one of the tools)
+        # the current call's events, held while it repeats an earlier call of this turn so far
+        self._repeat: list[Event] | None = None
 
     # public ----------------------------------------------------------------------------------
     def feed(self, text: str) -> list[Event]:
@@ -452,8 +459,9 @@ class ToolCallParser:
         if not self._started and obj.name is not None:
             if self.tool_names is None or obj.name in self.tool_names:
                 self.calls.append(ToolCall(new_call_id(), obj.name, ""))
-                events.append(CallStart(len(self.calls) - 1, self.calls[-1].id, obj.name))
                 self._started = True
+                self._repeat = [] if any(c.name == obj.name for c in self.calls[:-1]) else None
+                self._call_event(CallStart(len(self.calls) - 1, self.calls[-1].id, obj.name), events)
         if self._started:
             if obj.args_open:
                 self._stream_args(obj, len(obj.text), events)
@@ -479,7 +487,7 @@ class ToolCallParser:
             self._sent_args += len(fragment)
             call = self.calls[-1]
             call.arguments += fragment
-            events.append(CallArgs(len(self.calls) - 1, fragment))
+            self._call_event(CallArgs(len(self.calls) - 1, fragment), events)
 
     def _close_object(self, events: list[Event], complete: bool) -> None:
         obj = self._obj
@@ -494,16 +502,38 @@ class ToolCallParser:
                     pass
                 if isinstance(raw, str):
                     call.arguments = raw
-                    events.append(CallArgs(len(self.calls) - 1, raw))
+                    self._call_event(CallArgs(len(self.calls) - 1, raw), events)
             else:
                 self._stream_args(obj, obj.args_end, events)
         elif not complete and self._sent_args:
             pass  # cut off mid-arguments: what arrived is what we have
         elif not call.arguments:
             call.arguments = "{}"
-            events.append(CallArgs(len(self.calls) - 1, "{}"))
-        events.append(CallEnd(len(self.calls) - 1))
+            self._call_event(CallArgs(len(self.calls) - 1, "{}"), events)
         self._obj = None
+        if self._repeat is not None and (not complete or self._repeats(call, exact=True)):
+            self.calls.pop()  # a repeat of an earlier call (or the cut-off start of one): dropped
+            self._repeat = None
+            return
+        self._call_event(CallEnd(len(self.calls) - 1), events)
+
+    def _call_event(self, event: Event, events: list[Event]) -> None:
+        """Emit an event of the current call, or hold it while the call is, so far, a repeat of an
+        earlier call of this turn: a model looping on its call repeats it exactly, and a repeat
+        is dropped (the constrained path ends the output at the first one)."""
+        if self._repeat is None:
+            events.append(event)
+            return
+        self._repeat.append(event)
+        if isinstance(event, CallEnd) or not self._repeats(self.calls[-1], exact=False):
+            events.extend(self._repeat)
+            self._repeat = None
+
+    def _repeats(self, call: ToolCall, exact: bool) -> bool:
+        earlier = (c for c in self.calls[:-1] if c.name == call.name)
+        if exact:
+            return any(c.arguments == call.arguments for c in earlier)
+        return any(c.arguments.startswith(call.arguments) for c in earlier)
 
     def _emit_text(self, text: str, events: list[Event]) -> None:
         if text:

@@ -33,6 +33,9 @@ PERSON = {
     "additionalProperties": False,
 }
 
+# no finite JSON value matches: the grammar engine's forced output never ends
+ENDLESS = {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}
+
 
 @pytest.fixture(scope="module")
 def tinycoder(tinycoder_path):
@@ -83,6 +86,9 @@ def test_matcher_follows_schema(tinycoder):
         ({"type": "lark", "grammar": "start: missing_rule"}, "missing_rule"),
         ({"type": "tool_calls", "tools": []}, "non-empty"),
         ({"type": "yaml"}, "unknown constraint type"),
+        # limits the grammar engine only meets while parsing: found when the spec is compiled
+        ({"type": "json_schema", "schema": ENDLESS}, "refers back to its own object"),
+        ({"type": "regex", "pattern": "(x{1000}){1000}"}, "regular expression"),
     ],
 )
 def test_bad_spec_is_a_400_before_queuing(tinycoder, spec, reason):
@@ -93,6 +99,7 @@ def test_bad_spec_is_a_400_before_queuing(tinycoder, spec, reason):
             eng.add(req, lambda events: None)
         assert err.value.status == 400
         assert reason in err.value.message
+        assert len(err.value.message) <= 400 and "<state>" not in err.value.message
         assert eng.stats().num_waiting == 0
     finally:
         eng.stop()
@@ -178,3 +185,16 @@ def test_constrained_rows_are_masked_when_speculation_is_on(tinycoder):
 
 def _spec_steps(stats: dict) -> int:
     return sum(v.get("spec_steps", 0) for v in stats.values() if isinstance(v, dict))
+
+
+def test_grammar_engine_errors_are_cut_to_what_the_client_can_act_on():
+    from engine.constrain.llg import MAX_REASON, reason
+
+    dump = ("lexer error: too many expressions constructed\n<state>\nTokens: x\nParser: {}\n</state>"
+            "<grammar>\n{\"grammars\": []}\n</grammar>")
+    assert reason(dump).startswith("a regular expression in the constraint is too complex")
+    lark = 'at 1(8): unknown name: "missing_rule"\n   1 | start: missing_rule\n              ^\n'
+    assert reason(lark) == 'at 1(8): unknown name: "missing_rule"'
+    regex = "regex parse error:\n    [a-\n    ^\nerror: unclosed character class"
+    assert reason(regex) == regex  # the caret under the client's own regex stays
+    assert len(reason("x" * 5000)) == MAX_REASON

@@ -147,3 +147,40 @@ def test_template_families_and_function_specs():
         except ValueError:
             continue
         raise AssertionError(bad)
+
+
+ARGS_C = ARGS_A.replace("Paris", "Paris, TX")  # same name, same start, other arguments
+
+
+def _calls(fmt, calls):
+    key = fmt.args_keys[0]
+    objs = [fmt.call_open + '{"name": "' + n + '", "' + key + '": ' + a + "}" + fmt.call_close for n, a in calls]
+    return fmt.list_open + fmt.separator.join(objs) + fmt.list_close
+
+
+REPEATS = [("get_weather", ARGS_A), ("get_weather", ARGS_A), ("get_weather", ARGS_C), ("count", ARGS_B),
+           ("get_weather", ARGS_A)]
+KEPT = [("get_weather", ARGS_A), ("get_weather", ARGS_C), ("count", ARGS_B)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from(sorted(FORMATS)), st.lists(st.integers(0, 2000), max_size=12))
+def test_a_repeated_call_is_dropped_and_never_streamed(name, cuts):
+    fmt = FORMATS[name]
+    text = _calls(fmt, REPEATS)
+    whole = parse_tool_calls(text, fmt, ["get_weather", "count"])
+    assert [(c.name, c.arguments) for c in whole.calls] == KEPT and whole.content == ""
+    cuts = sorted({c % (len(text) + 1) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    _, events = _stream(fmt, pieces)
+    got_text, calls = _reassemble(events)  # indexes 0, 1, 2 with no gap
+    assert got_text == "" and [(c["name"], c["arguments"]) for c in calls] == KEPT
+    assert sum(isinstance(e, CallEnd) for e in events) == 3
+
+
+def test_a_cut_off_repeat_is_dropped_and_a_cut_off_new_call_kept():
+    one = _calls(HERMES, [("f", '{"a": 1}')])
+    cut_repeat = parse_tool_calls(one + '\n<tool_call>\n{"name": "f", "arguments": {"a": ', HERMES, ["f"])
+    assert [(c.name, c.arguments) for c in cut_repeat.calls] == [("f", '{"a": 1}')]
+    cut_new = parse_tool_calls(one + '\n<tool_call>\n{"name": "f", "arguments": {"a": 2', HERMES, ["f"])
+    assert [(c.name, c.arguments) for c in cut_new.calls] == [("f", '{"a": 1}'), ("f", '{"a": 2')]

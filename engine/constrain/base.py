@@ -21,7 +21,8 @@ class Constraint(Protocol):
         ...
 
     def is_done(self) -> bool:
-        """The grammar is complete and allows nothing more (except end of sequence)."""
+        """The output is complete: the grammar allows nothing more (except end of sequence), or
+        the constraint ends it early (a tool call that repeats an earlier one)."""
         ...
 
     @property

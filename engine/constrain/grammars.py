@@ -14,6 +14,7 @@ in the object so that a streaming parser sees the name before the arguments.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from engine.constrain.base import ConstraintError
@@ -27,6 +28,8 @@ JSON_OPTIONS: dict[str, Any] = {
 }
 MAX_TOOLS = 128
 _FORMAT_KEYS = ("list_open", "call_open", "call_close", "separator", "list_close")
+MAX_CALLS = 32  # calls in one tool_calls constraint, and the bound when 'max_calls' is not given
+CALL_CAPTURE = "call"  # call slot k is captured (markers included) under the name f"call_{k}"
 
 
 def _schema(value: Any, where: str) -> dict[str, Any]:
@@ -44,19 +47,27 @@ def _lark_str(text: str) -> str:
 def _json_grammar(schema: dict[str, Any], *, lenient: bool) -> str:
     import llguidance
 
-    options = dict(JSON_OPTIONS, lenient=lenient)
+    options: Any = dict(JSON_OPTIONS, lenient=lenient)  # llguidance's JsonCompileOptions
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
     except ValueError as exc:
         raise ConstraintError(f"invalid JSON schema: {exc}") from None
 
 
-def tool_call_schema(tool: dict[str, Any], name_key: str, args_key: str) -> dict[str, Any]:
+def tool_call_schema(tool: dict[str, Any], name_key: str, args_key: str, index: int = 0) -> dict[str, Any]:
+    """One call of `tool` as a JSON object: {name_key: <the name>, args_key: <its parameters>}.
+
+    The parameters are embedded as a schema resource of their own (a `$id` unless they carry one),
+    so that the references in them ("#", "#/$defs/Addr", "#/definitions/...", "#/properties/...")
+    resolve against the parameters, as they do when the parameters are the whole schema (the
+    shape pydantic's `model_json_schema()` gives nested models), not against this wrapper."""
     name = tool.get("name")
     if not isinstance(name, str) or not name:
         raise ConstraintError("every tool needs a non-empty string 'name'")
     params = tool.get("parameters")
     params = {"type": "object"} if params is None else _schema(params, f"tool {name!r} parameters")
+    if "$id" not in params:
+        params = {"$id": f"urn:mlxd:tool-parameters:{index}", **params}
     return {
         "type": "object",
         "properties": {name_key: {"const": name}, args_key: params},
@@ -80,24 +91,59 @@ def _tool_calls_lark(spec: dict[str, Any]) -> str:
     name_key = fmt.get("name_key", "name")
     args_key = fmt.get("args_key", "arguments")
     lenient = bool(spec.get("lenient", True))
-    options = json.dumps(dict(JSON_OPTIONS, lenient=lenient))
+    options = dict(JSON_OPTIONS, lenient=lenient)
     rules = []
     for i, tool in enumerate(tools):
-        schema = dict(tool_call_schema(tool, name_key, args_key), **{"x-guidance": json.loads(options)})
+        schema = {**tool_call_schema(tool, name_key, args_key, i), "x-guidance": options}
         rules.append(f"tool_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
     body = " | ".join(f"tool_{i}" for i in range(len(tools)))
     call = f"{_lark_str(parts['call_open'])} ({body}) {_lark_str(parts['call_close'])}"
-    max_calls = spec.get("max_calls") if spec.get("parallel", True) else 1
-    if max_calls is not None and (not isinstance(max_calls, int) or max_calls < 1):
-        raise ConstraintError("'max_calls' must be a positive integer")
+    slots = _call_slots(spec)
     sep = _lark_str(parts["separator"])
-    more = "" if max_calls == 1 else f" ({sep} call)" + ("*" if max_calls is None else f"{{0,{max_calls - 1}}}")
+    more = ""
+    for k in range(slots - 1, 0, -1):  # call_0 (sep call_1 (sep call_2)?)?: at most `slots` calls
+        more = f" ({sep} {CALL_CAPTURE}_{k}{more})?"
     lines = [
-        f"start: {_lark_str(parts['list_open'])} call{more} {_lark_str(parts['list_close'])}",
+        f"start: {_lark_str(parts['list_open'])} {CALL_CAPTURE}_0{more} {_lark_str(parts['list_close'])}",
         f"call: {call}",
-        *rules,
+        *rules,  # tool i's rule is on line FIRST_TOOL_LINE + i (tool_error relies on it)
+        # one named capture per call slot: the engine compares each finished call with the earlier
+        # ones (the grammar engine keeps one capture of a name repeated back to back)
+        *(f'{CALL_CAPTURE}_{k}[capture="{CALL_CAPTURE}_{k}"]: call' for k in range(slots)),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _call_slots(spec: dict[str, Any]) -> int:
+    if not spec.get("parallel", True):
+        return 1
+    max_calls = spec.get("max_calls")
+    if max_calls is None:
+        return MAX_CALLS
+    if not isinstance(max_calls, int) or isinstance(max_calls, bool) or not 1 <= max_calls <= MAX_CALLS:
+        raise ConstraintError(f"'max_calls' must be an integer from 1 to {MAX_CALLS}")
+    return max_calls
+
+
+FIRST_TOOL_LINE = 3
+_LARK_AT = re.compile(r"^at (\d+)\(\d+\): (?:failed to compile JSON schema: )?")
+
+
+def tool_error(spec: Any, message: str) -> str:
+    """A grammar-engine error about the tool-call grammar, said about the tool it concerns
+    ("tool 'f' parameters: Invalid type: objectx") instead of a position in a grammar the client
+    never wrote."""
+    if not isinstance(spec, dict) or spec.get("type") != "tool_calls":
+        return message
+    at = _LARK_AT.match(message)
+    if at is None:
+        return message
+    index = int(at.group(1)) - FIRST_TOOL_LINE
+    tools = spec.get("tools") or []
+    rest = message[at.end():]
+    if 0 <= index < len(tools) and isinstance(tools[index], dict):
+        return f"tool {tools[index].get('name')!r} parameters: {rest}"
+    return rest
 
 
 def grammar_of(spec: Any) -> str:

@@ -1,0 +1,219 @@
+"""The tool-call grammar as a set of strings, on the bundled model's tokenizer.
+
+- one call then the end is accepted, and so are two different calls (two tools, or one tool
+  twice with other arguments), up to max_calls and no more, in every call format;
+- a call that repeats an earlier one exactly ends the constraint there (the model would
+  otherwise copy its call into every slot);
+- parameters with root-level $defs/$ref (pydantic's nested models) compile and are enforced,
+  also when two tools each define a $defs entry of the same name;
+- a bad tool schema is reported about the tool, without the generated grammar.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+from pydantic import BaseModel
+
+pytest.importorskip("llguidance")
+
+from engine.constrain import ConstraintError, compile_constraint, fill_masks, new_bitmask  # noqa: E402
+from server.tools import FORMATS, HERMES, MISTRAL, ToolFormat  # noqa: E402
+
+WEATHER = {
+    "name": "get_weather",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    },
+}
+SEARCH = {
+    "name": "search",
+    "parameters": {
+        "type": "object",
+        "properties": {"query": {"type": "string"}},
+        "required": ["query"],
+        "additionalProperties": False,
+    },
+}
+
+
+class Addr(BaseModel):
+    street: str
+    city: str
+
+
+class Person(BaseModel):
+    name: str
+    home: Addr
+    work: Addr | None = None
+
+
+class Node(BaseModel):
+    value: int
+    children: list[Node] = []
+
+
+class Addr2(BaseModel):  # another "Addr" shape: a post box
+    box: int
+
+
+class Parcel(BaseModel):
+    weight: float
+    to: Addr2
+
+
+def _parcel_schema() -> dict[str, Any]:
+    """Parcel's schema with its nested model named "Addr" too: the same $defs name as Person's."""
+    text = json.dumps(Parcel.model_json_schema()).replace("Addr2", "Addr")
+    return json.loads(text)
+
+
+@pytest.fixture(scope="module")
+def lm(tinycoder_path):
+    from engine.loader import load_model
+
+    return load_model(str(tinycoder_path), dtype="float32")
+
+
+def _compile(lm, fmt: ToolFormat, tools: list[dict[str, Any]], parallel: bool = True, max_calls: int = 4):
+    spec = fmt.constraint(tools, parallel=parallel, max_calls=max_calls)
+    return compile_constraint(spec, lm.tokenizer, lm.vocab_size, lm.eos_token_ids)
+
+
+def _allowed(lm, c) -> set[int]:
+    bm = new_bitmask(1, lm.vocab_size)
+    fill_masks([(c, 0)], bm)
+    bits = np.unpackbits(bm[0].view(np.uint8), bitorder="little")[: lm.vocab_size]
+    return set(np.flatnonzero(bits).tolist())
+
+
+def _feed(lm, c, text: str) -> bool:
+    """Consume `text` token by token, each token checked against the mask first."""
+    for t in lm.tokenizer.encode(text, add_special_tokens=False):
+        if t not in _allowed(lm, c) or not c.consume(t):
+            return False
+    return True
+
+
+def accepts(lm, fmt: ToolFormat, tools: list[dict[str, Any]], text: str, **kw: Any) -> bool:
+    """`text` is a complete output of the grammar: every token allowed, and then it may end."""
+    c = _compile(lm, fmt, tools, **kw)
+    if not _feed(lm, c, text):
+        return False
+    return c.matcher.is_accepting() and bool(_allowed(lm, c) & set(lm.eos_token_ids))
+
+
+def calls_text(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str:
+    key = fmt.args_keys[0]
+    objs = [fmt.call_open + json.dumps({"name": n, key: a}) + fmt.call_close for n, a in calls]
+    return fmt.list_open + fmt.separator.join(objs) + fmt.list_close
+
+
+def _unclosed(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str:
+    """The calls without the list's closing marker (Mistral's "]"): more calls may follow."""
+    text = calls_text(fmt, calls)
+    return text[: len(text) - len(fmt.list_close)]
+
+
+PARIS = ("get_weather", {"city": "Paris", "days": 3})
+LONDON = ("get_weather", {"city": "London", "days": 2})
+QUERY = ("search", {"query": "csv parser"})
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_one_call_then_the_end_is_accepted(lm, name):
+    fmt = FORMATS[name]
+    c = _compile(lm, fmt, [WEATHER, SEARCH])
+    assert _feed(lm, c, calls_text(fmt, [PARIS]))
+    assert c.matcher.is_accepting()
+    assert set(lm.eos_token_ids) <= _allowed(lm, c)  # the end is allowed right after the call
+    assert c.is_done() == bool(fmt.list_close)  # without a closed list a second call may follow
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_two_different_calls_are_accepted_up_to_max_calls(lm, name):
+    fmt = FORMATS[name]
+    tools = [WEATHER, SEARCH]
+    assert accepts(lm, fmt, tools, calls_text(fmt, [PARIS, QUERY]))  # two tools
+    assert accepts(lm, fmt, tools, calls_text(fmt, [PARIS, LONDON]))  # one tool, other arguments
+    four = [PARIS, LONDON, QUERY, ("search", {"query": "json"})]
+    assert accepts(lm, fmt, tools, calls_text(fmt, four))
+    five = [*four, ("get_weather", {"city": "Rome", "days": 1})]
+    assert not accepts(lm, fmt, tools, calls_text(fmt, five))  # max_calls=4
+    assert not accepts(lm, fmt, tools, calls_text(fmt, [PARIS, QUERY]), parallel=False)
+    assert not accepts(lm, fmt, tools, calls_text(fmt, [("get_weather", {"city": "Paris"})]))  # no days
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_a_repeated_call_ends_the_constraint(lm, name):
+    fmt = FORMATS[name]
+    c = _compile(lm, fmt, [WEATHER, SEARCH])
+    two = _unclosed(fmt, [PARIS, QUERY])
+    assert _feed(lm, c, two)
+    assert not c.is_done()  # two different calls: a third may follow
+    c = _compile(lm, fmt, [WEATHER, SEARCH])
+    repeat = _unclosed(fmt, [PARIS, QUERY, PARIS])
+    ids = lm.tokenizer.encode(repeat, add_special_tokens=False)
+    ends = [i for i, t in enumerate(ids) if c.consume(t) and c.is_done()]
+    # it ends once, right when the repeat is whole (not while its rest is still to come)
+    assert ends == [len(ids) - 1], (ends, len(ids))
+
+
+def test_pydantic_nested_models_as_tool_parameters(lm):
+    person = {"name": "save_person", "parameters": Person.model_json_schema()}
+    assert "$defs" in person["parameters"]
+    ok = {"name": "Ada", "home": {"street": "1 Main St", "city": "Oslo"}, "work": None}
+    assert accepts(lm, HERMES, [person], calls_text(HERMES, [("save_person", ok)]))
+    Person.model_validate(ok)
+    bad = {"name": "Ada", "home": {"city": "Oslo"}}  # Addr needs a street
+    assert not accepts(lm, HERMES, [person], calls_text(HERMES, [("save_person", bad)]))
+    # "#/$defs/Node" inside a recursive model resolves against the parameters, not the wrapper
+    node = {"name": "save_tree", "parameters": Node.model_json_schema()}
+    tree = {"value": 1, "children": [{"value": 2, "children": []}]}
+    assert accepts(lm, MISTRAL, [node], calls_text(MISTRAL, [("save_tree", tree)]))
+    wrapper_shaped = {"value": 1, "children": [{"name": "save_tree", "arguments": {"value": 2}}]}
+    assert not accepts(lm, MISTRAL, [node], calls_text(MISTRAL, [("save_tree", wrapper_shaped)]))
+
+
+def test_root_pointer_refs_resolve_against_the_parameters(lm):
+    params = {
+        "type": "object",
+        "properties": {"label": {"type": "string"}, "next": {"$ref": "#"}, "same": {"$ref": "#/properties/label"}},
+        "required": ["label"],
+        "additionalProperties": False,
+    }
+    tool = {"name": "chain", "parameters": params}
+    good = {"label": "a", "next": {"label": "b"}, "same": "c"}
+    assert accepts(lm, HERMES, [tool], calls_text(HERMES, [("chain", good)]))
+    assert not accepts(lm, HERMES, [tool], calls_text(HERMES, [("chain", {"label": "a", "same": 3})]))
+
+
+def test_two_tools_with_a_defs_entry_of_the_same_name(lm):
+    person = {"name": "save_person", "parameters": Person.model_json_schema()}
+    parcel = {"name": "send_parcel", "parameters": _parcel_schema()}
+    assert set(person["parameters"]["$defs"]) == set(parcel["parameters"]["$defs"]) == {"Addr"}
+    tools = [person, parcel]
+    p_ok = {"name": "Ada", "home": {"street": "1 Main St", "city": "Oslo"}}
+    s_ok = {"weight": 1.5, "to": {"box": 12}}
+    assert accepts(lm, HERMES, tools, calls_text(HERMES, [("save_person", p_ok), ("send_parcel", s_ok)]))
+    # each tool's "Addr" is its own: a post box is no street address, and the other way round
+    assert not accepts(lm, HERMES, tools, calls_text(HERMES, [("save_person", {"name": "A", "home": {"box": 1}})]))
+    street = {"weight": 1.5, "to": {"street": "x", "city": "y"}}
+    assert not accepts(lm, HERMES, tools, calls_text(HERMES, [("send_parcel", street)]))
+
+
+def test_a_bad_tool_schema_is_reported_about_the_tool(lm):
+    tools = [WEATHER, {"name": "broken", "parameters": {"type": "objectx"}}]
+    with pytest.raises(ConstraintError) as err:
+        _compile(lm, HERMES, tools)
+    message = str(err.value)
+    assert message.startswith("tool 'broken' parameters:") and "objectx" in message
+    assert "%json" not in message and "get_weather" not in message and len(message) < 200
+    with pytest.raises(ConstraintError, match="max_calls"):
+        _compile(lm, HERMES, [WEATHER], max_calls=0)
