@@ -224,7 +224,8 @@ class Engine:
         if bad:
             raise EngineError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         params = request.params
-        max_new = max(1, min(params.max_tokens, ctx - n))
+        # no limit (None): the room left in the context
+        max_new = ctx - n if params.max_tokens is None else max(1, min(params.max_tokens, ctx - n))
         chunk = self.config.scheduler.prefill_chunk
         if not self.budget.fits_alone(n, max_new, min(n, chunk)):
             need = self.budget.weights + self.budget.row_bytes(n, max_new)
@@ -241,7 +242,7 @@ class Engine:
         return RowMeta(
             request=request,
             num_prompt_tokens=n,
-            max_new_tokens=max(1, min(params.max_tokens, ctx - n)),
+            max_new_tokens=max_new,
             stop_ids=frozenset(stop_ids),
             constraint=self._compile_constraint(params.constraint),
         )
