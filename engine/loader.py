@@ -1,6 +1,7 @@
-"""Find, download and load a model: local directory, Hugging Face repo id, or the bundled default.
+"""Find, download and load a model: a local directory or a Hugging Face repo id.
 
-`resolve_model_path` never touches the network for a local path or the bundled model; for a repo
+(The CLI package `mlxd` maps "no --model" to its bundled model's directory before calling here.)
+`resolve_model_path` never touches the network for a local path; for a repo
 id it calls `huggingface_hub.snapshot_download`, which shows a progress bar, uses the standard
 cache (HF_HOME / HF_HUB_CACHE) and honours HF_HUB_OFFLINE=1 (cache only).
 """
@@ -18,7 +19,6 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from engine import cuda_guard, fewrow
-from mlxd import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
 
 _ALLOW_PATTERNS = [
     "*.json",
@@ -31,10 +31,8 @@ _ALLOW_PATTERNS = [
 ]
 
 
-def resolve_model_path(model: str | None, revision: str | None = None) -> tuple[Path, str]:
-    """Return (local directory, model id). `model` is None (bundled), a directory or a repo id."""
-    if model is None or model in ("", "default", DEFAULT_MODEL_NAME):
-        return DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
+def resolve_model_path(model: str, revision: str | None = None) -> tuple[Path, str]:
+    """Return (local directory, model id). `model` is a directory or a repo id."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path.resolve(), path.name
@@ -87,7 +85,7 @@ def _context_length(config: dict[str, Any], tokenizer: Any) -> int:
 
 
 def load_model(
-    model: str | None = None,
+    model: str,
     *,
     dtype: str = "auto",
     chat_template: str | None = None,

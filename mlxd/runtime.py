@@ -18,7 +18,8 @@ def build_client(args: argparse.Namespace | None = None, **overrides: Any):
     """Load the model and return an (unstarted) `engine.core.AsyncEngine`."""
     opts = dict(vars(args)) if args is not None else {}
     opts.update(overrides)
-    from kernels import device  # not at module level: the CLI reads BLAS_KEYWORDS before --blas is set
+    # imported here, not at module level: the CLI reads BLAS_KEYWORDS before --blas is set
+    from kernels import device
 
     info = device.load()  # before mlx is imported
     wanted = str(opts.get("blas") or "")
@@ -31,9 +32,10 @@ def build_client(args: argparse.Namespace | None = None, **overrides: Any):
     from engine.kvcache import KVConfig
     from engine.loader import load_model
     from engine.scheduler import SchedulerConfig
+    from mlxd import model_source
 
     loaded = load_model(
-        opts.get("model"),
+        model_source(opts.get("model")),
         dtype=opts.get("dtype", "auto"),
         chat_template=opts.get("chat_template"),
         revision=opts.get("revision"),

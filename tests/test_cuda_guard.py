@@ -13,6 +13,7 @@ import pytest
 from mlx_lm.models.rope_utils import initialize_rope
 
 from engine import cuda_guard
+from mlxd import DEFAULT_MODEL_DIR
 
 FAST_ROPE = mx.fast.rope  # as MLX defines it
 
@@ -106,7 +107,7 @@ def test_loading_a_model_leaves_mx_fast_rope_alone(monkeypatch):
     from engine.loader import load_model
 
     monkeypatch.setattr(cuda_guard, "applies", lambda: True)
-    lm = load_model(None)
+    lm = load_model(str(DEFAULT_MODEL_DIR))
     guarded = [m for _, m in lm.model.named_modules() if type(m).__name__ == "GuardedRoPE"]
     assert len(guarded) == lm.config["num_hidden_layers"]
     assert mx.fast.rope is FAST_ROPE

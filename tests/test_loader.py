@@ -12,14 +12,17 @@ import pytest
 
 from engine.loader import pick_dtype, resolve_model_path
 from kernels import device as blas
-from mlxd import DEFAULT_MODEL_DIR
+from mlxd import DEFAULT_MODEL_DIR, model_source
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_default_is_bundled_model():
-    path, model_id = resolve_model_path(None)
-    assert path == DEFAULT_MODEL_DIR and model_id == "tinycoder-16m"
+    for no_model in (None, "", "default", "tinycoder-16m"):
+        assert model_source(no_model) == str(DEFAULT_MODEL_DIR)
+    assert model_source("org/repo") == "org/repo"
+    path, model_id = resolve_model_path(model_source(None))
+    assert path == DEFAULT_MODEL_DIR.resolve() and model_id == "tinycoder-16m"
     assert (path / "config.json").is_file()
 
 
