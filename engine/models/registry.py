@@ -85,12 +85,24 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 }
 
 
+class UnsupportedArchitecture(ValueError):
+    """The model's architecture cannot be served exactly by our layouts (raised at load)."""
+
+
+# architectures whose output through our batched layouts would be wrong, with the reason
+UNSUPPORTED: dict[str, str] = {}
+
+
 def arch_name(model: Any) -> str:
     return type(model).__module__.rsplit(".", 1)[-1]
 
 
 def spec_for(model: Any) -> ArchSpec:
+    """What the registry knows about `model`'s architecture; UnsupportedArchitecture for one
+    that mlxd cannot serve (a clear error at load instead of wrong output)."""
     name = arch_name(model)
+    if name in UNSUPPORTED:
+        raise UnsupportedArchitecture(f"architecture {name} is not supported: {UNSUPPORTED[name]}")
     return ARCHITECTURES.get(name) or ArchSpec(
         name, "generic mapping of make_cache()", tested=False
     )
@@ -101,8 +113,33 @@ def _model_layers(model: Any) -> list[Any]:
     return list(layers) if layers is not None else []
 
 
+# the mlx-lm caches a layer may ask for that we have a batched layout for
+_MAPPED = (mlc.KVCache, mlc.QuantizedKVCache, mlc.RotatingKVCache, mlc.ArraysCache)
+
+_CACHE_WHY = {
+    "CacheList": "several caches per layer (e.g. attention KV plus a convolution or indexer "
+    "state)",
+    "ChunkedKVCache": "chunked local attention (the KV resets at every chunk boundary)",
+}
+
+
+def check_supported(model: Any) -> None:
+    """UnsupportedArchitecture unless every layer's cache has a batched layout here."""
+    name = arch_name(model)
+    spec_for(model)  # the architectures listed as unsupported
+    odd = sorted({type(t).__name__ for t in layer_templates(model) if type(t) not in _MAPPED})
+    if odd:
+        why = "; ".join(_CACHE_WHY.get(t, t) for t in odd)
+        raise UnsupportedArchitecture(
+            f"architecture {name} is not supported: its layers keep {', '.join(odd)} caches "
+            f"({why}), which have no batched KV layout yet"
+        )
+
+
 def prepare_model(model: Any) -> ArchSpec:
-    """One-time model setup for our layouts: make recurrent mixers stepping (for rollback)."""
+    """One-time model setup for our layouts: refuse what they cannot serve exactly
+    (UnsupportedArchitecture), make recurrent mixers stepping (for rollback)."""
+    check_supported(model)
     spec = spec_for(model)
     if spec.mixer_attr is not None:
         for layer in _model_layers(model):
@@ -135,6 +172,7 @@ def make_batch_layouts(
     max_kv_size: cap full-attention layers to a ring of that many tokens (`sink_tokens` sinks).
     max_draft: the most draft tokens a speculative round appends (ring slack for rollback).
     """
+    check_supported(model)
     spec = spec_for(model)
     quant = kv_bits < 16
     if quant and not spec.can_quantize:
