@@ -105,7 +105,7 @@ _INT_RULES: tuple[tuple[int, tuple[str, ...]], ...] = (
         "sliding_window", "sliding_window_size", "attention_window_size", "window_size",
         "loop_window_size", "index_topk",
     )),
-    (STATE, ("state_size", "ssm_state_size", "mamba_d_state", "qk_rope_head_dim")),
+    (STATE, ("state_size", "ssm_state_size", "mamba_d_state", "qk_rope_head_dim", "rotary_dim")),
     (CONV, ("mamba_d_conv", "conv_kernel", "conv1d_width", "linear_conv_kernel_dim")),
     (RANK // 2, (
         "a_low_rank_dim", "decay_low_rank_dim", "gate_low_rank_dim", "v_low_rank_dim",
@@ -123,6 +123,10 @@ _EXPERT_COUNTS = next(names for v, names in _INT_RULES if v == EXPERTS and "num_
 
 # Architectures whose file is not a text model mlxd can serve; the reason goes in the table.
 SKIPPED: dict[str, str] = {
+    "bitnet": "its ternary linear layers run a custom Metal kernel (no CPU or CUDA path): "
+    "not checkable on this machine",
+    "muse_spark": "its attention runs custom Metal kernels (no CPU or CUDA path): not checkable "
+    "on this machine",
     "prism_hadamard_qwen35": "a 2-bit Hadamard-rotated weight pack of qwen3_5 (needs the pack's "
     "module manifest, no random weights); its layers are qwen3_5's",
     "olmo": "needs the `ai2-olmo` package (mlx-lm exits at import without it); OLMo 2/3 "
@@ -206,6 +210,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "minimax": {"rotary_dim": HEAD_DIM},
     "ministral3": {"rope_parameters": {**_ROPE, "llama_4_scaling_beta": 0.1,
                                        "original_max_position_embeddings": 1024}},
+    "mistral4": {"rope_parameters": {**_ROPE, "llama_4_scaling_beta": 0.1,
+                                     "original_max_position_embeddings": 1024}},
     "muse_spark": {"rope_parameters": _ROPE, "moe_hidden_size": EXPERT_FFN,
                    "num_shared_experts": 0, "mlp_layer_types": ["sparse"] * LAYERS,
                    "layer_types": _SWA, "layer_rope_theta": [10000.0] * LAYERS},
@@ -216,7 +222,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         {"attention": {"replace_with_linear": True}, "ffn": {"no_op": True}},
         {"attention": {"n_heads_in_group": 4}, "ffn": {"replace_with_linear": True}},
     ]},
-    "nemotron_h": {"hybrid_override_pattern": ["M", "*", "E", "-"]},
+    "nemotron_h": {"hybrid_override_pattern": ["M", "*", "E", "-"],
+                   "routed_scaling_factor": 1.0},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention"] * (LAYERS // 2)},
     "openelm": {"ffn_dim_divisor": 16, "ffn_multipliers": [1.0] * LAYERS,
                 "num_query_heads": [HEADS] * LAYERS, "num_kv_heads": [KV_HEADS] * LAYERS},
     "qwen3": {"rope_theta": 10000.0},
@@ -718,6 +726,9 @@ def run_one(arch: str, checks: Sequence[str] = CHECKS) -> ArchResult:
         res.status = "skipped"
         res.checks["load"] = Check(None, SKIPPED[arch])
         return res
+    import logging
+
+    logging.getLogger("mlxd").setLevel(logging.CRITICAL)  # failures are reported per check
     mx.set_default_device(mx.cpu)
     mx.disable_compile()  # compiled helpers JIT per shape on a CPU (slow); same answers
     try:
@@ -777,7 +788,10 @@ def run_isolated(arch: str, checks: Sequence[str] = CHECKS, timeout: float = 300
     proc.start()
     child.close()
     got = parent.poll(timeout)
-    data = parent.recv() if got else None
+    try:
+        data = parent.recv() if got else None
+    except EOFError:  # the child died without an answer
+        data = None
     proc.join(5 if got else 0)
     if proc.is_alive():
         proc.kill()

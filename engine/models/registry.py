@@ -89,23 +89,87 @@ class UnsupportedArchitecture(ValueError):
     """The model's architecture cannot be served exactly by our layouts (raised at load)."""
 
 
-# architectures whose output through our batched layouts would be wrong, with the reason
-UNSUPPORTED: dict[str, str] = {}
+_KV_SHARING = (
+    "KV-shared layers read another layer's cache through cache.keys_and_values / cache.state, "
+    "which our batched layouts do not provide"
+)
+
+_EMPTY_AFTER_FORWARD = (
+    "a layer's cache is still empty after a forward, which the engine's memory probe refuses"
+)
+
+# architectures whose output through our batched layouts would be wrong or fail mid-request,
+# with the reason (measured by `python -m bench models`; docs/models.md says what would fix each)
+UNSUPPORTED: dict[str, str] = {
+    "afm7": _KV_SHARING,
+    "gemma3n": _KV_SHARING,
+    "gemma2": "its attention broadcasts the mask against 5-D grouped scores, which fails for a "
+    "batch of rows with their own masks",
+    "gpt_bigcode": "it computes positions from one scalar cache offset for the whole batch; "
+    "batched rows sit at different offsets",
+    "mamba": _EMPTY_AFTER_FORWARD,
+    "nemotron-nas": _EMPTY_AFTER_FORWARD + " (its no-op attention layers never write KV)",
+}
+
+# recurrent mixers made stepping (speculative rollback) on architectures the registry does not
+# list: the decoder-layer attribute holding the mixer; installed only on modules called as
+# (x, mask, cache)
+MIXERS: dict[str, str] = {
+    "bailing_moe_v3": "attention",
+    "kimi_k3": "self_attn",
+    "kimi_linear": "self_attn",
+    "lfm2": "conv",
+    "lfm2-vl": "conv",
+    "lfm2_moe": "conv",
+    "mamba2": "mixer",
+    "olmo_hybrid": "linear_attn",
+    "plamo2": "mixer",
+}
 
 
 def arch_name(model: Any) -> str:
     return type(model).__module__.rsplit(".", 1)[-1]
 
 
+def _inner_names(model: Any) -> list[str]:
+    """The model's architecture name, then those of the text models it wraps (`language_model`)."""
+    names: list[str] = []
+    seen = model
+    while seen is not None and len(names) < 4:
+        names.append(arch_name(seen))
+        seen = getattr(seen, "language_model", None)
+    return names
+
+
+def _is_mla(model: Any) -> bool:
+    args = getattr(model, "args", None)
+    text = getattr(args, "text_config", None)
+    for a in (args, text):
+        value = a.get("kv_lora_rank") if isinstance(a, dict) else getattr(a, "kv_lora_rank", None)
+        if value:
+            return True
+    return False
+
+
 def spec_for(model: Any) -> ArchSpec:
     """What the registry knows about `model`'s architecture; UnsupportedArchitecture for one
-    that mlxd cannot serve (a clear error at load instead of wrong output)."""
-    name = arch_name(model)
-    if name in UNSUPPORTED:
-        raise UnsupportedArchitecture(f"architecture {name} is not supported: {UNSUPPORTED[name]}")
-    return ARCHITECTURES.get(name) or ArchSpec(
-        name, "generic mapping of make_cache()", tested=False
-    )
+    that mlxd cannot serve (a clear error at load instead of wrong output). A multimodal
+    checkpoint's wrapper (gemma3, qwen3_vl, ...) gets the spec of the text model it wraps."""
+    names = _inner_names(model)
+    for name in names:
+        if name in UNSUPPORTED:
+            raise UnsupportedArchitecture(
+                f"architecture {names[0]} is not supported: {UNSUPPORTED[name]}"
+            )
+    for name in names:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    name = names[0]
+    if _is_mla(model):
+        return ArchSpec(name, "MLA (generic mapping)", can_quantize=False,
+                        why_not_quantized=_NO_Q_MLA, mixer_attr=MIXERS.get(name), tested=False)
+    return ArchSpec(name, "generic mapping of make_cache()", mixer_attr=MIXERS.get(name),
+                    tested=False)
 
 
 def _model_layers(model: Any) -> list[Any]:
@@ -144,9 +208,16 @@ def prepare_model(model: Any) -> ArchSpec:
     if spec.mixer_attr is not None:
         for layer in _model_layers(model):
             mixer = getattr(layer, spec.mixer_attr, None)
-            if mixer is not None:
+            if mixer is not None and _called_as_x_mask_cache(mixer):
                 install_stepping(mixer)
     return spec
+
+
+def _called_as_x_mask_cache(module: Any) -> bool:
+    import inspect
+
+    params = list(inspect.signature(type(module).__call__).parameters)[1:4]
+    return len(params) == 3 and params[1:] == ["mask", "cache"]
 
 
 def layer_templates(model: Any) -> list[Any]:
