@@ -227,6 +227,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "granitemoehybrid": {"layer_types": ["mamba", "attention"] * (LAYERS // 2)},
     "openelm": {"ffn_dim_divisor": 16, "ffn_multipliers": [1.0] * LAYERS,
                 "num_query_heads": [HEADS] * LAYERS, "num_kv_heads": [KV_HEADS] * LAYERS},
+    "plamo": {"n_shared_head": 2},
     "qwen3": {"rope_theta": 10000.0},
     "qwen3_vl": {"rope_theta": 10000.0},
     "recurrent_gemma": {"block_types": ["recurrent", "attention"], "logits_soft_cap": 30.0},
@@ -653,6 +654,10 @@ def check_kv8(h: _Harness, seed: int = 3) -> Check:
         except ValueError as exc:
             return Check(True, f"refused: {_one_line(str(exc))}")
         return Check(False, "8-bit KV was not refused, though the registry says it cannot work")
+    try:
+        h.engine(kv_bits=8).stop()
+    except ValueError as exc:  # the engine's start-up probe: a clear error, not wrong output
+        return Check(True, f"refused: {_one_line(str(exc))}")
     alone = h.alone(reqs, kv_bits=8)
     templates = layer_templates(h.model)
     if all(type(t) in (mlc.KVCache, mlc.ArraysCache) for t in templates):

@@ -116,14 +116,15 @@ UNSUPPORTED: dict[str, str] = {
 # (x, mask, cache)
 MIXERS: dict[str, str] = {
     "bailing_moe_v3": "attention",
+    "granitemoehybrid": "mamba",
     "kimi_k3": "self_attn",
     "kimi_linear": "self_attn",
     "lfm2": "conv",
     "lfm2-vl": "conv",
     "lfm2_moe": "conv",
     "mamba2": "mixer",
+    "nemotron_h": "mixer",
     "olmo_hybrid": "linear_attn",
-    "plamo2": "mixer",
 }
 
 
