@@ -204,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-id", default=None, help="the request's model field")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.set_defaults(func=cmd_load)
+    from bench import models
+
+    models.add_parser(sub)
     p = sub.add_parser("plot", help="redraw sweep.png and table.md from a results.json")
     p.add_argument("results")
     p.set_defaults(func=cmd_plot)

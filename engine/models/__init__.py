@@ -2,8 +2,11 @@
 
 from engine.models.registry import (
     ARCHITECTURES,
+    UNSUPPORTED,
     ArchSpec,
+    UnsupportedArchitecture,
     arch_name,
+    check_supported,
     layer_templates,
     make_batch_layouts,
     prepare_model,
@@ -12,8 +15,11 @@ from engine.models.registry import (
 
 __all__ = [
     "ARCHITECTURES",
+    "UNSUPPORTED",
     "ArchSpec",
+    "UnsupportedArchitecture",
     "arch_name",
+    "check_supported",
     "layer_templates",
     "make_batch_layouts",
     "prepare_model",

@@ -85,15 +85,92 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 }
 
 
+class UnsupportedArchitecture(ValueError):
+    """The model's architecture cannot be served exactly by our layouts (raised at load)."""
+
+
+_KV_SHARING = (
+    "KV-shared layers read another layer's cache through cache.keys_and_values / cache.state, "
+    "which our batched layouts do not provide"
+)
+
+_EMPTY_AFTER_FORWARD = (
+    "a layer's cache is still empty after a forward, which the engine's memory probe refuses"
+)
+
+# architectures whose output through our batched layouts would be wrong or fail mid-request,
+# with the reason (measured by `python -m bench models`; docs/models.md says what would fix each)
+UNSUPPORTED: dict[str, str] = {
+    "afm7": _KV_SHARING,
+    "gemma3n": _KV_SHARING,
+    "gemma2": "its attention broadcasts the mask against 5-D grouped scores, which fails for a "
+    "batch of rows with their own masks",
+    "gpt_bigcode": "it computes positions from one scalar cache offset for the whole batch; "
+    "batched rows sit at different offsets",
+    "mamba": _EMPTY_AFTER_FORWARD,
+    "nemotron-nas": _EMPTY_AFTER_FORWARD + " (its no-op attention layers never write KV)",
+}
+
+# recurrent mixers made stepping (speculative rollback) on architectures the registry does not
+# list: the decoder-layer attribute holding the mixer; installed only on modules called as
+# (x, mask, cache)
+MIXERS: dict[str, str] = {
+    "bailing_moe_v3": "attention",
+    "granitemoehybrid": "mamba",
+    "kimi_k3": "self_attn",
+    "kimi_linear": "self_attn",
+    "lfm2": "conv",
+    "lfm2-vl": "conv",
+    "lfm2_moe": "conv",
+    "mamba2": "mixer",
+    "nemotron_h": "mixer",
+    "olmo_hybrid": "linear_attn",
+}
+
+
 def arch_name(model: Any) -> str:
     return type(model).__module__.rsplit(".", 1)[-1]
 
 
+def _inner_names(model: Any) -> list[str]:
+    """The model's architecture name, then those of the text models it wraps (`language_model`)."""
+    names: list[str] = []
+    seen = model
+    while seen is not None and len(names) < 4:
+        names.append(arch_name(seen))
+        seen = getattr(seen, "language_model", None)
+    return names
+
+
+def _is_mla(model: Any) -> bool:
+    args = getattr(model, "args", None)
+    text = getattr(args, "text_config", None)
+    for a in (args, text):
+        value = a.get("kv_lora_rank") if isinstance(a, dict) else getattr(a, "kv_lora_rank", None)
+        if value:
+            return True
+    return False
+
+
 def spec_for(model: Any) -> ArchSpec:
-    name = arch_name(model)
-    return ARCHITECTURES.get(name) or ArchSpec(
-        name, "generic mapping of make_cache()", tested=False
-    )
+    """What the registry knows about `model`'s architecture; UnsupportedArchitecture for one
+    that mlxd cannot serve (a clear error at load instead of wrong output). A multimodal
+    checkpoint's wrapper (gemma3, qwen3_vl, ...) gets the spec of the text model it wraps."""
+    names = _inner_names(model)
+    for name in names:
+        if name in UNSUPPORTED:
+            raise UnsupportedArchitecture(
+                f"architecture {names[0]} is not supported: {UNSUPPORTED[name]}"
+            )
+    for name in names:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    name = names[0]
+    if _is_mla(model):
+        return ArchSpec(name, "MLA (generic mapping)", can_quantize=False,
+                        why_not_quantized=_NO_Q_MLA, mixer_attr=MIXERS.get(name), tested=False)
+    return ArchSpec(name, "generic mapping of make_cache()", mixer_attr=MIXERS.get(name),
+                    tested=False)
 
 
 def _model_layers(model: Any) -> list[Any]:
@@ -101,15 +178,47 @@ def _model_layers(model: Any) -> list[Any]:
     return list(layers) if layers is not None else []
 
 
+# the mlx-lm caches a layer may ask for that we have a batched layout for
+_MAPPED = (mlc.KVCache, mlc.QuantizedKVCache, mlc.RotatingKVCache, mlc.ArraysCache)
+
+_CACHE_WHY = {
+    "CacheList": "several caches per layer (e.g. attention KV plus a convolution or indexer "
+    "state)",
+    "ChunkedKVCache": "chunked local attention (the KV resets at every chunk boundary)",
+}
+
+
+def check_supported(model: Any) -> None:
+    """UnsupportedArchitecture unless every layer's cache has a batched layout here."""
+    name = arch_name(model)
+    spec_for(model)  # the architectures listed as unsupported
+    odd = sorted({type(t).__name__ for t in layer_templates(model) if type(t) not in _MAPPED})
+    if odd:
+        why = "; ".join(_CACHE_WHY.get(t, t) for t in odd)
+        raise UnsupportedArchitecture(
+            f"architecture {name} is not supported: its layers keep {', '.join(odd)} caches "
+            f"({why}), which have no batched KV layout yet"
+        )
+
+
 def prepare_model(model: Any) -> ArchSpec:
-    """One-time model setup for our layouts: make recurrent mixers stepping (for rollback)."""
+    """One-time model setup for our layouts: refuse what they cannot serve exactly
+    (UnsupportedArchitecture), make recurrent mixers stepping (for rollback)."""
+    check_supported(model)
     spec = spec_for(model)
     if spec.mixer_attr is not None:
         for layer in _model_layers(model):
             mixer = getattr(layer, spec.mixer_attr, None)
-            if mixer is not None:
+            if mixer is not None and _called_as_x_mask_cache(mixer):
                 install_stepping(mixer)
     return spec
+
+
+def _called_as_x_mask_cache(module: Any) -> bool:
+    import inspect
+
+    params = list(inspect.signature(type(module).__call__).parameters)[1:4]
+    return len(params) == 3 and params[1:] == ["mask", "cache"]
 
 
 def layer_templates(model: Any) -> list[Any]:
@@ -135,6 +244,7 @@ def make_batch_layouts(
     max_kv_size: cap full-attention layers to a ring of that many tokens (`sink_tokens` sinks).
     max_draft: the most draft tokens a speculative round appends (ring slack for rollback).
     """
+    check_supported(model)
     spec = spec_for(model)
     quant = kv_bits < 16
     if quant and not spec.can_quantize:
