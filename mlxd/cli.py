@@ -292,6 +292,7 @@ def serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s",
     )
     from engine.kvcache import UnsupportedKV
+    from engine.models.registry import UnsupportedArchitecture
     from mlxd.runtime import StartupError, build_client, describe_load_error
     from server.serving import listen_socket
 
@@ -302,7 +303,7 @@ def serve(args: argparse.Namespace) -> int:
                      "another --port (or --host)", 1)
     try:
         client = build_client(args)
-    except (StartupError, UnsupportedKV) as exc:  # a configuration this machine cannot run
+    except (StartupError, UnsupportedKV, UnsupportedArchitecture) as exc:  # a configuration this machine cannot run
         return _fail(str(exc), 2)
     except KeyboardInterrupt:  # Ctrl-C while the model loads
         return 130

@@ -269,3 +269,25 @@ def test_live_server_logs_each_request_once(live):
     assert len(lines) == 1, lines
     assert "live-req-1" in lines[0] and "mlxd.access" in lines[0] and " 200 " in lines[0]
     assert "/metrics" not in text and '"GET /health' not in text  # scrapes: DEBUG only
+
+
+def test_unsupported_architecture_is_one_line(tmp_path):
+    """A model whose architecture mlxd refuses (registry: gemma2's mask shape) ends `mlxd serve`
+    with one line naming the architecture, exit 2, no traceback."""
+    import json
+    import shutil
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from bench import models as sweep
+    from mlxd import DEFAULT_MODEL_DIR
+
+    model, cfg = sweep.build_model("gemma2")
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEFAULT_MODEL_DIR / name, tmp_path / name)
+    r = _run("serve", "--port", "0", "--model", str(tmp_path))
+    assert r.returncode == 2, r.stderr[-2000:]
+    _assert_short_error(r, "gemma2")
