@@ -37,7 +37,7 @@ CONFIGS = [(16, 64), (8, 64), (8, 32), (4, 64), (4, 32)]
 
 
 def footprints(model: Any, seq: int, budget: int) -> list[dict[str, Any]]:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for bits, group in CONFIGS:
         fp = measure_footprint(model, kv_bits=bits, kv_group_size=group)
         row_bytes = fp.row_bytes(seq)
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
 
     model_dir = args.model or common.default_model()
     out = common.out_dir(args, "kv-memory")
-    model, _ = load(str(model_dir))
+    model = load(str(model_dir))[0]
     budget = int(args.budget_gib * (1 << 30))
     report: dict[str, Any] = {"model": model_dir.name, "seq": args.seq, "budget_bytes": budget}
     report["footprints"] = {}

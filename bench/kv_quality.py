@@ -36,7 +36,7 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 def load_model(path: Path, dtype: str) -> tuple[Any, Any]:
     from mlx_lm.utils import load
 
-    model, tokenizer = load(str(path))
+    model, tokenizer = load(str(path))[:2]
     model.set_dtype(DTYPES[dtype])
     mx.eval(model.parameters())
     return model, tokenizer

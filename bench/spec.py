@@ -75,7 +75,7 @@ def _spread(items: list[Any], n: int) -> list[Any]:
 def _code_prompt(text: str, tok: Any, max_tokens: int = 160) -> list[int]:
     """A file's first lines, ending on a line's content (the tokenizer merges a newline with the
     next line's indentation, so a prompt ending on a bare newline derails the model)."""
-    lines, out = text.splitlines(), []
+    lines, out = text.splitlines(), list[str]()
     for line in lines:
         cand = "\n".join([*out, line])
         if len(tok.encode(cand)) > max_tokens and out:
@@ -180,7 +180,7 @@ def run_workload(
     finally:
         eng.stop()
     ttft = [first_token[k] - submitted[k] for k in first_token]
-    out = {
+    out: dict[str, Any] = {
         "tokens": state["tokens"],
         "wall_s": round(wall, 4),
         "tokens_per_s": round(state["tokens"] / wall, 3),
@@ -202,7 +202,7 @@ def _spec_stats(stats: Any) -> dict[str, Any]:
     if isinstance(spec, dict) and len(spec) == 1:
         ((_, st),) = spec.items()
         return dict(st)
-    return dict(spec or {})
+    return dict(spec) if isinstance(spec, dict) else {}
 
 
 def spec_config(
@@ -247,7 +247,7 @@ def warm_up(
     sub = prompts[: max(concurrency, 1)]
     for mode in modes:
         run_workload(lm, spec_config(mode, args, draft), sub, concurrency, args.temperature)
-    methods = {MODES[m][0] for m in modes if MODES[m] is not None}
+    methods = {choice[0] for m in modes if (choice := MODES[m]) is not None}
     for method in sorted(methods):
         for k in range(1, _ceiling(method, args) + 1):
             cfg = spec_config(f"{method}-k", args, draft, k)
@@ -312,7 +312,7 @@ def compare(
                 ),
                 flush=True,
             )
-    summary: dict[str, Any] = {}
+    summary: dict[str, dict[str, Any]] = {}
     for mode, rs in runs.items():
         # ratios are paired with the plain run of the same round (load drifts between rounds)
         if not rs:
@@ -322,8 +322,8 @@ def compare(
             if "plain" in runs
             else []
         )
-        order = sorted(range(len(rs)), key=lambda i: rs[i]["tokens_per_s"])
-        summary[mode] = dict(rs[order[len(rs) // 2]], repeats=[r["tokens_per_s"] for r in rs])
+        ranked = sorted(range(len(rs)), key=lambda i: rs[i]["tokens_per_s"])
+        summary[mode] = dict(rs[ranked[len(rs) // 2]], repeats=[r["tokens_per_s"] for r in rs])
         if ratios:
             summary[mode]["ratio_vs_plain"] = round(float(statistics.median(ratios)), 3)
             summary[mode]["ratios_by_round"] = [round(x, 3) for x in ratios]
@@ -487,7 +487,7 @@ def write(args: argparse.Namespace, lm: LoadedModel, results: list[Any], out: Pa
         },
         "environment": {
             "device": str(mx.default_device()),
-            "mlx": mx.__version__,
+            "mlx": getattr(mx, "__version__", "?"),
             "blas": {"path": blas.info().path, "status": blas.info().reason},
         },
         "results": results,
@@ -501,14 +501,15 @@ def _tee(path: Path) -> None:
     import sys
 
     log = path.open("w")
+    console = sys.stdout
 
     class Tee:
         def write(self, text: str) -> int:
             log.write(text)
             log.flush()
-            return sys.__stdout__.write(text)
+            return console.write(text)
 
         def flush(self) -> None:
-            sys.__stdout__.flush()
+            console.flush()
 
     sys.stdout = Tee()  # type: ignore[assignment]

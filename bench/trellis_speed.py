@@ -68,7 +68,8 @@ def per_call_and_stacked(make_weight: Callable[[int], Any], call: Callable[[mx.a
         mx.eval([fns[i % copies](x) for i in range(calls)])
 
     per_call = timed(run_calls) / calls
-    fns = None
+    fns.clear()
+    stacked_w: Any
     if isinstance(weights[0], (tuple, list)):
         stacked_w = tuple(mx.concatenate(list(parts), axis=0) for parts in zip(*weights, strict=True))
     else:
@@ -120,7 +121,8 @@ def bench_shape(n_out: int, n_in: int, batch: int, bits_list: list[int],
         "affine 4-bit g64 quantized_matmul",
         per_call_and_stacked(
             affine,
-            lambda x, w: mx.quantized_matmul(x, *w, transpose=True, group_size=64, bits=4),
+            lambda x, w: mx.quantized_matmul(x, w[0], w[1], w[2], transpose=True, group_size=64,
+                                             bits=4),
             n_out * n_in // 2 + 2 * 2 * n_out * n_in // 64,
             x,
             working_set,
@@ -129,7 +131,7 @@ def bench_shape(n_out: int, n_in: int, batch: int, bits_list: list[int],
 
     x_rot = rotate(x, mx.ones((n_in,), mx.int8))
     block = 256
-    backend = matvec.fused_backend()
+    backend = matvec.fused_backend() or "cuda"
     for bits in bits_list:
         # the launch layout of the real shape (tuned table or heuristic), also for the stacked launch
         cfg = matvec.default_config(n_out, n_in, batch, backend, bits)

@@ -73,6 +73,20 @@ def candidates(n_out: int, n_in: int, batch: int) -> list[LaunchConfig]:
     return list(seen.values())
 
 
+def read_bandwidth(num: int) -> float:
+    """GB/s of a large mx.sum over `num` float32 values (the read ceiling)."""
+    big = mx.ones((num,), dtype=mx.float32)
+    mx.eval(big)
+    t = timed(lambda: mx.eval(mx.sum(big)), 5)
+    return round(big.nbytes / t / 1e9, 1)
+
+
+def _item(a: mx.array) -> float:
+    value = a.item()
+    assert isinstance(value, float)
+    return value
+
+
 def random_packed(n_out: int, n_in: int, bits: int, key: int) -> mx.array:
     rng = np.random.default_rng(key)
     return mx.array(rng.integers(0, 2**32, size=(n_out, n_in * bits // 32), dtype=np.uint32))
@@ -103,7 +117,7 @@ def sweep_shape(n_out: int, n_in: int, working_set: int, calls: int, result: dic
         xf = x.astype(mx.float32)
         twin = xf @ dense.T
         mx.eval(x, xf, twin)
-        scale = float(mx.max(mx.abs(twin)).item())
+        scale = _item(mx.max(mx.abs(twin)))
         rows_here = []
         for cfg in candidates(n_out, n_in, batch):
             row = {"shape": [n_out, n_in], "batch": batch, "config": cfg.key(), **cfg.__dict__}
@@ -112,7 +126,7 @@ def sweep_shape(n_out: int, n_in: int, working_set: int, calls: int, result: dic
                 y = matvec.trellis_matvec(x, packed_all, scales_all, bits=BITS, L=L, block=BLOCK, config=cfg)
                 mx.eval(y)
                 row["compile_s"] = round(time.perf_counter() - t0, 2)
-                err = float(mx.max(mx.abs(y[:, :n_out].astype(mx.float32) - twin)).item()) / scale
+                err = _item(mx.max(mx.abs(y[:, :n_out].astype(mx.float32) - twin))) / scale
                 row["max_err_rel"] = err
                 if not err < 2e-2:  # bf16 input; the twin gets the same bf16 x in float32
                     row["ok"] = False
@@ -202,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict = {
         "device": str(mx.default_device()),
         "machine": platform.machine(),
-        "mlx": mx.__version__,
+        "mlx": getattr(mx, "__version__", "?"),
         "variant": matvec.kernel_variant(backend),
         "rows": [],
         "errors": [],
@@ -218,11 +232,7 @@ def run(args: argparse.Namespace) -> int:
         if args.tuned:
             args.tuned.write_text(json.dumps(tuned, indent=1) + "\n")
 
-    big = mx.ones((1 << 28 if working_set >= WORKING_SET else working_set // 4,), dtype=mx.float32)
-    mx.eval(big)
-    t = timed(lambda: mx.eval(mx.sum(big)), 5)
-    result["sum_read_GBps"] = round(big.nbytes / t / 1e9, 1)
-    big = None
+    result["sum_read_GBps"] = read_bandwidth(1 << 28 if working_set >= WORKING_SET else working_set // 4)
     print(json.dumps({"sum_read_GBps": result["sum_read_GBps"]}), flush=True)
 
     for n_out, n_in in shapes:
@@ -246,7 +256,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     rows = [r for r in result["rows"] if r.get("ok") and "GBps_stacked" in r]
     groups = sorted({(tuple(r["shape"]), r["batch"]) for r in rows}, key=lambda g: (g[1], g[0]))
-    series = {"trellis 3-bit, best layout": [], "trellis 3-bit, old smem body": [], "affine 4-bit quantized_matmul": []}
+    series: dict[str, list[float]] = {"trellis 3-bit, best layout": [], "trellis 3-bit, old smem body": [], "affine 4-bit quantized_matmul": []}
     for g in groups:
         here = [r for r in rows if (tuple(r["shape"]), r["batch"]) == g]
         trel = [r for r in here if r["config"] != "affine-q4-quantized_matmul"]

@@ -238,3 +238,27 @@ def test_random_model(tmp_path: Path):
     assert cfg["hidden_size"] == 256 and cfg["num_hidden_layers"] == 4
     lm = load_model(str(out), dtype="float32")
     assert lm.vocab_size == 8192 and len(lm.model.layers) == 4
+
+
+def test_trellis_quality_toy(tmp_path: Path):
+    """On a random model of the tiny shape (the pipeline, not the quality: a random model's
+    perplexity says nothing), with four distinct records: calibration and evaluation apart."""
+    from bench.modelprep import random_model
+
+    model = random_model("tiny", tmp_path / "tiny", bits=None)
+    data = tmp_path / "dev.jsonl"
+    texts = ["".join(f"def f{i}_{j}(x):\n    return x * {i * 100 + j}\n" for j in range(12))
+             for i in range(4)]
+    data.write_text("".join(json.dumps({"kind": "code", "text": t}) + "\n" for t in texts))
+    out = tmp_path / "tq"
+    assert main(["trellis", "quality", "--model", str(model), "--data", str(data), "--bits", "2",
+                 "--L", "8", "--modes", "plain", "--finetune-steps", "0", "--windows", "1",
+                 "--length", "32", "--calib-windows", "2", "--calib-length", "32",
+                 "--block-tune-steps", "0", "--out", str(out)]) == 0
+    result = _result(out / "trellis_quality.json", "trellis-quality")
+    rows = {r["name"]: r for r in result["variants"]}
+    assert set(rows) == {"bf16", "affine 4-bit g64", "affine 3-bit g64", "trellis 2-bit L=8 plain"}
+    assert rows["affine 4-bit g64"]["bits_per_weight"] == 4.5
+    assert 2.0 < rows["trellis 2-bit L=8 plain"]["bits_per_weight"] < 2.2
+    assert all(r["perplexity"] > 1.0 for r in rows.values())
+    _png(out / "trellis_quality.png")
