@@ -8,6 +8,7 @@
     trellis      trellis weights: mat-vec speed (GPU), layout sweep (GPU), perplexity
     plot         redraw the PNG of any result JSON
     random-model write a random-weight model directory of a known shape
+    wide-twin    a wider, deeper llama checkpoint that computes its source's logits
 
 Each subcommand writes its JSON and PNG into `--out DIR` (default `.bench/<subcommand>-<time>/`,
 ignored by git). docs/benchmarks.md has the current numbers and the commands that made them.
@@ -26,12 +27,12 @@ def _prog() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from bench import constrained, kv, modelprep, plot, spec, sweep, trellis
+    from bench import constrained, kv, modelprep, plot, spec, sweep, trellis, widetwin
 
     parser = argparse.ArgumentParser(prog=_prog(), description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
-    for module in (sweep, spec, kv, constrained, trellis, plot, modelprep):
+    for module in (sweep, spec, kv, constrained, trellis, plot, modelprep, widetwin):
         module.add_parsers(sub)
     return parser
 
