@@ -349,18 +349,15 @@ def cmd_wide_twin(args: argparse.Namespace) -> int:
     shape = Shape(args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads, 0)
     path = build(args.src, args.dst, shape, bits=args.bits, dtype=args.dtype,
                  new_layer_type=args.new_layer_type, seed=args.seed)
-    params = sum(_numel(v) for v in _peek(path))
-    print(f"wrote {path} ({params / 1e9:.2f} B parameters)")
+    cfg = json.loads((path / "config.json").read_text())
+    print(f"wrote {path} ({parameters(cfg) / 1e9:.2f} B parameters)")
     return 0
 
 
-def _peek(path: Path) -> list[tuple[int, ...]]:
-    import mlx.core as mx
-
-    loaded = mx.load(str(path / "model.safetensors"))
-    assert isinstance(loaded, dict)
-    return [tuple(v.shape) for k, v in loaded.items() if not k.endswith((".scales", ".biases"))]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
+def parameters(cfg: dict[str, Any]) -> int:
+    """Weights of a llama config (before any quantization)."""
+    s = Shape.of(cfg)
+    attn = 2 * s.hidden * s.heads * s.head_dim + 2 * s.hidden * s.kv_heads * s.head_dim
+    layer = attn + 3 * s.hidden * s.intermediate + 2 * s.hidden
+    embed = int(cfg["vocab_size"]) * s.hidden * (1 if cfg.get("tie_word_embeddings") else 2)
+    return embed + s.layers * layer + s.hidden

@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 
 from bench.__main__ import main
-from bench.widetwin import Shape, check_shapes, q_positions
+from bench.widetwin import Shape, check_shapes, parameters, q_positions
 
 PROMPT = ('def merge_sorted(a, b):\n    """Merge two sorted lists into one sorted list."""\n')
 CHUNK = 64
@@ -69,6 +69,8 @@ def test_twin_config(twin: Path, tinycoder_path: Path):
     assert cfg["layer_types"] == src["layer_types"] + ["full_attention"] * 4
     assert "quantization" not in cfg
     assert (twin / "tokenizer.json").exists()
+    weights = mx.load(str(twin / "model.safetensors"))
+    assert parameters(cfg) == sum(v.size for v in weights.values())
 
 
 def test_twin_computes_the_source_function_past_the_window(twin: Path, tinycoder_path: Path):
