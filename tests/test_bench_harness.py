@@ -125,6 +125,15 @@ def test_sweep_toy_against_mlxd_then_plot(tmp_path: Path):
     _png(redrawn)
 
 
+def test_load_against_a_running_server(real_server, tmp_path: Path):
+    out = tmp_path / "load"
+    assert main(["load", "--url", real_server.url, "--concurrency", "1,2", "--requests-per-level",
+                 "2", "--prompt-tokens", "16", "--output-tokens", "4", "--out", str(out)]) == 0
+    result = _result(out / "load.json", "load")
+    assert [lvl["concurrency"] for lvl in result["levels"]] == [1, 2]
+    assert all(lvl["num_completed"] == 2 and lvl["output_tokens"] == 8 for lvl in result["levels"])
+
+
 def test_spec_toy_plain_against_ngram(tmp_path: Path, dev_jsonl: Path):
     out = tmp_path / "spec"
     rc = main(["spec", "--data", str(dev_jsonl), "--concurrency", "1", "--requests-per-stream",
