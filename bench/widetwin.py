@@ -25,7 +25,10 @@ intermediate 1,024, tied embeddings, sliding and full layers):
   dimensions is a whole number of groups, so a zero stays exactly zero and only the source's
   own weights change by quantization. `--bits 16` keeps `--dtype` (bfloat16 or float32).
 
-Tokenizer files and generation config are copied from SRC.
+Tokenizer files and generation config are copied from SRC. `--check` then scores the twin
+against its source on windows of the dev set's code (both in float32, a quantized twin
+dequantized, through mlxd's own KV layouts): perplexity of each, top-1 agreement and the largest
+log-probability difference, printed and written to `--out DIR`/wide_twin.json.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from bench import common
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -342,6 +347,12 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--new-layer-type", choices=["full_attention", "sliding_attention"],
                    default="full_attention", help="attention of the layers past the source's")
     p.add_argument("--seed", type=int, default=0, help="of the random new weights")
+    p.add_argument("--check", action="store_true",
+                   help="score the twin against SRC on the dev set (float32; see above)")
+    p.add_argument("--data", type=Path, default=common.DEV_DATA, help="with --check")
+    p.add_argument("--check-windows", type=int, default=8, help="with --check")
+    p.add_argument("--check-window", type=int, default=1024, help="tokens a window")
+    common.add_out_arg(p)
     p.set_defaults(func=cmd_wide_twin)
 
 
@@ -351,7 +362,67 @@ def cmd_wide_twin(args: argparse.Namespace) -> int:
                  new_layer_type=args.new_layer_type, seed=args.seed)
     cfg = json.loads((path / "config.json").read_text())
     print(f"wrote {path} ({parameters(cfg) / 1e9:.2f} B parameters)")
+    if args.check:
+        result = {"source": str(args.src), "twin": str(path), "config": cfg,
+                  "parameters": parameters(cfg),
+                  **check(args.src, path, args.data, args.check_windows, args.check_window)}
+        out = common.write_json(common.out_dir(args, "wide-twin") / "wide_twin.json",
+                                "wide-twin", result, args)
+        print(f"perplexity: source {result['source_perplexity']:.4f}, twin "
+              f"{result['twin_perplexity']:.4f}; top-1 agreement {result['top1_agreement']:.4f}, "
+              f"max |log-prob difference| {result['max_logprob_diff']:.2e}; wrote {out}")
     return 0
+
+
+def float_model(path: Path) -> Any:
+    """The llama model of `path` in float32 (quantized weights dequantized)."""
+    import mlx.core as mx
+    from mlx_lm.models import llama
+
+    cfg = json.loads((path / "config.json").read_text())
+    q = cfg.pop("quantization", None)
+    weights: dict[str, mx.array] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        loaded = mx.load(str(f))
+        assert isinstance(loaded, dict)
+        weights.update(loaded)
+    for name in [k for k in weights if k.endswith(".scales")]:
+        stem = name.removesuffix(".scales")
+        weights[f"{stem}.weight"] = mx.dequantize(
+            weights[f"{stem}.weight"], weights.pop(name), weights.pop(f"{stem}.biases"),
+            group_size=q["group_size"], bits=q["bits"])
+    model = llama.Model(llama.ModelArgs.from_dict(cfg))
+    model.load_weights([(k, v.astype(mx.float32)) for k, v in weights.items()])
+    mx.eval(model.parameters())
+    return model
+
+
+def check(src: Path, twin: Path, data: Path, windows: int, window: int) -> dict[str, Any]:
+    """Perplexity of source and twin on `windows` windows of the dev set's code, the twin's
+    top-1 agreement with the source and the largest log-probability difference."""
+    import mlx.core as mx
+
+    from bench.kv_quality import load_windows, window_logprobs
+    from bench.workload import load_tokenizer
+
+    tok = load_tokenizer(src)
+    texts = load_windows(data, tok, window, windows)
+    models = {"source": float_model(src), "twin": float_model(twin)}
+    nll = {k: 0.0 for k in models}
+    agree, count, diff = 0.0, 0, 0.0
+    for tokens in texts:
+        lp = {k: window_logprobs(m, tokens, 256) for k, m in models.items()}
+        targets = mx.array(tokens[1:])[:, None]
+        for k, v in lp.items():
+            nll[k] -= float(mx.sum(mx.take_along_axis(v[:-1], targets, axis=-1)))
+        agree += float(mx.sum(mx.argmax(lp["twin"], -1) == mx.argmax(lp["source"], -1)))
+        diff = max(diff, float(mx.max(mx.abs(lp["twin"] - lp["source"]))))
+        count += len(tokens)
+    n = count - len(texts)
+    return {"windows": windows, "window": window, "data": data.name,
+            "source_perplexity": math.exp(nll["source"] / n),
+            "twin_perplexity": math.exp(nll["twin"] / n),
+            "top1_agreement": agree / count, "max_logprob_diff": diff}
 
 
 def parameters(cfg: dict[str, Any]) -> int:

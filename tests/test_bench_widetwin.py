@@ -92,21 +92,26 @@ def test_twin_computes_the_source_function_past_the_window(twin: Path, tinycoder
 
 def test_quantized_twin_keeps_new_dimensions_zero(tinycoder_path: Path, tmp_path: Path):
     """8-bit (group 64): every new block is whole groups, so its zeros stay exactly zero; only
-    the source's own weights move by quantization."""
+    the source's own weights move by quantization (`--check` says by how much)."""
     out = tmp_path / "q8"
+    data = tmp_path / "dev.jsonl"
+    data.write_text(json.dumps({"kind": "code", "text": PROMPT * 12}) + "\n")
     assert main(["wide-twin", str(tinycoder_path), str(out), "--hidden", "512", "--layers", "9",
                  "--intermediate", "1152", "--heads", "8", "--kv-heads", "2", "--bits", "8",
-                 "--new-layer-type", "sliding_attention"]) == 0
+                 "--new-layer-type", "sliding_attention", "--check", "--data", str(data),
+                 "--check-windows", "1", "--check-window", "160",
+                 "--out", str(tmp_path / "check")]) == 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization"] == {"group_size": 64, "bits": 8}
     assert cfg["layer_types"][-1] == "sliding_attention"
-    src, tok = _load(tinycoder_path)
-    wide, _ = _load(out)
-    ids = tok.encode(PROMPT) * 3
-    hidden = wide.model(mx.array([ids]))
+    wide, tok = _load(out)
+    hidden = wide.model(mx.array([tok.encode(PROMPT) * 3]))
     assert float(mx.max(mx.abs(hidden[..., 384:]))) == 0.0
-    agree = mx.mean(mx.argmax(_logits(wide, ids), -1) == mx.argmax(_logits(src, ids), -1))
-    assert float(agree) > 0.9
+    result = json.loads((tmp_path / "check" / "wide_twin.json").read_text())
+    assert result["bench"] == "wide-twin" and result["top1_agreement"] > 0.9
+    assert 0 < result["max_logprob_diff"] < 1.0
+    ratio = result["twin_perplexity"] / result["source_perplexity"]
+    assert 0.95 < ratio < 1.05
 
 
 def test_shapes_the_construction_cannot_keep_are_refused():
