@@ -9,24 +9,26 @@ is measured `--repeats` times; each ratio comes from pairs (constrained, free) r
 in random order, so both sides of a pair see the same load on a shared machine, and the median of
 the paired ratios is reported (with min and max).
 
-    python bench/constrained.py            # bench/results/constrained.{json,png}
+    python -m bench constrained [--tokens 96] [--repeats 3]     # DIR/constrained.{json,png}
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import engine  # noqa: F401  (BLAS before mlx)
-from engine.api import Request, SamplingParams, TokenEvent
-from engine.core import Engine, EngineConfig
-from engine.scheduler import SchedulerConfig
+from bench import common
+
+if TYPE_CHECKING:
+    from engine.api import TokenEvent
+    from engine.core import Engine
 
 RECORD = {
     "type": "object",
@@ -47,8 +49,10 @@ PROMPT = "<|im_start|>user\nList the functions of this project as JSON records.<
 GRAMMAR_S = [0.0]  # time spent in the grammar engine (mask fill + consume), summed
 
 
-def _time_grammar_work() -> None:
-    """Wrap the two grammar calls the engine makes per step, to report their own cost."""
+@contextmanager
+def timed_grammar() -> Iterator[None]:
+    """Time the two grammar calls the engine makes per step (into GRAMMAR_S), restoring them
+    on exit."""
     from engine import constrain
     from engine.constrain import llg
 
@@ -61,11 +65,20 @@ def _time_grammar_work() -> None:
                 GRAMMAR_S[0] += time.perf_counter() - t0
         return wrapper
 
-    constrain.fill_masks = timed(constrain.fill_masks)
-    llg.LLGConstraint.consume = timed(llg.LLGConstraint.consume)
+    fill, consume = constrain.fill_masks, llg.LLGConstraint.consume
+    constrain.fill_masks = timed(fill)
+    llg.LLGConstraint.consume = timed(consume)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        constrain.fill_masks = fill
+        llg.LLGConstraint.consume = consume  # type: ignore[method-assign]
 
 
-def run_batch(eng: Engine, prompt: list[int], batch: int, constrained: list[bool], tokens: int) -> dict[str, Any]:
+def run_batch(eng: Engine, prompt: list[int], batch: int, constrained: list[bool],
+              tokens: int) -> dict[str, Any]:
+    from engine.api import Request, SamplingParams
+
     GRAMMAR_S[0] = 0.0
     times: dict[str, list[float]] = {}
     done = threading.Event()
@@ -104,75 +117,97 @@ def run_batch(eng: Engine, prompt: list[int], batch: int, constrained: list[bool
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="model dir (default: the bundled tinycoder-16m)")
-    ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "constrained"))
-    args = ap.parse_args()
+CASES = {
+    "b1_free": (1, [False]),
+    "b1_constrained": (1, [True]),
+    "b16_free": (16, [False] * 16),
+    "b16_constrained": (16, [True] * 16),
+    "b16_half": (16, [i % 2 == 0 for i in range(16)]),
+}
+# each ratio is measured in pairs run back to back (in random order), so that both sides of a
+# pair see the same load on a shared machine; the median of the paired ratios is reported
+PAIRS = {
+    "b1_constrained_over_free_per_token": ("b1_constrained", "b1_free", "per_token_ms"),
+    "b16_constrained_over_free_per_token": ("b16_constrained", "b16_free", "per_token_ms"),
+    "b16_half_over_free_throughput": ("b16_half", "b16_free", "aggregate_tok_s"),
+}
 
+
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser("constrained", help="the cost of grammar-constrained decoding",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=None, help="default: the bundled tinycoder-16m")
+    p.add_argument("--tokens", type=int, default=96, help="tokens each row decodes")
+    p.add_argument("--repeats", type=int, default=3, help="pairs per ratio")
+    p.add_argument("--dtype", default="auto")
+    common.add_out_arg(p)
+    p.set_defaults(func=cmd_constrained)
+
+
+def cmd_constrained(args: argparse.Namespace) -> int:
+    import engine  # noqa: F401  (BLAS before mlx)
+    from engine.core import Engine, EngineConfig
     from engine.loader import load_model
+    from engine.scheduler import SchedulerConfig
 
-    _time_grammar_work()
-    lm = load_model(args.model, dtype=args.dtype)
+    out = common.out_dir(args, "constrained")
+    lm = load_model(str(args.model or common.default_model()), dtype=args.dtype)
     eng = Engine(lm, EngineConfig(SchedulerConfig()))
     eng.start()
     prompt = lm.tokenizer.encode(PROMPT, add_special_tokens=False)
-    cases = {
-        "b1_free": (1, [False]),
-        "b1_constrained": (1, [True]),
-        "b16_free": (16, [False] * 16),
-        "b16_constrained": (16, [True] * 16),
-        "b16_half": (16, [i % 2 == 0 for i in range(16)]),
-    }
-    # each ratio is measured in pairs run back to back (in random order), so that both sides of a
-    # pair see the same load on a shared machine; the median of the paired ratios is reported
-    pairs = {
-        "b1_constrained_over_free_per_token": ("b1_constrained", "b1_free", "per_token_ms"),
-        "b16_constrained_over_free_per_token": ("b16_constrained", "b16_free", "per_token_ms"),
-        "b16_half_over_free_throughput": ("b16_half", "b16_free", "aggregate_tok_s"),
-    }
-    rng = random.Random(0)
-    raw: dict[str, list[dict[str, Any]]] = {name: [] for name in cases}
-    paired: dict[str, list[float]] = {name: [] for name in pairs}
     try:
-        run_batch(eng, prompt, 4, [True, False, True, False], 16)  # warm-up: compile, tokenizer table
-        for _ in range(args.repeats):
-            for ratio, (a, b, key) in pairs.items():
-                order = [a, b] if rng.random() < 0.5 else [b, a]
-                got = {name: run_batch(eng, prompt, *cases[name], args.tokens) for name in order}
-                for name, r in got.items():
-                    raw[name].append(r)
-                paired[ratio].append(got[a][key] / got[b][key])
+        with timed_grammar():
+            raw, paired = _measure(eng, prompt, args.repeats, args.tokens)
     finally:
         eng.stop()
-
-    summary = {name: {k: statistics.median(r[k] for r in runs if r[k] is not None)
-                      if any(r[k] is not None for r in runs) else None for k in runs[0]}
-               for name, runs in raw.items()}
-    ratios = {k: statistics.median(v) for k, v in paired.items()}
-    spread = {k: [min(v), max(v)] for k, v in paired.items()}
-    result = {"model": lm.model_id, "dtype": lm.dtype, "tokens_per_row": args.tokens, "repeats": args.repeats,
-              "schema": SCHEMA, "summary_median": summary, "ratios_paired_median": ratios,
-              "ratios_paired_min_max": spread, "ratios_paired_all": paired, "raw": raw}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    for name, s in summary.items():
-        print(f"{name:16s} per-token {s['per_token_ms']:7.2f} ms   aggregate {s['aggregate_tok_s']:8.1f} tok/s"
-              f"   grammar {s['grammar_ms_per_step']:.2f} ms/step")
-    for k, v in ratios.items():
-        print(f"{k}: paired median {v:.3f}  (min {spread[k][0]:.3f}, max {spread[k][1]:.3f})")
-    _plot(summary, ratios, out.with_suffix(".png"))
+    result = {"model": lm.model_id, "dtype": lm.dtype, "tokens_per_row": args.tokens,
+              "repeats": args.repeats, "schema": SCHEMA, "summary_median": _medians(raw),
+              "ratios_paired_median": {k: statistics.median(v) for k, v in paired.items()},
+              "ratios_paired_min_max": {k: [min(v), max(v)] for k, v in paired.items()},
+              "ratios_paired_all": paired, "raw": raw}
+    path = common.write_json(out / "constrained.json", "constrained", result, args)
+    for name, s in result["summary_median"].items():
+        print(f"{name:16s} per-token {s['per_token_ms']:7.2f} ms   aggregate "
+              f"{s['aggregate_tok_s']:8.1f} tok/s   grammar {s['grammar_ms_per_step']:.2f} ms/step")
+    for k, v in result["ratios_paired_median"].items():
+        lo, hi = result["ratios_paired_min_max"][k]
+        print(f"{k}: paired median {v:.3f}  (min {lo:.3f}, max {hi:.3f})")
+    plot(result, path.with_suffix(".png"))
+    print(f"wrote {path}")
+    return 0
 
 
-def _plot(summary: dict[str, Any], ratios: dict[str, float], path: Path) -> None:
-    import matplotlib
+def _measure(eng: Engine, prompt: list[int], repeats: int,
+             tokens: int) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[float]]]:
+    """Every case's runs, and each ratio's paired values."""
+    rng = random.Random(0)
+    raw: dict[str, list[dict[str, Any]]] = {name: [] for name in CASES}
+    paired: dict[str, list[float]] = {name: [] for name in PAIRS}
+    run_batch(eng, prompt, 4, [True, False, True, False], 16)  # warm-up: compile, tables
+    for _ in range(repeats):
+        for ratio, (a, b, key) in PAIRS.items():
+            order = [a, b] if rng.random() < 0.5 else [b, a]
+            got = {name: run_batch(eng, prompt, *CASES[name], tokens) for name in order}
+            for name, r in got.items():
+                raw[name].append(r)
+            paired[ratio].append(got[a][key] / got[b][key])
+    return raw, paired
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def _medians(raw: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float | None]]:
+    """Per case, the median of each figure over the repeats (None where no run had it)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for name, runs in raw.items():
+        out[name] = {}
+        for k in runs[0]:
+            vals = [r[k] for r in runs if r[k] is not None]
+            out[name][k] = statistics.median(vals) if vals else None
+    return out
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    summary, ratios = result["summary_median"], result["ratios_paired_median"]
+    plt = common.pyplot()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     names = ["b1_free", "b1_constrained", "b16_free", "b16_constrained", "b16_half"]
@@ -195,7 +230,4 @@ def _plot(summary: dict[str, Any], ratios: dict[str, float], path: Path) -> None
         ratios["b16_half_over_free_throughput"]))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-if __name__ == "__main__":
-    main()
+    plt.close(fig)

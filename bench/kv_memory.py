@@ -1,7 +1,7 @@
 """KV memory and prefix-cache benchmark (a script, not a test).
 
-    python -m bench.kv_memory                      # bundled tinycoder-16m
-    python -m bench.kv_memory --budget-gib 1 --seq 2000
+    python -m bench kv memory                      # bundled tinycoder-16m
+    python -m bench kv memory --budget-gib 1 --seq 2000
 
 Reports, for KV at 16 / 8 / 4 bits (group 64 and 32), in the model's own 16-bit dtype
 (bfloat16) and in the CPU compute dtype (float32):
@@ -10,7 +10,7 @@ Reports, for KV at 16 / 8 / 4 bits (group 64 and 32), in the model's own 16-bit 
     ratio to the 16-bit count (targets: >= 1.8x at 8 bits, >= 3.2x at 4 bits);
 and the time to first token for a repeated `--seq`-token prefix with and without the prefix
 cache (library level: lookup + restore + prefill of the suffix vs prefill of everything).
-Writes bench/results/kv_memory.json and kv_memory.png.
+Writes DIR/kv_memory.json and DIR/kv_memory.png.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import engine  # noqa: F401  (BLAS before mlx)
 # isort: split
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -28,18 +27,17 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from bench import common
 from bench.kv_quality import DTYPES
 from engine.kv.memory import measure_footprint
 from engine.kv.prefix_cache import PrefixCache, chunk_ends
 from engine.models import make_batch_layouts
-from mlxd import DEFAULT_MODEL_DIR
 
-REPO = Path(__file__).resolve().parent.parent
 CONFIGS = [(16, 64), (8, 64), (8, 32), (4, 64), (4, 32)]
 
 
 def footprints(model: Any, seq: int, budget: int) -> list[dict[str, Any]]:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for bits, group in CONFIGS:
         fp = measure_footprint(model, kv_bits=bits, kv_group_size=group)
         row_bytes = fp.row_bytes(seq)
@@ -98,13 +96,7 @@ def prefix_bench(model: Any, seq: int, chunk: int, repeats: int) -> dict[str, An
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    plt = common.pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for dtype, rows in report["footprints"].items():
         ax1.plot(
@@ -122,22 +114,14 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
-    ap.add_argument("--seq", type=int, default=2000)
-    ap.add_argument("--budget-gib", type=float, default=1.0)
-    ap.add_argument("--chunk", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "kv_memory.json")
-    args = ap.parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     from mlx_lm.utils import load
 
-    model, _ = load(str(args.model))
+    model_dir = args.model or common.default_model()
+    out = common.out_dir(args, "kv-memory")
+    model = load(str(model_dir))[0]
     budget = int(args.budget_gib * (1 << 30))
-    report: dict[str, Any] = {"model": args.model.name, "seq": args.seq, "budget_bytes": budget}
+    report: dict[str, Any] = {"model": model_dir.name, "seq": args.seq, "budget_bytes": budget}
     report["footprints"] = {}
     for dtype in ("bfloat16", "float32"):
         model.set_dtype(DTYPES[dtype])
@@ -147,9 +131,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for dtype, rows in report["footprints"].items():
         for r in rows:
             print(
-                f"{dtype:>8} KV {r['kv']:>6}: {r['marginal_bytes_per_token']:>6} B/token (full layers), "
-                f"{r['row_bytes'] / 1e6:7.2f} MB per {args.seq}-token row, "
-                f"{r['rows_in_budget']:>5} rows ({r['rows_vs_16bit']}x)  by kind {r['bytes_per_token_by_kind']}"
+                f"{dtype:>8} KV {r['kv']:>6}: {r['marginal_bytes_per_token']:>6} B/token "
+                f"(full layers), {r['row_bytes'] / 1e6:7.2f} MB per {args.seq}-token row, "
+                f"{r['rows_in_budget']:>5} rows ({r['rows_vs_16bit']}x)  "
+                f"by kind {r['bytes_per_token_by_kind']}"
             )
     p = report["prefix_cache"]
     print(
@@ -157,12 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{p['ttft_s_with'] * 1e3:.0f} ms with the prefix cache ({p['speedup']:.1f}x, "
         f"{p['cached_tokens']} cached tokens)"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, args.out.with_suffix(".png"))
-    print(f"wrote {args.out}")
-    return report
-
-
-if __name__ == "__main__":
-    main()
+    path = common.write_json(out / "kv_memory.json", "kv-memory", report, args)
+    plot(report, path.with_suffix(".png"))
+    print(f"wrote {path}")
+    return 0

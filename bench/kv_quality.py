@@ -1,7 +1,7 @@
 """KV-quantization quality: mean per-token KL divergence of 8- and 4-bit KV vs full-precision KV.
 
-    python -m bench.kv_quality                      # bundled tinycoder-16m, dev set, 8 windows
-    python -m bench.kv_quality --windows 24 --window 1024 --group-size 32
+    python -m bench kv quality                      # bundled tinycoder-16m, dev set, 8 windows
+    python -m bench kv quality --windows 24 --window 1024 --group-size 32
 
 Protocol: the code samples of ../shared/data/tinycoder-dev.jsonl are tokenized and joined (EOS
 between files); `--windows` evenly spaced windows of `--window` tokens are each prefilled in
@@ -9,7 +9,7 @@ chunks of `--chunk` through our one-row layouts (sliding layers: rings; quantize
 quantize the rings too), once with full-precision KV (the reference) and once per KV
 configuration. Every position's next-token distribution is compared:
 KL(p_ref || p_quant), averaged over all positions of all windows. Also reported: top-1
-agreement and perplexity. Results: JSON (and the console), bench/results/kv_quality.json.
+agreement and perplexity. Writes DIR/kv_quality.json and DIR/kv_quality.png.
 """
 
 from __future__ import annotations
@@ -27,18 +27,16 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from bench import common
 from engine.models import make_batch_layouts
-from mlxd import DEFAULT_MODEL_DIR
 
-REPO = Path(__file__).resolve().parent.parent
-DEV_DATA = REPO.parent / "shared" / "data" / "tinycoder-dev.jsonl"
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
 def load_model(path: Path, dtype: str) -> tuple[Any, Any]:
     from mlx_lm.utils import load
 
-    model, tokenizer = load(str(path))
+    model, tokenizer = load(str(path))[:2]
     model.set_dtype(DTYPES[dtype])
     mx.eval(model.parameters())
     return model, tokenizer
@@ -116,30 +114,18 @@ def measure(
     return out
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
-    ap.add_argument("--data", type=Path, default=DEV_DATA)
-    ap.add_argument("--windows", type=int, default=8)
-    ap.add_argument("--window", type=int, default=1024)
-    ap.add_argument("--chunk", type=int, default=256)
-    ap.add_argument("--group-size", type=int, nargs="+", default=[64, 32])
-    ap.add_argument("--bits", type=int, nargs="+", default=[8, 4])
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "kv_quality.json")
-    args = ap.parse_args(argv)
-
+def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    model, tokenizer = load_model(args.model, args.dtype)
+    model_dir = args.model or common.default_model()
+    out = common.out_dir(args, "kv-quality")
+    model, tokenizer = load_model(model_dir, args.dtype)
     windows = load_windows(args.data, tokenizer, args.window, args.windows)
     configs = [(b, g) for b in args.bits for g in args.group_size]
     results = measure(model, windows, configs, chunk=args.chunk)
     report = {
-        "model": str(args.model.name),
+        "model": model_dir.name,
         "dtype": args.dtype,
-        "data": str(args.data.name),
+        "data": args.data.name,
         "windows": args.windows,
         "window": args.window,
         "chunk": args.chunk,
@@ -152,11 +138,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"KV {name:>7}: mean KL {r['mean_kl_nats']:.5f} nats  max {r['max_kl_nats']:.3f}  "
             f"top-1 agree {r['top1_agreement']:.4f}  ppl {r['perplexity']:.3f}"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out} ({report['seconds']} s)")
-    return report
+    path = common.write_json(out / "kv_quality.json", "kv-quality", report, args)
+    plot(report, path.with_suffix(".png"))
+    print(f"wrote {path} ({report['seconds']} s)")
+    return 0
 
 
-if __name__ == "__main__":
-    main()
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Mean KL to full-precision KV and top-1 agreement, per KV config."""
+    plt = common.pyplot()
+    names = [n for n in report["results"] if n != "16"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ax1.bar(names, [report["results"][n]["mean_kl_nats"] for n in names])
+    ax1.set_yscale("log")
+    ax1.set_ylabel("mean KL to 16-bit KV (nats/token)")
+    ax2.bar(names, [report["results"][n]["top1_agreement"] for n in names])
+    ax2.set_ylim(0.9, 1.0)
+    ax2.set_ylabel("top-1 agreement with 16-bit KV")
+    fig.suptitle(f"{report['model']} {report['dtype']}: quantized KV over {report['windows']} x "
+                 f"{report['window']} dev tokens", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -35,12 +35,11 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from bench.common import add_out_arg, out_dir
 
 # -- tiny dimensions -----------------------------------------------------------------------
 
@@ -889,14 +888,14 @@ def write_docs(doc: Path, results: Sequence[ArchResult], command: str) -> None:
 # -- command line --------------------------------------------------------------------------
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
+def add_parsers(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("models", help="every mlx-lm text architecture on a tiny model: "
                                       "load, batched == alone, prefix, n-gram, 8-bit KV")
     p.add_argument("--arch", default="", help="comma list (default: every architecture file)")
     p.add_argument("--checks", default=",".join(CHECKS), help=f"comma list of {', '.join(CHECKS)}")
     p.add_argument("--jobs", type=int, default=1, help="architectures checked at once")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per architecture")
-    p.add_argument("--out", default=None, help="results folder (default bench/results/models-TIME)")
+    add_out_arg(p)
     p.add_argument("--docs", default=None,
                    help="also write the table into this markdown file (e.g. docs/models.md)")
     p.set_defaults(func=_cmd)
@@ -906,8 +905,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def _cmd(args: argparse.Namespace) -> int:
     archs = [a for a in args.arch.split(",") if a] or architectures()
     checks = [c for c in args.checks.split(",") if c]
-    out = Path(args.out) if args.out else RESULTS / f"models-{datetime.now():%Y%m%d-%H%M%S}"
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args, "models")
     command = "python -m bench models " + " ".join(getattr(args, "argv", None) or sys.argv[2:])
 
     def progress(r: ArchResult) -> None:
@@ -930,7 +928,7 @@ def _cmd(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.models", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
+    add_parsers(sub)
     args = parser.parse_args(["models", *(sys.argv[1:] if argv is None else argv)])
     args.argv = sys.argv[1:] if argv is None else argv
     return int(args.func(args))

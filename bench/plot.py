@@ -1,15 +1,74 @@
-"""PNG plots of a serve-sweep result (matplotlib, Agg backend)."""
+"""`plot`: redraw the PNG of a result JSON; and the sweep's own plot (matplotlib, Agg backend).
+
+    python -m bench plot .bench/sweep-20261201-101500/sweep.json    # writes sweep.png beside it
+
+Every result JSON names the subcommand that wrote it (`"bench"`); the PNG is drawn by that
+subcommand's plot function and written next to the JSON with the same stem.
+"""
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import json
 from pathlib import Path
 from typing import Any
+
+from bench.common import pyplot
+
+# "bench" tag of a result JSON -> "module:function(result, png_path)" that draws it
+PLOTTERS = {
+    "sweep": "bench.plot:plot_sweep",
+    "spec": "bench.spec:plot",
+    "kv-memory": "bench.kv_memory:plot",
+    "kv-quality": "bench.kv_quality:plot",
+    "constrained": "bench.constrained:plot",
+    "trellis-speed": "bench.trellis_speed:plot",
+    "trellis-quality": "bench.trellis_quality:plot",
+    "trellis-sweep": "bench.trellis_sweep:plot",
+}
 
 COLORS = ["#1f77b4", "#d62728", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b"]
 
 
-def _series(result: dict[str, Any], server: str, key: str, sub: str | None = None):
-    xs, ys = [], []
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser("plot", help="redraw the PNG of a result JSON", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("result", type=Path, help="a JSON written by any subcommand")
+    p.add_argument("--png", type=Path, default=None, help="where (default: beside the JSON)")
+    p.set_defaults(func=cmd_plot)
+
+
+def kind_of(result: dict[str, Any]) -> str:
+    """The subcommand that wrote `result` (sweep results written before the tag: "levels")."""
+    kind = result.get("bench") or ("sweep" if "levels" in result else "")
+    if kind not in PLOTTERS:
+        raise SystemExit(f"not a result this harness can plot (bench={kind!r}); "
+                         f"known: {', '.join(PLOTTERS)}")
+    return str(kind)
+
+
+def draw(result: dict[str, Any], png: Path) -> Path:
+    module, func = PLOTTERS[kind_of(result)].split(":")
+    getattr(importlib.import_module(module), func)(result, png)
+    return png
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    result = json.loads(args.result.read_text())
+    png = draw(result, args.png or args.result.with_suffix(".png"))
+    if kind_of(result) == "sweep":
+        from bench.sweep import table
+
+        print(table(result))
+    print(f"wrote {png}")
+    return 0
+
+
+def _series(result: dict[str, Any], server: str, key: str,
+            sub: str | None = None) -> tuple[list[int], list[float]]:
+    xs: list[int] = []
+    ys: list[float] = []
     for lvl in result["levels"]:
         s = lvl["results"].get(server)
         if not s or not s.get("num_completed"):
@@ -23,11 +82,7 @@ def _series(result: dict[str, Any], server: str, key: str, sub: str | None = Non
 
 
 def plot_sweep(result: dict[str, Any], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     servers = list(result["servers"])
     mine = result.get("baseline", servers[0])
     fig, axes = plt.subplots(2, 3, figsize=(18, 9.5))

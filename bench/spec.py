@@ -1,8 +1,8 @@
 """Speculative decoding benchmark (a script, not a test): the engine with and without
 speculation, side by side in one run, on the same prompts.
 
-    python -m bench.spec                                    # CPU defaults, bench/results/spec-cpu
-    python -m bench.spec --out bench/results/spec-gpu --max-tokens 256 --requests-per-stream 4
+    python -m bench spec                                    # CPU defaults
+    python -m bench spec --out .bench/spec-gpu --max-tokens 256 --requests-per-stream 4
 
 Workloads (prompts from ../shared/data/tinycoder-dev.jsonl):
   * dev   — chat requests ("Write a Python function ...", ChatML) and code completions (a file's
@@ -30,14 +30,10 @@ mode: with greedy decoding every mode emits the same tokens). `--budget-s` stops
 rounds past that many seconds (the JSON is rewritten after every group, so a cut run keeps what
 it measured).
 
-Writes DIR/spec.json and DIR/spec.png (and with --log, a copy of stdout).
+Writes DIR/spec.json and DIR/spec.png (and with --log, a copy of stdout as DIR/spec.log).
 """
 
 from __future__ import annotations
-
-import engine  # noqa: F401  (BLAS before mlx)
-
-# isort: split
 
 import argparse
 import json
@@ -45,21 +41,16 @@ import re
 import statistics
 import threading
 import time
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
+from bench import common
 
-from engine.api import Request, SamplingParams, TokenEvent
-from engine.core import Engine, EngineConfig
-from engine.loader import LoadedModel, load_model
-from engine.scheduler import SchedulerConfig
-from engine.spec import SpecConfig
-from mlxd import DEFAULT_MODEL_DIR
+if TYPE_CHECKING:
+    from engine.loader import LoadedModel
+    from engine.spec import SpecConfig
 
-START = time.perf_counter()
-REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
 MODES = {
     "plain": None,
     "draft": ("draft", True),
@@ -84,7 +75,7 @@ def _spread(items: list[Any], n: int) -> list[Any]:
 def _code_prompt(text: str, tok: Any, max_tokens: int = 160) -> list[int]:
     """A file's first lines, ending on a line's content (the tokenizer merges a newline with the
     next line's indentation, so a prompt ending on a bare newline derails the model)."""
-    lines, out = text.splitlines(), []
+    lines, out = text.splitlines(), list[str]()
     for line in lines:
         cand = "\n".join([*out, line])
         if len(tok.encode(cand)) > max_tokens and out:
@@ -141,6 +132,10 @@ def run_workload(
     temperature: float,
 ) -> dict[str, Any]:
     """Closed loop: keep `concurrency` requests in flight until all prompts are served."""
+    from engine.api import Request, SamplingParams, TokenEvent
+    from engine.core import Engine, EngineConfig
+    from engine.scheduler import SchedulerConfig
+
     sched = SchedulerConfig(max_num_seqs=max(concurrency, 1), prefill_chunk=512)
     eng = Engine(lm, EngineConfig(sched, prefix_cache_bytes=0, spec=spec))
     eng.start()
@@ -185,23 +180,37 @@ def run_workload(
     finally:
         eng.stop()
     ttft = [first_token[k] - submitted[k] for k in first_token]
-    out = {
+    out: dict[str, Any] = {
         "tokens": state["tokens"],
         "wall_s": round(wall, 4),
         "tokens_per_s": round(state["tokens"] / wall, 3),
         "mean_ttft_s": round(statistics.mean(ttft), 4) if ttft else None,
         "engine_steps": stats.num_steps,
     }
-    if stats.spec:
-        ((_, st),) = stats.spec.items()
-        out["spec"] = st
+    spec_stats = _spec_stats(stats)
+    if spec_stats:
+        out["spec"] = spec_stats
     return out
+
+
+def _spec_stats(stats: Any) -> dict[str, Any]:
+    """The engine's speculation figures as a dict (a typed stats object or a dict keyed by
+    method, whichever the engine reports)."""
+    spec = getattr(stats, "spec", None)
+    if is_dataclass(spec) and not isinstance(spec, type):
+        return asdict(spec)
+    if isinstance(spec, dict) and len(spec) == 1:
+        ((_, st),) = spec.items()
+        return dict(st)
+    return dict(spec) if isinstance(spec, dict) else {}
 
 
 def spec_config(
     mode: str, args: argparse.Namespace, draft: LoadedModel | None, k: int = 0
 ) -> SpecConfig | None:
     """The mode's speculation config (`k`: this ceiling instead of the mode's own)."""
+    from engine.spec import SpecConfig
+
     choice = MODES[mode]
     if choice is None:
         return None
@@ -238,7 +247,7 @@ def warm_up(
     sub = prompts[: max(concurrency, 1)]
     for mode in modes:
         run_workload(lm, spec_config(mode, args, draft), sub, concurrency, args.temperature)
-    methods = {MODES[m][0] for m in modes if MODES[m] is not None}
+    methods = {choice[0] for m in modes if (choice := MODES[m]) is not None}
     for method in sorted(methods):
         for k in range(1, _ceiling(method, args) + 1):
             cfg = spec_config(f"{method}-k", args, draft, k)
@@ -283,7 +292,7 @@ def compare(
         (int(k), int(v)) for k, v in (x.split("=") for x in args.repeats_at.split(",") if x)
     ).get(concurrency, args.repeats)
     for rep in range(repeats):
-        if rep and time.perf_counter() - START > args.budget_s:
+        if rep and time.perf_counter() - args.start > args.budget_s:
             print(f"[{label} c={concurrency}] time budget spent: {rep} rounds", flush=True)
             break
         order = modes if rep % 2 == 0 else list(reversed(modes))
@@ -303,7 +312,7 @@ def compare(
                 ),
                 flush=True,
             )
-    summary: dict[str, Any] = {}
+    summary: dict[str, dict[str, Any]] = {}
     for mode, rs in runs.items():
         # ratios are paired with the plain run of the same round (load drifts between rounds)
         if not rs:
@@ -313,8 +322,8 @@ def compare(
             if "plain" in runs
             else []
         )
-        order = sorted(range(len(rs)), key=lambda i: rs[i]["tokens_per_s"])
-        summary[mode] = dict(rs[order[len(rs) // 2]], repeats=[r["tokens_per_s"] for r in rs])
+        ranked = sorted(range(len(rs)), key=lambda i: rs[i]["tokens_per_s"])
+        summary[mode] = dict(rs[ranked[len(rs) // 2]], repeats=[r["tokens_per_s"] for r in rs])
         if ratios:
             summary[mode]["ratio_vs_plain"] = round(float(statistics.median(ratios)), 3)
             summary[mode]["ratios_by_round"] = [round(x, 3) for x in ratios]
@@ -329,10 +338,7 @@ def compare(
 
 # -- output -------------------------------------------------------------------------------------
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
 
     groups = result["results"]
     modes = [m for m in MODES if any(m in g["modes"] for g in groups)]
@@ -379,12 +385,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
-    p.add_argument("--draft-model", default=str(SHARED / "models" / "tinycoder-draft-4m"))
-    p.add_argument("--data", default=str(SHARED / "data" / "tinycoder-dev.jsonl"))
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "spec-cpu"))
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser("spec", help="the engine with and without speculative decoding",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=None, help="target (default: tinycoder-16m)")
+    p.add_argument("--draft-model", type=Path, default=common.DRAFT_MODEL)
+    p.add_argument("--data", type=Path, default=common.DEV_DATA)
+    common.add_out_arg(p)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--requests-per-stream", type=int, default=2)
@@ -393,10 +400,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ngram-draft-tokens", type=int, default=0,
                    help="the n-gram drafter's ceiling (default: --num-draft-tokens)")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--modes", default="plain,draft,draft-k,ngram")
+    p.add_argument("--modes", default="plain,draft,draft-k,ngram",
+                   help=f"dev workload modes, of {', '.join(MODES)}")
     p.add_argument("--edit-modes", default="plain,ngram,ngram-k,draft")
     p.add_argument("--edit-requests", type=int, default=4)
-    p.add_argument("--edit-concurrency", default="1,4")
+    p.add_argument("--edit-concurrency", default="1,4", help="empty: no edit workload")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--repeats-at", default="",
                    help="rounds at some concurrencies, e.g. 16=3 (the others: --repeats)")
@@ -407,48 +415,66 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=float("inf"),
                    help="start no new round after this many seconds (results so far are kept)")
     p.add_argument("--log", action="store_true", help="also write stdout to DIR/spec.log")
-    args = p.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    p.set_defaults(func=cmd_spec)
+
+
+def _uses_draft(args: argparse.Namespace) -> bool:
+    modes = f"{args.modes},{args.edit_modes if args.edit_concurrency else ''}"
+    return any(m.startswith("draft") for m in modes.split(","))
+
+
+def cmd_spec(args: argparse.Namespace) -> int:
+    import engine  # noqa: F401  (BLAS before mlx)
+    from engine.loader import load_model
+
+    args.start = time.perf_counter()
+    unknown = {m for m in f"{args.modes},{args.edit_modes}".split(",") if m} - set(MODES)
+    if unknown:
+        raise SystemExit(f"unknown modes {sorted(unknown)} (known: {', '.join(MODES)})")
+    out = common.out_dir(args, "spec")
     if args.log:
         _tee(out / "spec.log")
-
-    lm = load_model(args.model, dtype=args.dtype)
-    draft = load_model(args.draft_model, dtype=args.dtype)
+    lm = load_model(str(args.model or common.default_model()), dtype=args.dtype)
+    draft = load_model(str(args.draft_model), dtype=args.dtype) if _uses_draft(args) else None
     tok = lm.tokenizer
     rows = _rows(Path(args.data))
     modes = [m for m in args.modes.split(",") if m]
-    results = []
+    results: list[dict[str, Any]] = []
 
     if not args.warmup:  # every kernel shape once, briefly (not measured)
         warm = [(ids, 16) for ids in dev_prompts(rows, tok, 4)]
-        for mode in ("plain", "draft-k", "ngram-k"):
-            run_workload(lm, spec_config(mode, args, draft), warm, 4, args.temperature)
+        for mode in ("plain", "draft-k" if draft else "", "ngram-k"):
+            if mode:
+                run_workload(lm, spec_config(mode, args, draft), warm, 4, args.temperature)
 
     groups = []
     for c in [int(x) for x in args.concurrency.split(",") if x]:
         n = c * args.requests_per_stream
-        groups.append(("dev", c, modes, [(ids, args.max_tokens) for ids in dev_prompts(rows, tok, n)]))
+        prompts = [(ids, args.max_tokens) for ids in dev_prompts(rows, tok, n)]
+        groups.append(("dev", c, modes, prompts))
     edit_modes = [m for m in args.edit_modes.split(",") if m]
     for c in [int(x) for x in args.edit_concurrency.split(",") if x]:
         groups.append(("edit", c, edit_modes, edit_prompts(rows, tok, max(args.edit_requests, c))))
     for label, c, group_modes, prompts in groups:
-        if time.perf_counter() - START > args.budget_s:
+        if time.perf_counter() - args.start > args.budget_s:
             print(f"[{label} c={c}] skipped: time budget spent", flush=True)
             continue
         results.append(compare(lm, draft, args, prompts, c, group_modes, label))
         write(args, lm, results, out)
-    print(f"wrote {out / 'spec.json'} and {out / 'spec.png'} ({time.perf_counter() - START:.0f} s)")
+    print(f"wrote {out / 'spec.json'} and {out / 'spec.png'} "
+          f"({time.perf_counter() - args.start:.0f} s)")
     return 0
 
 
 def write(args: argparse.Namespace, lm: LoadedModel, results: list[Any], out: Path) -> None:
-    from mlxd import blas
+    import mlx.core as mx
+
+    from kernels import device as blas
 
     result = {
         "config": {
-            "target": Path(args.model).name,
-            "draft": Path(args.draft_model).name,
+            "target": lm.path.name,
+            "draft": Path(args.draft_model).name if _uses_draft(args) else None,
             "dtype": lm.dtype,
             "num_draft_tokens": args.num_draft_tokens,
             "ngram_draft_tokens": args.ngram_draft_tokens or args.num_draft_tokens,
@@ -461,12 +487,12 @@ def write(args: argparse.Namespace, lm: LoadedModel, results: list[Any], out: Pa
         },
         "environment": {
             "device": str(mx.default_device()),
-            "mlx": mx.__version__,
+            "mlx": getattr(mx, "__version__", "?"),
             "blas": {"path": blas.info().path, "status": blas.info().reason},
         },
         "results": results,
     }
-    (out / "spec.json").write_text(json.dumps(result, indent=2))
+    common.write_json(out / "spec.json", "spec", result, args)
     plot(result, out / "spec.png")
 
 
@@ -475,18 +501,15 @@ def _tee(path: Path) -> None:
     import sys
 
     log = path.open("w")
+    console = sys.stdout
 
     class Tee:
         def write(self, text: str) -> int:
             log.write(text)
             log.flush()
-            return sys.__stdout__.write(text)
+            return console.write(text)
 
         def flush(self) -> None:
-            sys.__stdout__.flush()
+            console.flush()
 
     sys.stdout = Tee()  # type: ignore[assignment]
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""serve-sweep: start each server, drive all of them with the same load, level by level.
+"""sweep: start each server, drive all of them with the same load, level by level.
 
 All servers are started once (one after another, each on its own free loopback port) and kept up
 for the whole sweep; at each concurrency level they run back to back (mlxd first, then each
@@ -9,57 +9,21 @@ steal CPU from the one being measured).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
-import platform
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from bench import common
+from bench.common import machine_info
 from bench.loadgen import LoadSpec, run_level
 from bench.metrics import level_ratios, record_dict, summarize
-from bench.servers import ServerProcess, ServerSpec, cpu_seconds, rss_bytes
-
-
-def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "python": sys.version.split()[0],
-    }
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu_model"] = line.split(":", 1)[1].strip()
-                break
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal"):
-                info["mem_gib"] = round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    for pkg in ("mlx", "mlx-lm", "mlx-metal", "mlx-cpu", "mlx-cuda", "vllm-mlx"):
-        try:
-            info[f"{pkg}_version"] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            pass
-    try:
-        import subprocess
-
-        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10)
-        if gpu.returncode == 0 and gpu.stdout.strip():
-            info["gpus"] = gpu.stdout.strip().splitlines()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    info["loadavg_start"] = list(os.getloadavg())
-    gpus = f", {len(info['gpus'])}x {info['gpus'][0]}" if info.get("gpus") else ", no GPU"
-    info["summary"] = (f"{platform.system()} {info['machine']}, {info['cpus']} cores"
-                       f"{gpus}, load {info['loadavg_start'][0]:.1f} at start")
-    return info
+from bench.servers import OPENBLAS, ServerProcess, ServerSpec, cpu_seconds, rss_bytes
 
 
 def requests_for(concurrency: int, per_level: str | None, levels: list[int]) -> int:
@@ -94,10 +58,12 @@ def run_sweep(
     request_timeout_s: float,
     eos_bias: dict[str, float] | None,
     config_extra: dict[str, Any],
-    log=print,
+    log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
+        "bench": "sweep",
+        "command": config_extra.pop("command", ""),
         "name": name,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine_info(),
@@ -210,7 +176,7 @@ def _fmt(v: float | None, scale: float = 1.0) -> str:
 
 
 def _write(out_dir: Path, result: dict[str, Any], raw: dict[str, Any]) -> None:
-    (out_dir / "results.json").write_text(json.dumps(result, indent=1))
+    common.write_json(out_dir / "sweep.json", "sweep", result)
     (out_dir / "records.json").write_text(json.dumps(raw, separators=(",", ":")))
 
 
@@ -242,3 +208,152 @@ def table(result: dict[str, Any]) -> str:
                 f"{f(rat.get('output_tok_per_cpu_s'), 2) + 'x' if rat.get('output_tok_per_cpu_s') else ''} |")
     return "\n".join(rows)
 
+
+
+# -- the `sweep` and `load` subcommands ---------------------------------------------------------
+def _levels(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=None,
+                   help="model directory (default: the bundled tinycoder-16m)")
+    p.add_argument("--concurrency", type=_levels, default=[1, 4, 16, 64])
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--requests-per-level", default=None,
+                   help="requests at each level: N, or a list matching --concurrency "
+                        "(default: 2 x concurrency, at least 8)")
+    p.add_argument("--level-deadline", type=float, default=900.0,
+                   help="seconds after which a level sends no new request (bounded runs)")
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--seed", type=int, default=0)
+    common.add_out_arg(p)
+
+
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser("sweep", help="start mlxd and peer servers, run the concurrency sweep",
+                       description=__doc__)
+    _add_workload_args(p)
+    p.add_argument("--peers", default="mlx_lm",
+                   help="comma list of mlx_lm, mlx_lm_blas, vllm_mlx (vllm_mlx is skipped when "
+                        "not installed); empty: mlxd alone")
+    p.add_argument("--blas-path", default=OPENBLAS, help="the BLAS mlx_lm_blas preloads")
+    p.add_argument("--peer-blas-dtype", choices=["float32", "checkpoint"], default="float32",
+                   help="weights for mlx_lm_blas: a float32 copy (as mlxd computes on a CPU; "
+                        "bfloat16 matmuls do not use BLAS) or the checkpoint as is")
+    p.add_argument("--mlxd-args", default="", help="extra arguments for `mlxd serve`, quoted")
+    p.add_argument("--eos-bias", action="store_true",
+                   help="for servers without ignore_eos, send logit_bias -100 on the EOS ids "
+                        "(fixes output length but costs mlx_lm.server a per-row Python loop)")
+    p.set_defaults(func=cmd_sweep)
+    p = sub.add_parser("load", help="drive an already running server (no start/stop)")
+    _add_workload_args(p)
+    p.add_argument("--url", required=True, help="e.g. http://127.0.0.1:8080 (loopback only)")
+    p.add_argument("--model-id", default=None, help="the request's model field")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.set_defaults(func=cmd_load)
+
+
+def _model_dir(args: argparse.Namespace) -> str:
+    return str((args.model or common.default_model()).resolve())
+
+
+def _prompts(args: argparse.Namespace, model: str) -> tuple[list[str], list[str]]:
+    """(warm-up prompts, measured prompts): the first 4 warm the servers up and are never
+    measured (a prefix cache would hit them)."""
+    from bench.workload import make_prompts
+
+    total = sum(requests_for(c, args.requests_per_level, args.concurrency)
+                for c in args.concurrency)
+    texts = [p.text for p in make_prompts(model, total + 4, args.prompt_tokens, seed=args.seed)]
+    return texts[:4], texts[4:]
+
+
+def peer_specs(args: argparse.Namespace, model: str) -> tuple[list[ServerSpec], dict[str, str]]:
+    """mlxd first, then each peer of --peers, with the model directory each one serves."""
+    from bench import servers as S
+
+    specs = [S.mlxd_spec(args.mlxd_args.split())]
+    models = {"mlxd": model}
+    for peer in [p for p in args.peers.split(",") if p]:
+        if peer == "mlx_lm":
+            specs.append(S.mlx_lm_spec())
+            models["mlx_lm"] = model
+        elif peer == "mlx_lm_blas":
+            spec = S.mlx_lm_spec(preload_blas=args.blas_path, name="mlx_lm_blas")
+            models["mlx_lm_blas"] = model
+            spec.label = "mlx_lm+OpenBLAS"
+            if args.peer_blas_dtype == "float32":
+                from bench.modelprep import float32_copy
+
+                models["mlx_lm_blas"] = str(float32_copy(model))
+                spec.note += ", float32 copy of the weights (the dtype mlxd computes in on a CPU)"
+                spec.label = "mlx_lm+OpenBLAS f32"
+            specs.append(spec)
+        elif peer == "vllm_mlx":
+            if not S.vllm_mlx_available():
+                print("vllm-mlx is not installed: skipping it", file=sys.stderr)
+                continue
+            specs.append(S.vllm_mlx_spec())
+            models["vllm_mlx"] = model
+        else:
+            raise SystemExit(f"unknown peer {peer!r} (known: mlx_lm, mlx_lm_blas, vllm_mlx)")
+    return specs, models
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from bench.plot import plot_sweep
+    from bench.workload import eos_token_ids
+
+    model = _model_dir(args)
+    out = common.out_dir(args, "sweep")
+    specs, models = peer_specs(args, model)
+    print(f"preparing {args.prompt_tokens}-token prompts from {model} ...")
+    warmup, prompts = _prompts(args, model)
+    eos = {str(i): -100.0 for i in eos_token_ids(model)} if args.eos_bias else None
+    result = run_sweep(
+        specs, models, prompts, warmup, args.concurrency, out, name=out.name,
+        output_tokens=args.output_tokens, prompt_tokens=args.prompt_tokens,
+        per_level=args.requests_per_level, level_deadline_s=args.level_deadline,
+        request_timeout_s=args.request_timeout, eos_bias=eos,
+        config_extra={"model": model, "model_name": Path(model).name, "seed": args.seed,
+                      "requests_per_level": args.requests_per_level or "2 x concurrency, min 8",
+                      "eos_bias": bool(eos), "command": common.command_line(args)},
+    )
+    md = table(result)
+    (out / "table.md").write_text(md + "\n")
+    png = plot_sweep(result, out / "sweep.png")
+    print(md)
+    print(f"\nwrote {out / 'sweep.json'}, {png}")
+    failed = sum(lvl["results"][specs[0].name]["num_failed"] for lvl in result["levels"])
+    return 1 if failed else 0
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    """Drive one running server and print a summary per level (load.json with --out)."""
+    import httpx
+
+    model = _model_dir(args)
+    _, prompts = _prompts(args, model)
+    url = args.url.rstrip("/")
+    model_id = args.model_id
+    if model_id is None:
+        data = httpx.get(url + "/v1/models", timeout=10).json().get("data") or []
+        model_id = data[0]["id"] if data else "default"
+    offset, report = 0, []
+    for c in args.concurrency:
+        n = requests_for(c, args.requests_per_level, args.concurrency)
+        spec = LoadSpec(url, model_id, prompts[offset:offset + n], c, args.output_tokens,
+                        endpoint=args.endpoint, ignore_eos=True,
+                        request_timeout_s=args.request_timeout, deadline_s=args.level_deadline)
+        offset += n
+        records, wall = asyncio.run(run_level(spec))
+        s = summarize(records, wall)
+        report.append({"concurrency": c, **s})
+        print(f"c={c:<3} {s['output_tok_s']:8.1f} tok/s  TTFT p50 {s['ttft_s']['p50']}  "
+              f"p99 {s['ttft_s']['p99']}  ITL p50 {s['itl_s']['p50']}  failed {s['num_failed']}")
+    if args.out:
+        out = common.out_dir(args, "load")
+        common.write_json(out / "load.json", "load", {"url": url, "levels": report}, args)
+    return 1 if any(r["num_failed"] for r in report) else 0

@@ -1,7 +1,7 @@
 """Perplexity of tinycoder-16m under weight quantization: bf16, MLX affine 4/3-bit g64, trellis.
 
-    python bench/trellis_quality.py [--L 12] [--bits 4 3 2] [--modes seq ldlq plain]
-                                    [--finetune-steps 300] [--out FILE.json]
+    python -m bench trellis quality [--L 12] [--bits 4 3 2] [--modes seq ldlq plain]
+                                    [--finetune-steps 300] [--out DIR]
 
 Data split (documented in docs/trellis.md): records of tinycoder-dev.jsonl at odd positions form
 the evaluation stream; ``--windows`` windows of ``--length`` tokens at evenly spaced starts are
@@ -29,39 +29,34 @@ KL to the float model (overfitting); ``--eval-kl`` adds the KL on the evaluation
 
 from __future__ import annotations
 
+import engine  # noqa: F401  (BLAS before mlx)
+
+# isort: split
+
 import argparse
 import json
 import math
 import platform
-import sys
 import time
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.utils import load_model, load_tokenizer
 
-from mlxd import blas  # noqa: E402
-
-blas.load()
-
-import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
-from mlx_lm.utils import load_model, load_tokenizer  # noqa: E402
-
-from kernels import trellis as tr  # noqa: E402
-from kernels.trellis.blocktune import BlockTune  # noqa: E402
-from kernels.trellis.calibration import (  # noqa: E402
+from bench import common
+from kernels import trellis as tr
+from kernels.trellis.blocktune import BlockTune
+from kernels.trellis.calibration import (
     collect_hessians,
     disjoint_records,
     even_windows,
     read_records,
     token_stream,
 )
-from kernels.trellis.finetune import finetune, teacher_for, teacher_logprobs  # noqa: E402
-from kernels.trellis.linear import quantizable_linears  # noqa: E402
-from mlxd import DEFAULT_MODEL_DIR  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "tinycoder-dev.jsonl"
+from kernels.trellis.finetune import finetune, teacher_for, teacher_logprobs
+from kernels.trellis.linear import quantizable_linears
 
 
 def perplexity(model: nn.Module, windows: mx.array) -> float:
@@ -110,63 +105,10 @@ def affine_bits_per_weight(bits: int, group: int) -> float:
     return bits + 32 / group  # fp16 scale + fp16 bias per group
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    p.add_argument("--windows", type=int, default=24)
-    p.add_argument("--length", type=int, default=1024)
-    p.add_argument("--bits", type=int, nargs="+", default=[4, 3, 2])
-    p.add_argument("--L", type=int, nargs="+", default=[12])
-    p.add_argument("--modes", nargs="*", default=["seq"], choices=["seq", "ldlq", "plain"])
-    p.add_argument("--finetune-steps", type=int, default=300, help="0: no fine-tuning rows")
-    p.add_argument("--finetune-windows", type=int, default=512)
-    p.add_argument("--finetune-length", type=int, default=256)
-    p.add_argument("--finetune-batch", type=int, default=4)
-    p.add_argument("--finetune-lr", type=float, default=1e-3)
-    p.add_argument(
-        "--finetune-holdout",
-        type=int,
-        default=0,
-        help="windows (of --finetune-length) from the end of the calibration text kept out of the fine-tuning "
-        "windows; their KL to the float model is logged every --holdout-every steps, to watch for overfitting",
-    )
-    p.add_argument("--holdout-every", type=int, default=50)
-    p.add_argument("--skip-unfinetuned", action="store_true", help="no rows for the trellis models before fine-tuning")
-    p.add_argument("--label", default="", help="added to the fine-tuned rows' names")
-    p.add_argument(
-        "--eval-kl",
-        action="store_true",
-        help="also the KL to the float model on the evaluation windows (trellis rows; a diagnostic)",
-    )
-    p.add_argument("--append", action="store_true", help="add rows to --out instead of starting it afresh")
-    p.add_argument("--dirs", type=Path, nargs="*", default=[], help="trellis model dirs (mlxd quantize) to score too")
-    p.add_argument("--skip-affine", action="store_true", help="no affine baselines (slow on a CPU)")
-    p.add_argument(
-        "--block-tune-steps",
-        type=int,
-        default=16,
-        help="seq mode: Adam steps of in-block tuning after each quantized group (kernels/trellis/blocktune.py); 0: none",
-    )
-    p.add_argument("--block-tune-lr", type=float, default=1e-3)
-    p.add_argument(
-        "--block-tune-target",
-        default="float",
-        choices=["own", "float"],
-        help="in-block target: the float block's output on its quantized-prefix inputs ('own') or the float "
-        "model's hidden state after the block ('float'; '-float' in the row names and cache keys)",
-    )
-    p.add_argument("--calib-windows", type=int, default=64)
-    p.add_argument("--calib-length", type=int, default=512)
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "trellis_quality.json")
-    p.add_argument(
-        "--cache",
-        type=Path,
-        default=None,
-        help="dir of quantized (pre-fine-tuning) models: reuse one quantized with the same bits/L/mode/"
-        "calibration, else quantize and save it there (fine-tuning variants then skip the encoding)",
-    )
-    args = p.parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    if args.model is None:
+        args.model = common.default_model()
+    out_json = common.out_dir(args, "trellis-quality") / "trellis_quality.json"
 
     tokenizer = load_tokenizer(args.model)
     records = read_records(args.data)
@@ -207,16 +149,15 @@ def main(argv: list[str] | None = None) -> int:
         "activations": "float32",
         "variants": [],
     }
-    if args.append and args.out.exists():
-        result["variants"] = json.loads(args.out.read_text())["variants"]
+    if args.append and out_json.exists():
+        result["variants"] = json.loads(out_json.read_text())["variants"]
 
     def record(name: str, kind: str, bpw: float, ppl: float, **extra) -> None:
         row = {"name": name, "kind": kind, "bits_per_weight": round(bpw, 3), "perplexity": round(ppl, 4), **extra}
         result["variants"].append(row)
         print(json.dumps(row), flush=True)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        plot(result, args.out.with_suffix(".png"))  # after every row too: a cut-short run keeps both
+        common.write_json(out_json, "trellis-quality", result, args)
+        plot(result, out_json.with_suffix(".png"))  # after every row too: a cut-short run keeps both
 
     t0 = time.perf_counter()
     base = float32_model(args.model)
@@ -373,15 +314,13 @@ def main(argv: list[str] | None = None) -> int:
             mode=mode,
             quantize_seconds=q.get("seconds"),
         )
-    plot(result, args.out.with_suffix(".png"))
+    plot(result, out_json.with_suffix(".png"))
+    print(f"wrote {out_json}")
     return 0
 
 
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(result: dict[str, Any], path: Path) -> None:
+    plt = common.pyplot()
 
     fig, ax = plt.subplots(figsize=(9, 5.5))
     styles = {"float": ("k", "*"), "affine": ("#1f77b4", "s"), "trellis": ("#d62728", "o")}
@@ -399,7 +338,3 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

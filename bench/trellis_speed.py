@@ -1,6 +1,6 @@
 """Mat-vec speed of trellis weights vs MLX's 4-bit quantized_matmul and a bf16 matmul (GPU).
 
-    python bench/trellis_speed.py [--out bench/results/trellis_speed.json]
+    python -m bench trellis speed [--bits 3] [--batches 1 4] [--out DIR]
 
 For each weight shape (n_out x n_in) and batch (rows of x):
 
@@ -13,10 +13,14 @@ For each weight shape (n_out x n_in) and batch (rows of x):
 Trellis rows use uniformly random codes (speed does not depend on the values) with L = 16 and
 x~ already rotated (float32); "trellis 3-bit + rotate" is the whole TrellisLinear call. Also
 reports the read bandwidth of a large mx.sum (the ceiling we compare against) and encoder speed
-(weights/s of quantize_weight). Writes JSON and a PNG.
+(weights/s of quantize_weight). Writes DIR/trellis_speed.json and .png.
 """
 
 from __future__ import annotations
+
+import engine  # noqa: F401  (BLAS before mlx)
+
+# isort: split
 
 import argparse
 import json
@@ -24,27 +28,23 @@ import math
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import mlx.core as mx
+import numpy as np
 
-from mlxd import blas  # noqa: E402
+from bench import common
+from kernels.trellis import matvec
+from kernels.trellis.linear import TrellisLinear
+from kernels.trellis.quantizer import TrellisSpec, quantize_weight, rotate
 
-blas.load()
-
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-
-from kernels.trellis import matvec  # noqa: E402
-from kernels.trellis.linear import TrellisLinear  # noqa: E402
-from kernels.trellis.quantizer import TrellisSpec, TrellisWeight, quantize_weight, rotate  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]
-WORKING_SET = 512 << 20
+WORKING_SET = 512 << 20  # bytes of weight copies a "per call" run cycles over (>> the L2)
 
 
-def timed(fn, repeats: int = 3) -> float:
+def timed(fn: Callable[[], Any], repeats: int = 3) -> float:
     """Best wall time of fn() (which evaluates its own work), after one warm-up."""
     fn()
     best = math.inf
@@ -55,9 +55,11 @@ def timed(fn, repeats: int = 3) -> float:
     return best
 
 
-def per_call_and_stacked(make_weight, call, weight_bytes: int, x: mx.array, calls: int = 96, module_call=None) -> dict:
-    """module_call(x, weights) -> list of per-copy callables, when a call is a module (TrellisLinear)."""
-    copies = max(2, min(128, math.ceil(WORKING_SET / weight_bytes)))
+def per_call_and_stacked(make_weight: Callable[[int], Any], call: Callable[[mx.array, Any], mx.array],
+                         weight_bytes: int, x: mx.array, working_set: int, calls: int = 96,
+                         module_call: Callable[[list[Any]], list[Any]] | None = None) -> dict[str, Any]:
+    """module_call(weights) -> list of per-copy callables, when a call is a module (TrellisLinear)."""
+    copies = max(2, min(128, math.ceil(working_set / weight_bytes)))
     weights = [make_weight(i) for i in range(copies)]
     mx.eval(weights)
     fns = module_call(weights) if module_call else [lambda x, w=w: call(x, w) for w in weights]
@@ -66,7 +68,8 @@ def per_call_and_stacked(make_weight, call, weight_bytes: int, x: mx.array, call
         mx.eval([fns[i % copies](x) for i in range(calls)])
 
     per_call = timed(run_calls) / calls
-    fns = None
+    fns.clear()
+    stacked_w: Any
     if isinstance(weights[0], (tuple, list)):
         stacked_w = tuple(mx.concatenate(list(parts), axis=0) for parts in zip(*weights, strict=True))
     else:
@@ -88,7 +91,8 @@ def per_call_and_stacked(make_weight, call, weight_bytes: int, x: mx.array, call
     }
 
 
-def bench_shape(n_out: int, n_in: int, batch: int, bits_list: list[int]) -> list[dict]:
+def bench_shape(n_out: int, n_in: int, batch: int, bits_list: list[int],
+                working_set: int = WORKING_SET) -> list[dict[str, Any]]:
     rows = []
     key = mx.random.key(n_out * 7 + n_in + batch)
     x = mx.random.normal((batch, n_in), key=key).astype(mx.bfloat16)
@@ -105,6 +109,7 @@ def bench_shape(n_out: int, n_in: int, batch: int, bits_list: list[int]) -> list
             lambda x, w: x @ w.T,
             2 * n_out * n_in,
             x,
+            working_set,
         ),
     )
 
@@ -116,15 +121,17 @@ def bench_shape(n_out: int, n_in: int, batch: int, bits_list: list[int]) -> list
         "affine 4-bit g64 quantized_matmul",
         per_call_and_stacked(
             affine,
-            lambda x, w: mx.quantized_matmul(x, *w, transpose=True, group_size=64, bits=4),
+            lambda x, w: mx.quantized_matmul(x, w[0], w[1], w[2], transpose=True, group_size=64,
+                                             bits=4),
             n_out * n_in // 2 + 2 * 2 * n_out * n_in // 64,
             x,
+            working_set,
         ),
     )
 
     x_rot = rotate(x, mx.ones((n_in,), mx.int8))
     block = 256
-    backend = matvec.fused_backend()
+    backend = matvec.fused_backend() or "cuda"
     for bits in bits_list:
         # the launch layout of the real shape (tuned table or heuristic), also for the stacked launch
         cfg = matvec.default_config(n_out, n_in, batch, backend, bits)
@@ -137,7 +144,8 @@ def bench_shape(n_out: int, n_in: int, batch: int, bits_list: list[int]) -> list
         def call(x, w, bits=bits, cfg=cfg):
             return matvec.trellis_matvec(x, w[0], w[1], bits=bits, L=16, block=block, config=cfg)
 
-        res = per_call_and_stacked(trellis, call, n_out * n_in * bits // 8 + 2 * n_out, x_rot)
+        res = per_call_and_stacked(trellis, call, n_out * n_in * bits // 8 + 2 * n_out, x_rot,
+                                   working_set)
         add(f"trellis {bits}-bit", {**res, "layout": cfg.key()})
 
         if bits == 3:
@@ -157,7 +165,8 @@ def bench_shape(n_out: int, n_in: int, batch: int, bits_list: list[int]) -> list
                     layers.append(layer)
                 return layers
 
-            res = per_call_and_stacked(trellis, full, n_out * n_in * 3 // 8 + 2 * n_out, x, module_call=modules)
+            res = per_call_and_stacked(trellis, full, n_out * n_in * 3 // 8 + 2 * n_out, x,
+                                       working_set, module_call=modules)
             add("trellis 3-bit + rotate (TrellisLinear)", {**res, "layout": cfg.key()})
     return rows
 
@@ -200,11 +209,8 @@ def encoder_speed(on_gpu: bool) -> list[dict]:
     return rows
 
 
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(result: dict[str, Any], path: Path) -> None:
+    plt = common.pyplot()
 
     rows = result["matvec"]
     groups = sorted({(tuple(r["shape"]), r["batch"]) for r in rows}, key=lambda g: (g[1], g[0]))
@@ -238,58 +244,42 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "trellis_speed.json")
-    p.add_argument("--bits", type=int, nargs="+", default=[3])
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 4])
-    p.add_argument("--skip-encoder", action="store_true")
-    p.add_argument("--dry-run", action="store_true", help="CPU check of this script: tiny shapes, reference path")
-    args = p.parse_args(argv)
-    if args.dry_run:
-        global SHAPES, WORKING_SET
-        SHAPES, WORKING_SET = [(64, 256)], 1 << 20
-
-        def reference_matvec(x, packed, scales, *, bits, L, block, code="1mad", backend=None, config=None, out_dtype=None):
-            n_in = x.shape[-1]
-            tw = TrellisWeight(packed, scales, mx.ones((n_in,), mx.int8), bits, L, block, code)
-            return matvec.matmul_rotated(x, tw, use_fused=False).astype(out_dtype or x.dtype)
-
-        matvec.trellis_matvec = reference_matvec
-        matvec.fused_backend = lambda: "dry-run"
-        matvec.kernel_variant = lambda backend: "dry-run"
-        _matmul_rotated = matvec.matmul_rotated
-        matvec.matmul_rotated = lambda x, w, use_fused=None: _matmul_rotated(x, w, use_fused=False)
+def run(args: argparse.Namespace) -> int:
+    shapes = args.shapes or SHAPES
+    working_set = int(args.working_set_mib * (1 << 20))
     on_gpu = mx.default_device() == mx.gpu
-    result: dict = {"device": str(mx.default_device()), "machine": platform.machine(), "fused_backend": matvec.fused_backend()}
-    try:
-        result["device_name"] = mx.device_info().get("device_name", "?")
-    except Exception:
-        result["device_name"] = "?"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    out = common.out_dir(args, "trellis-speed")
+    path = out / "trellis_speed.json"
+    backend = matvec.fused_backend()
+    result: dict[str, Any] = {"device": str(mx.default_device()), "machine": platform.machine(),
+                              "fused_backend": backend, "device_name": _device_name()}
 
     def save() -> None:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        common.write_json(path, "trellis-speed", result, args)
 
     if not args.skip_encoder:
         result["encoder"] = encoder_speed(on_gpu)
         save()
-    if matvec.fused_backend() is None:
+    if backend is None:
         print("no fused trellis kernel on this device: encoder speed only", file=sys.stderr)
         return 0
-    result["kernel_variant"] = matvec.kernel_variant(matvec.fused_backend())
+    result["kernel_variant"] = matvec.kernel_variant(backend)
     result["dispatch_overhead_us"] = round(dispatch_overhead(), 2)
-    result["bandwidth"] = read_bandwidth(1 << 20 if args.dry_run else 1 << 30)
+    result["bandwidth"] = read_bandwidth(1 << 30 if working_set >= WORKING_SET else working_set // 4)
     save()
     result["matvec"] = []
     result["tuned_layouts"] = {f"{k[0]}x{k[1]}x{k[2]}": v.key() for k, v in matvec.TUNED.items()}
     for batch in args.batches:
-        for n_out, n_in in SHAPES:
-            result["matvec"] += bench_shape(n_out, n_in, batch, args.bits)
+        for n_out, n_in in shapes:
+            result["matvec"] += bench_shape(n_out, n_in, batch, args.bits, working_set)
             save()
-    plot(result, args.out.with_suffix(".png"))
+    plot(result, path.with_suffix(".png"))
+    print(f"wrote {path}")
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def _device_name() -> str:
+    try:
+        return str(mx.device_info().get("device_name", "?"))
+    except Exception:  # noqa: BLE001 (a backend without device_info)
+        return "?"

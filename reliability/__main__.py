@@ -4,8 +4,10 @@
     python -m reliability --url http://127.0.0.1:8080    # a server you started (loopback only)
     python -m reliability --start --disconnects 20 --overload-requests 60 --soak-minutes 1
 
-Prints a summary table and exits non-zero when any check fails. Every loop is bounded in count
-and time; traffic goes to loopback only.
+Prints a summary table and exits non-zero when any check fails; writes every result (with
+details) to DIR/reliability.json, and with --start the server's log to DIR/logs/ (`--out DIR`,
+default `.bench/reliability-<date>-<time>/`, ignored by git). Every loop is bounded in count and
+time; traffic goes to loopback only.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.common import add_out_arg, out_dir
 from reliability import bad_input, disconnect, overload, soak
 from reliability.common import CheckResult, Target, check_loopback
 
@@ -57,7 +60,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--soak-fill-max-s", type=float, default=600.0,
                    help="at most this long filling the prefix cache (seconds)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write every result (with details) here")
+    add_out_arg(p)
     return p.parse_args(argv)
 
 
@@ -112,6 +115,7 @@ def _model_id(url: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    out = out_dir(args, "reliability")
     server = None
     t0 = time.monotonic()
     results: list[CheckResult] = []
@@ -128,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 from mlxd import DEFAULT_MODEL_DIR
 
                 model = str(DEFAULT_MODEL_DIR)
-            log_dir = Path(args.json).parent if args.json else Path("/tmp/mlxd-reliability")
-            server = ServerProcess(mlxd_spec(extra), model, log_dir).start()
+            server = ServerProcess(mlxd_spec(extra), model, out / "logs").start()
             print(f"started mlxd on {server.url} (pid {server.pid}, log {server.log_path})")
             target = Target(server.url, args.model_id or server.model_id or "default",
                             pid=server.pid, max_queue=args.max_queue,
@@ -152,9 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(results))
     print(f"\ntotal {time.monotonic() - t0:.0f}s")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1, default=str))
+    path = out / "reliability.json"
+    path.write_text(json.dumps([asdict(r) for r in results], indent=1, default=str))
+    print(f"wrote {path}")
     return 0 if results and all(r.ok for r in results) else 1
 
 

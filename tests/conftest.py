@@ -9,13 +9,12 @@ import os
 # full float32 (no effect on a CPU or on 16-bit models).
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
 import engine  # noqa: E402, F401  (loads OpenBLAS before mlx on Linux)
-
-from pathlib import Path
-
-import pytest
-
-from mlxd import DEFAULT_MODEL_DIR
+from mlxd import DEFAULT_MODEL_DIR  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"

@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 
 from tests import tiny_models
-from tests.tiny_models import assert_same_greedy, greedy, greedy_deviations, loaded, make_engine, run_alone, tiny_model
+from tests.tiny_models import (
+    assert_same_greedy,
+    greedy,
+    greedy_deviations,
+    loaded,
+    make_engine,
+    run_alone,
+    tiny_model,
+)
 
 
 @pytest.fixture(scope="module")

@@ -179,3 +179,16 @@ def test_overload_bounded_queue(target: Target):
                                    time_limit_s=120))
     assert res.ok, "\n".join([res.summary, *res.problems])
     assert res.details["rejected"] > 0 and res.details["admitted"] > 0
+
+
+def test_runner_writes_its_results_into_the_ignored_folder(target: Target, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch):
+    from reliability.__main__ import main, parse
+
+    monkeypatch.chdir(tmp_path)
+    assert parse(["--url", target.url]).out is None  # default: .bench/reliability-<time>/
+    assert main(["--url", target.url, "--model-id", target.model, "--suites", "bad_input"]) == 0
+    (run,) = (tmp_path / ".bench").iterdir()
+    assert run.name.startswith("reliability-")
+    (result,) = json.loads((run / "reliability.json").read_text())
+    assert result["name"] == "bad input" and result["ok"], result["summary"]

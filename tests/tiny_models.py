@@ -140,7 +140,7 @@ def assert_same_greedy(
     label = label if label is not None else req.req_id
     if got == want:
         return
-    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    first = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
     assert on_gpu(), (label, "outputs part at token", first)
     assert len(got) == len(want), (label, len(got), len(want))
     from mlx.utils import tree_flatten

@@ -1,0 +1,269 @@
+"""`python -m bench`: argument parsing, and each subcommand's smallest real run on the bundled
+model (CPU), writing its JSON and PNG into a temporary folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.__main__ import build_parser, main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+CODE = '''import os
+
+
+def walk(root):
+    """Every file under root."""
+    for base, _, names in os.walk(root):
+        for name in names:
+            yield os.path.join(base, name)
+
+
+def sizes(root):
+    return {p: os.path.getsize(p) for p in walk(root)}
+'''
+FUNC = "".join(f"def step_{i}(x):\n    y = x + {i}\n    return y * 2\n" for i in range(4))
+
+
+def _png(path: Path) -> None:
+    assert path.read_bytes()[:8] == PNG_MAGIC, f"{path} is not a PNG"
+
+
+def _result(path: Path, kind: str) -> dict:
+    result = json.loads(path.read_text())
+    assert result["bench"] == kind
+    assert result["command"].startswith("python -m bench ")
+    return result
+
+
+@pytest.fixture(scope="module")
+def dev_jsonl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small dev set in the shared file's format: code files and chat turns."""
+    rows = [{"kind": "code", "text": CODE * 6}]
+    answer = f"```python\n{FUNC}```"
+    rows.append({"kind": "chat", "messages": [
+        {"role": "user", "content": "Write four Python functions `step_i(x)`."},
+        {"role": "assistant", "content": answer}]})
+    path = tmp_path_factory.mktemp("data") / "dev.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# -- parsing ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv", [
+    ["sweep"], ["load", "--url", "http://127.0.0.1:1"], ["spec"], ["kv", "memory"],
+    ["kv", "quality"], ["constrained"], ["trellis", "speed"], ["trellis", "sweep"],
+    ["trellis", "quality"], ["plot", "x.json"], ["random-model", "out"],
+])
+def test_every_subcommand_parses_with_defaults(argv: list[str]):
+    args = build_parser().parse_args(argv)
+    assert callable(args.func)
+
+
+def test_parser_values_and_errors(capsys: pytest.CaptureFixture[str]):
+    p = build_parser()
+    args = p.parse_args(["sweep", "--concurrency", "1,8", "--peers", "", "--out", "d"])
+    assert args.concurrency == [1, 8] and args.peers == "" and args.out == Path("d")
+    args = p.parse_args(["trellis", "speed", "--shapes", "64x256", "128X512"])
+    assert args.shapes == [(64, 256), (128, 512)]
+    for bad in (["nope"], ["kv"], ["trellis", "fast"], []):
+        with pytest.raises(SystemExit) as exc:
+            p.parse_args(bad)
+        assert exc.value.code == 2
+    capsys.readouterr()
+
+
+def test_usage_names_how_it_is_started():
+    assert build_parser().format_usage().startswith("usage: python -m bench ")
+
+
+def test_default_results_folder_is_the_ignored_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from bench.common import out_dir
+
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(["kv", "memory"])
+    out = out_dir(args, "kv-memory")
+    assert out.is_dir() and out.parent == Path(".bench") and out.name.startswith("kv-memory-")
+    repo = Path(__file__).resolve().parent.parent
+    assert "/.bench/" in (repo / ".gitignore").read_text().splitlines()
+
+
+def test_plot_refuses_an_unknown_result(tmp_path: Path):
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps({"bench": "nothing"}))
+    with pytest.raises(SystemExit, match="not a result"):
+        main(["plot", str(path)])
+
+
+# -- the smallest run of each subcommand --------------------------------------------------------
+def test_sweep_toy_against_mlxd_then_plot(tmp_path: Path):
+    out = tmp_path / "sweep"
+    rc = main(["sweep", "--peers", "", "--concurrency", "1,2", "--requests-per-level", "2",
+               "--prompt-tokens", "16", "--output-tokens", "6", "--out", str(out)])
+    assert rc == 0
+    result = _result(out / "sweep.json", "sweep")
+    assert [lvl["concurrency"] for lvl in result["levels"]] == [1, 2]
+    for lvl in result["levels"]:
+        s = lvl["results"]["mlxd"]
+        assert s["num_completed"] == 2 and s["num_failed"] == 0
+        assert s["output_tokens"] == 12  # ignore_eos: exactly 6 tokens per request
+        assert s["prompt_tokens_per_request"] == {"min": 16, "max": 16}
+        assert s["ttft_s"]["p50"] > 0 and s["output_tok_per_cpu_s"] > 0
+    _png(out / "sweep.png")
+    assert "| 1 | mlxd |" in (out / "table.md").read_text()
+    records = json.loads((out / "records.json").read_text())
+    assert set(records) == {"mlxd@1", "mlxd@2"}
+    redrawn = tmp_path / "again.png"
+    assert main(["plot", str(out / "sweep.json"), "--png", str(redrawn)]) == 0
+    _png(redrawn)
+
+
+def test_load_against_a_running_server(real_server, tmp_path: Path):
+    out = tmp_path / "load"
+    assert main(["load", "--url", real_server.url, "--concurrency", "1,2", "--requests-per-level",
+                 "2", "--prompt-tokens", "16", "--output-tokens", "4", "--out", str(out)]) == 0
+    result = _result(out / "load.json", "load")
+    assert [lvl["concurrency"] for lvl in result["levels"]] == [1, 2]
+    assert all(lvl["num_completed"] == 2 and lvl["output_tokens"] == 8 for lvl in result["levels"])
+
+
+def test_spec_toy_plain_against_ngram(tmp_path: Path, dev_jsonl: Path):
+    out = tmp_path / "spec"
+    rc = main(["spec", "--data", str(dev_jsonl), "--concurrency", "1", "--requests-per-stream",
+               "2", "--max-tokens", "10", "--modes", "plain,ngram-k", "--edit-modes",
+               "plain,ngram-k", "--edit-concurrency", "1", "--edit-requests", "1",
+               "--dtype", "float32", "--out", str(out)])
+    assert rc == 0
+    result = _result(out / "spec.json", "spec")
+    assert result["config"]["draft"] is None  # no draft mode asked: no draft model loaded
+    assert [(g["workload"], g["concurrency"]) for g in result["results"]] == [("dev", 1),
+                                                                              ("edit", 1)]
+    for group in result["results"]:
+        plain, ngram = group["modes"]["plain"], group["modes"]["ngram-k"]
+        assert ngram["tokens"] == plain["tokens"] > 0  # greedy: speculation emits the same
+        assert ngram["ratio_vs_plain"] > 0 and plain["ratio_vs_plain"] == 1.0
+        assert "spec" in ngram and "spec" not in plain
+    _png(out / "spec.png")
+
+
+def test_kv_memory_toy(tmp_path: Path):
+    out = tmp_path / "kv"
+    assert main(["kv", "memory", "--seq", "96", "--chunk", "32", "--repeats", "1",
+                 "--out", str(out)]) == 0
+    report = _result(out / "kv_memory.json", "kv-memory")
+    for rows in report["footprints"].values():
+        ratio = {r["kv"]: r["rows_vs_16bit"] for r in rows}
+        assert ratio["16"] == 1.0 and 1.0 < ratio["8/g64"] < ratio["4/g64"]
+    assert report["prefix_cache"]["cached_tokens"] > 0
+    _png(out / "kv_memory.png")
+
+
+def test_kv_quality_toy(tmp_path: Path, dev_jsonl: Path):
+    out = tmp_path / "kvq"
+    assert main(["kv", "quality", "--data", str(dev_jsonl), "--windows", "1", "--window", "80",
+                 "--chunk", "40", "--bits", "8", "--group-size", "64", "--out", str(out)]) == 0
+    report = _result(out / "kv_quality.json", "kv-quality")
+    assert report["results"]["16"]["mean_kl_nats"] == 0.0
+    assert 0.0 < report["results"]["8/g64"]["mean_kl_nats"] < 0.05
+    _png(out / "kv_quality.png")
+
+
+def test_constrained_toy(tmp_path: Path):
+    from engine import constrain
+    from engine.constrain import llg
+
+    before = (constrain.fill_masks, llg.LLGConstraint.consume)
+    out = tmp_path / "con"
+    assert main(["constrained", "--tokens", "4", "--repeats", "1", "--out", str(out)]) == 0
+    assert (constrain.fill_masks, llg.LLGConstraint.consume) == before  # timing undone
+    result = _result(out / "constrained.json", "constrained")
+    summary = result["summary_median"]
+    assert summary["b1_free"]["grammar_ms_per_step"] == 0.0
+    assert summary["b16_constrained"]["grammar_ms_per_step"] > 0.0
+    assert set(result["ratios_paired_median"]) == {
+        "b1_constrained_over_free_per_token", "b16_constrained_over_free_per_token",
+        "b16_half_over_free_throughput"}
+    _png(out / "constrained.png")
+
+
+@pytest.fixture
+def twin_kernel(monkeypatch: pytest.MonkeyPatch):
+    """The fused trellis kernel replaced by its plain-MLX twin, so that the GPU modes run here."""
+    import mlx.core as mx
+
+    from kernels.trellis import matvec
+    from kernels.trellis.quantizer import TrellisWeight
+
+    real = matvec.matmul_rotated
+
+    def twin(x, packed, scales, *, bits, L, block, code="1mad", backend=None, config=None,
+             out_dtype=None):
+        w = TrellisWeight(packed, scales, mx.ones((x.shape[-1],), mx.int8), bits, L, block, code)
+        return real(x, w, use_fused=False).astype(out_dtype or x.dtype)
+
+    monkeypatch.setattr(matvec, "trellis_matvec", twin)
+    monkeypatch.setattr(matvec, "fused_backend", lambda: "cuda")
+    monkeypatch.setattr(matvec, "kernel_variant", lambda backend: "twin")
+    monkeypatch.setattr(matvec, "matmul_rotated", lambda x, w, use_fused=None: real(x, w, use_fused=False))
+
+
+def test_trellis_speed_toy(tmp_path: Path, twin_kernel):
+    out = tmp_path / "ts"
+    assert main(["trellis", "speed", "--shapes", "64x256", "--batches", "1", "--skip-encoder",
+                 "--working-set-mib", "1", "--out", str(out)]) == 0
+    result = _result(out / "trellis_speed.json", "trellis-speed")
+    variants = {r["variant"] for r in result["matvec"]}
+    assert {"bf16 matmul", "affine 4-bit g64 quantized_matmul", "trellis 3-bit"} <= variants
+    assert all(r["us_per_call"] > 0 for r in result["matvec"])
+    _png(out / "trellis_speed.png")
+
+
+def test_trellis_sweep_toy(tmp_path: Path, twin_kernel):
+    out = tmp_path / "tsw"
+    tuned = tmp_path / "tuned.json"
+    assert main(["trellis", "sweep", "--shapes", "128x512", "--working-set-mib", "0.05",
+                 "--calls", "2", "--tuned", str(tuned), "--out", str(out)]) == 0
+    result = _result(out / "trellis_sweep.json", "trellis-sweep")
+    assert not result["errors"], result["errors"]
+    checked = [r for r in result["rows"] if r["config"] != "affine-q4-quantized_matmul"]
+    assert checked and all(r["ok"] and r["max_err_rel"] < 2e-2 for r in checked)
+    assert set(json.loads(tuned.read_text())) == {"128x512x1", "128x512x4"}
+    _png(out / "trellis_sweep.png")
+
+
+def test_random_model(tmp_path: Path):
+    from engine.loader import load_model
+
+    out = tmp_path / "tiny"
+    assert main(["random-model", str(out), "--shape", "tiny", "--bits", "0"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["hidden_size"] == 256 and cfg["num_hidden_layers"] == 4
+    lm = load_model(str(out), dtype="float32")
+    assert lm.vocab_size == 8192 and len(lm.model.layers) == 4
+
+
+def test_trellis_quality_toy(tmp_path: Path):
+    """On a random model of the tiny shape (the pipeline, not the quality: a random model's
+    perplexity says nothing), with four distinct records: calibration and evaluation apart."""
+    from bench.modelprep import random_model
+
+    model = random_model("tiny", tmp_path / "tiny", bits=None)
+    data = tmp_path / "dev.jsonl"
+    texts = ["".join(f"def f{i}_{j}(x):\n    return x * {i * 100 + j}\n" for j in range(12))
+             for i in range(4)]
+    data.write_text("".join(json.dumps({"kind": "code", "text": t}) + "\n" for t in texts))
+    out = tmp_path / "tq"
+    assert main(["trellis", "quality", "--model", str(model), "--data", str(data), "--bits", "2",
+                 "--L", "8", "--modes", "plain", "--finetune-steps", "0", "--windows", "1",
+                 "--length", "32", "--calib-windows", "2", "--calib-length", "32",
+                 "--block-tune-steps", "0", "--out", str(out)]) == 0
+    result = _result(out / "trellis_quality.json", "trellis-quality")
+    rows = {r["name"]: r for r in result["variants"]}
+    assert set(rows) == {"bf16", "affine 4-bit g64", "affine 3-bit g64", "trellis 2-bit L=8 plain"}
+    assert rows["affine 4-bit g64"]["bits_per_weight"] == 4.5
+    assert 2.0 < rows["trellis 2-bit L=8 plain"]["bits_per_weight"] < 2.2
+    assert all(r["perplexity"] > 1.0 for r in rows.values())
+    _png(out / "trellis_quality.png")
