@@ -40,6 +40,7 @@ import engine  # noqa: F401  (BLAS before mlx)
 # isort: split
 
 import argparse
+import dataclasses
 import json
 import re
 import statistics
@@ -192,9 +193,8 @@ def run_workload(
         "mean_ttft_s": round(statistics.mean(ttft), 4) if ttft else None,
         "engine_steps": stats.num_steps,
     }
-    if stats.spec:
-        ((_, st),) = stats.spec.items()
-        out["spec"] = st
+    if stats.spec is not None:
+        out["spec"] = dataclasses.asdict(stats.spec)
     return out
 
 

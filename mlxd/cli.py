@@ -129,7 +129,7 @@ def serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s",
     )
     log = logging.getLogger("mlxd")
-    from engine.kvcache import UnsupportedKV
+    from engine.kv.batch import UnsupportedKV
     from mlxd.runtime import build_client
 
     try:

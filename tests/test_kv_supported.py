@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from engine import kvcache
+from engine.kv import batch as kvcache
 from engine.kv.attention import QuantizedLayout, QuantizedRotatingLayout
 from engine.runner import Runner
 from tests.tiny_models import tiny_model

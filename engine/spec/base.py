@@ -3,7 +3,7 @@
 A drafter proposes up to `k[b]` tokens for every row `b` of the running batch, in one batched
 call, from the row's context (prompt + generated tokens, the last of which is the row's next
 input token). The target model then verifies every row's proposal in one forward pass
-(engine.spec.decoder); `observe` tells the drafter how many of each row's drafts were accepted,
+(engine.runner); `observe` tells the drafter how many of each row's drafts were accepted,
 so that it can learn and keep any state of its own (a draft model's KV) in step with the target.
 
 Per-row drafter state (a draft model's KV layouts) lives in an object with `take(keep)` and
