@@ -242,7 +242,7 @@ def test_spec_engine_through_the_guard_equals_plain(arch, monkeypatch):
         st = _check(lm, spec, reqs, want, prefill_chunk=32)
     finally:
         cuda_guard.uninstall()
-    assert st["spec_steps"] > 0 and calls  # the verify forwards' attention took the reference
+    assert st.spec_steps > 0 and calls  # the verify forwards' attention took the reference
 
 
 @pytest.mark.gpu

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from engine.loader import load_model
-from tests.tiny_models import greedy, loaded, make_engine, run_alone, tiny_model
+from tests.tiny_models import greedy, loaded, run_alone, tiny_model
 
 
 def _engine(lm, **cfg):

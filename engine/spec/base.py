@@ -15,9 +15,10 @@ with the rows like every other per-row array.
         name = "mine"
         point_mass = True        # proposals are deterministic: q is one-hot at the draft
         catches_up = False       # no state to bring up to date after plain decoding
-        def admit(self, rows, token_lists): ...        # state for rows joining the batch
+        def admit(self, contexts, warm): ...           # state for rows joining the batch
         def propose(self, ctx: ProposeContext) -> Proposal: ...
         def observe(self, ctx: ProposeContext, proposal, num_accepted): ...
+        def stats(self) -> dict[str, float]: ...       # its own figures (SpecStats.drafter)
 """
 
 from __future__ import annotations

@@ -77,11 +77,6 @@ class _Deferred:
     def state(self) -> list[mx.array]:
         return self.shadow.state
 
-    def make_mask(
-        self, N: int, window_size: int | None = None, return_array: bool = False, **kw: Any
-    ) -> Any:
-        return self.shadow.make_mask(N, window_size=window_size, return_array=return_array, **kw)
-
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
         if self.keys is not None:
             raise RuntimeError("a deferred ring takes one chunk per round")
