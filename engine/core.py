@@ -186,7 +186,8 @@ class Engine:
         s.num_prompt_tokens = self.num_prompt_tokens
         mem = s.memory
         for key, value in memory_readings().items():
-            setattr(mem, key, value)
+            if hasattr(mem, key):
+                setattr(mem, key, value)
         return s
 
     def _publish(self) -> None:

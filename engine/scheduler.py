@@ -244,8 +244,9 @@ class Scheduler:
             if row.finished:
                 continue
             error = result.errors.get(i)
-            event = self._row_event(row, result, i) if error is None else None
-            if event is None:
+            if error is None:
+                event = self._row_event(row, result, i)
+            else:  # the row's grammar failed while its mask was built
                 event = self.abort_event(row, FINISH_ERROR, f"constrained decoding failed: {error}")
             events.append(event)
             row.finished = event.finish_reason is not None
