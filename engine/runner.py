@@ -108,6 +108,7 @@ class Runner:
         if plan.join is not None:
             batch.concat(plan.join)
         if not len(batch):
+            self._held = 0  # chosen for rows that are gone
             return self._drain()
         width, self._held = self._held or self.spec.decide(batch), 0
         constrained = batch.constrained_rows()
