@@ -36,12 +36,12 @@ Writes DIR/spec.json and DIR/spec.png (and with --log, a copy of stdout as DIR/s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import statistics
 import threading
 import time
-from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -187,22 +187,9 @@ def run_workload(
         "mean_ttft_s": round(statistics.mean(ttft), 4) if ttft else None,
         "engine_steps": stats.num_steps,
     }
-    spec_stats = _spec_stats(stats)
-    if spec_stats:
-        out["spec"] = spec_stats
+    if stats.spec is not None:
+        out["spec"] = dataclasses.asdict(stats.spec)
     return out
-
-
-def _spec_stats(stats: Any) -> dict[str, Any]:
-    """The engine's speculation figures as a dict (a typed stats object or a dict keyed by
-    method, whichever the engine reports)."""
-    spec = getattr(stats, "spec", None)
-    if is_dataclass(spec) and not isinstance(spec, type):
-        return asdict(spec)
-    if isinstance(spec, dict) and len(spec) == 1:
-        ((_, st),) = spec.items()
-        return dict(st)
-    return dict(spec) if isinstance(spec, dict) else {}
 
 
 def spec_config(

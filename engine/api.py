@@ -12,7 +12,7 @@ calling `client.abort(req_id)` frees the row within one engine step.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 # finish reasons, as OpenAI names them where a name exists
@@ -73,23 +73,81 @@ class TokenEvent:
 
 
 @dataclass(slots=True)
+class SpecStats:
+    """Speculative decoding since the engine started (`EngineStats.spec`; None: speculation off)."""
+
+    method: str  # the drafter: "ngram", "draft", or a registered one
+    num_draft_tokens: int  # the ceiling of the adaptive draft length (--num-draft-tokens)
+    spec_steps: int = 0  # engine steps that verified drafts
+    plain_steps: int = 0  # engine steps that decoded one token per row
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float | None = None  # accepted / drafted
+    mean_verify_width: float | None = None  # columns per verify forward
+    tokens_per_row_round: float | None = None  # tokens a row gained per round it drafted in
+    pooled_acceptance: float = 0.0  # the controller's running acceptance estimate
+    overhead_ms_per_spec_step: float = 0.0  # drafter work outside the measured steps
+    explore_ms: float = 0.0  # time spent trying widths that did not pay
+    busy_s: float = 0.0
+    jumps: int = 0  # flat-cost jumps (lookup drafters)
+    speculating_by_bucket: dict[str, bool] = field(default_factory=dict)  # batch-size bucket
+    step_ms: dict[str, float] = field(default_factory=dict)  # "BxW" -> mean step ms
+    drafter: dict[str, float] = field(default_factory=dict)  # the drafter's own figures
+    warmup_s: float = 0.0  # start-up rounds, one per verify width (GPU)
+    warmup_ms_by_width: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """The prefix cache (`EngineStats.prefix_cache`; None: the cache is off)."""
+
+    bytes: int = 0
+    max_bytes: int = 0
+    queries: int = 0
+    hits: int = 0
+    hit_tokens: int = 0  # prompt tokens served from the cache
+    blocks: int = 0
+    evicted_blocks: int = 0
+
+
+@dataclass(slots=True)
+class MemoryStats:
+    """Process memory by owner, and the engine's memory settings (bytes unless named)."""
+
+    budget_bytes: int = 0  # --memory-budget
+    weights_bytes: int = 0
+    mlx_cache_limit: int = 0
+    rss: int = 0
+    mlx_active: int = 0
+    mlx_cache: int = 0
+    mlx_peak: int = 0
+    malloc_in_use: int = 0
+    malloc_free: int = 0
+    malloc_mmapped: int = 0
+    python_blocks: int = 0  # objects alive in Python's allocator (a count)
+    num_releases: int = 0  # times idle memory was given back
+    release_seconds: float = 0.0
+
+
+@dataclass(slots=True)
 class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     num_prefilling: int = 0
+    num_queued: int = 0  # what --max-queue bounds (aborted requests excluded)
+    active_requests: int = 0  # requests with a stream open
     kv_bytes: int = 0
     kv_bytes_by_layout: dict[str, int] = field(default_factory=dict)
-    prefix_cache_bytes: int = 0
-    prefix_cache_hits: int = 0
-    prefix_cache_queries: int = 0
     num_steps: int = 0
     num_generated_tokens: int = 0
     num_prompt_tokens: int = 0
-    spec: dict[str, Any] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
+    memory: MemoryStats = field(default_factory=MemoryStats)
+    prefix_cache: PrefixCacheStats | None = None
+    spec: SpecStats | None = None
+    last_error: str | None = None  # the last engine step that failed, if any
 
     def as_dict(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+        return asdict(self)
 
 
 class EngineError(Exception):

@@ -13,8 +13,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine import kvcache
 from engine.api import Request, TokenEvent
+from engine.kv import batch as kvb
 from engine.sampling import SamplerState
 
 EventSink = Callable[[list[TokenEvent]], None]
@@ -42,7 +42,7 @@ class RunningBatch:
     rows: list[RowMeta] = field(default_factory=list)
     next_tokens: mx.array | None = None  # [B] int32: each row's next input token
     sampler: SamplerState | None = None
-    caches: kvcache.Caches | None = None
+    caches: list[Any] | None = None  # per-layer KV layouts (engine.kv)
     spec: Any = None  # engine.spec.SpecRows: per-row speculation state (None: speculation off)
 
     def __len__(self) -> int:
@@ -67,7 +67,7 @@ class RunningBatch:
         assert self.next_tokens is not None and self.sampler is not None and self.caches
         self.next_tokens = self.next_tokens[idx]
         self.sampler = self.sampler.take(idx)
-        kvcache.filter_rows(self.caches, keep)
+        kvb.filter_rows(self.caches, keep)
         if self.spec is not None:
             self.spec.take(keep)
 
@@ -85,7 +85,7 @@ class RunningBatch:
         self.rows = self.rows + other.rows
         self.next_tokens = mx.concatenate([self.next_tokens, other.next_tokens])
         self.sampler = SamplerState.concat([self.sampler, other.sampler])
-        self.caches = kvcache.extend(self.caches, other.caches)
+        self.caches = kvb.extend(self.caches, other.caches)
         if self.spec is not None and other.spec is not None:
             self.spec.concat(other.spec)
 
@@ -96,5 +96,5 @@ class RunningBatch:
     def arrays(self) -> list[Any]:
         out: list[Any] = [self.next_tokens]
         if self.caches:
-            out.extend(kvcache.state_arrays(self.caches))
+            out.extend(kvb.state_arrays(self.caches))
         return out

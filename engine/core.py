@@ -4,18 +4,20 @@ The thread sleeps on a condition variable while there is no work, and wakes the 
 or an abort arrives: a new request joins at the next step, with no polling sleeps. Each step:
 
     self._drain_inbox()                          # admissions and aborts
-    plan = scheduler.schedule()
-    runner.prefill(plan); result = runner.decode(batch)
-    events = scheduler.finish_decode_step(...)   # finished rows leave the batch at once
+    plan = scheduler.schedule()                  # prefill chunk, who joins the batch
+    result = runner.run(plan)                    # the forwards (engine.runner)
+    events = scheduler.update(plan, result)      # finished rows leave the batch at once
 
-With speculation on (engine.spec), `spec.decide(batch)` picks a verify width per step; a width
-above 1 replaces the pipelined decode with one synchronous draft + verify step whose events
-carry several tokens per row.
+With speculation on (engine.spec), the runner's decode width comes from
+`Speculation.decide`; a width above 1 is one synchronous draft + verify step whose events carry
+several tokens per row. `stats()` reads a snapshot the engine thread publishes (under a lock)
+after its steps, never the scheduler's live state.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import threading
 import time
@@ -26,25 +28,28 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine import kvcache
-from engine.admission import MemoryBudget
 from engine.api import (
     FINISH_ABORT,
     FINISH_ERROR,
     EngineError,
     EngineOverloaded,
     EngineStats,
+    MemoryStats,
     ModelInfo,
     Request,
     TokenEvent,
 )
 from engine.batch import EventSink, RowMeta
 from engine.host_memory import memory_readings, release_idle_memory
-from engine.kvcache import KVConfig
+from engine.kv import batch as kvb
+from engine.kv.batch import KVConfig
+from engine.kv.memory import MemoryBudget
+from engine.kv.prefix_cache import NoPrefix, PrefixIndex
 from engine.loader import LoadedModel
-from engine.prefix import PrefixIndex
-from engine.runner import InFlight, Runner
+from engine.runner import Runner
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.spec import SpecConfig, build_speculation
+from engine.spec.decoder import Speculation
 
 log = logging.getLogger("mlxd.engine")
 
@@ -61,7 +66,10 @@ class EngineConfig:
     mlx_cache_limit: int | None = None
     release_every_s: float = 10.0  # while busy, give idle memory back this often
     idle_release_s: float = 1.0  # and once the engine has been idle this long
-    spec: Any = None  # engine.spec.SpecConfig: speculative decoding (None: off)
+    spec: SpecConfig | None = None  # speculative decoding (None: off)
+
+
+SNAPSHOT_EVERY_S = 0.05  # while busy, stats() sees the engine's state at most this old
 
 
 class Engine:
@@ -69,43 +77,52 @@ class Engine:
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
         self.loaded = loaded
-        self.config = config or EngineConfig(SchedulerConfig())
-        # no ring slack for speculation: a round writes only its accepted columns into the target's
-        # rings (engine/spec/ringcommit.py), so they keep the plain engine's shape and masks
-        self.runner = Runner(
-            loaded.model, self.config.kv, prefill_chunk=self.config.scheduler.prefill_chunk
+        self.config = cfg = config or EngineConfig(SchedulerConfig())
+        chunk = cfg.scheduler.prefill_chunk
+        model = loaded.model
+        kv = cfg.kv
+
+        def make(num_rows: int) -> list[Any]:
+            # no ring slack for speculation: a round writes only its accepted columns into the
+            # target's rings (engine/spec/ringcommit.py), so they keep the plain engine's shape
+            return kvb.new_batch(model, num_rows, kv)
+
+        self.spec = build_speculation(cfg.spec, model, loaded.vocab_size)
+        self.prefix: PrefixIndex | NoPrefix = (
+            PrefixIndex(make, cfg.prefix_cache_bytes, cfg.prefix_block_size, chunk)
+            if cfg.prefix_cache_bytes > 0 else NoPrefix(make, chunk)
         )
-        self.scheduler = Scheduler(self.config.scheduler, self.runner.new_caches)
-        self.scheduler.vocab_size = loaded.vocab_size
-        cfg = self.config
-        if cfg.prefix_cache_bytes > 0:
-            self.scheduler.prefix = PrefixIndex(
-                self.runner.new_caches, cfg.prefix_cache_bytes, cfg.prefix_block_size,
-                cfg.scheduler.prefill_chunk,
-            )
-        kv_kwargs = dict(kv_bits=cfg.kv.kv_bits, kv_group_size=cfg.kv.kv_group_size,
-                         max_kv_size=cfg.kv.max_kv_size)
+        self.runner = Runner(model, kv, self.spec, self.prefix)
+        # after the runner's start-up checks: this runs the first forward
         self.budget = MemoryBudget.for_model(
-            loaded.model, cfg.memory_budget, kv_kwargs, cfg.scheduler.prefill_chunk
+            model, cfg.memory_budget,
+            dict(kv_bits=kv.kv_bits, kv_group_size=kv.kv_group_size, max_kv_size=kv.max_kv_size),
         )
-        self.scheduler.budget = self.budget
+        self.scheduler = Scheduler(
+            cfg.scheduler, make, loaded.vocab_size, self.budget, self.prefix, self.spec
+        )
+        self._warm_up_spec()
         self.mlx_cache_limit = self._apply_cache_limit(cfg.mlx_cache_limit)
         self._steps_since_release = 0
         self._last_release = time.monotonic()
         self._num_releases = 0
         self._release_seconds = 0.0
-        self.spec = self._build_spec()
         self._sinks: dict[str, EventSink] = {}
         self._inbox: deque[tuple[str, Any]] = deque()
         self._wake = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._stats = EngineStats()
         self._last_error: str | None = None
-        self._inflight: InFlight | None = None
+        self._num_steps = 0
+        self._num_generated = 0
+        self.num_prompt_tokens = 0  # counted by AsyncEngine.submit (event-loop thread)
         # what max_queue bounds: requests admitted and not yet in a prefill group, less those
         # aborted (they stop counting when `abort` is called, not when the engine reaps them)
         self._queued: set[str] = set()
+        self._snapshot_lock = threading.Lock()
+        self._snapshot = EngineStats()
+        self._snapshot_at = 0.0
+        self._publish()
 
     # -- thread-safe API -------------------------------------------------------------------
     def start(self) -> None:
@@ -159,35 +176,49 @@ class Engine:
             self._queued.difference_update(r.req_id for r in rows)
 
     def stats(self) -> EngineStats:
-        s = self._stats
-        sched = self.scheduler
-        s.num_waiting = len(sched.waiting) + sum(1 for k, _ in list(self._inbox) if k == "add")
-        s.num_prefilling = len(sched.prefill.rows) if sched.prefill is not None else 0
-        s.num_running = len(sched.running)
-        by_layout = kvcache.bytes_by_layout(sched.running.caches)
-        if sched.prefill is not None:
-            for k, v in kvcache.bytes_by_layout(sched.prefill.caches).items():
-                by_layout[k] = by_layout.get(k, 0) + v
-        s.kv_bytes_by_layout = by_layout
-        s.kv_bytes = sum(by_layout.values())
-        s.extra["active_requests"] = len(self._sinks)
-        s.extra["num_queued"] = len(self._queued)  # what max_queue bounds (aborted ones excluded)
-        if self.spec is not None:
-            s.spec = self.spec.stats()
-        prefix = sched.prefix
-        if prefix is not None:
-            ps = dict(prefix.stats(), max_bytes=prefix.cache.max_bytes)
-            s.prefix_cache_bytes = prefix.nbytes
-            s.prefix_cache_hits, s.prefix_cache_queries = ps["hits"], ps["queries"]
-            s.extra["prefix_cache"] = ps
-        s.extra["memory_budget_bytes"] = self.budget.budget
-        s.extra["memory"] = dict(memory_readings(), mlx_cache_limit=self.mlx_cache_limit,
-                                 num_releases=self._num_releases,
-                                 release_seconds=round(self._release_seconds, 3))
-        s.extra["weights_bytes"] = self.budget.weights
-        if self._last_error:
-            s.extra["last_error"] = self._last_error
+        """Thread-safe: the engine thread's last snapshot, with the queue and process memory
+        as they are now."""
+        with self._snapshot_lock:
+            s = copy.deepcopy(self._snapshot)
+        with self._wake:
+            s.num_waiting += sum(1 for k, _ in self._inbox if k == "add")
+            s.num_queued = len(self._queued)
+        s.num_prompt_tokens = self.num_prompt_tokens
+        mem = s.memory
+        for key, value in memory_readings().items():
+            if hasattr(mem, key):
+                setattr(mem, key, value)
         return s
+
+    def _publish(self) -> None:
+        """Engine thread: a snapshot of the scheduler's state for `stats`."""
+        sched = self.scheduler
+        group = sched.prefill
+        by_layout = kvb.bytes_by_layout(sched.running.caches)
+        if group is not None:
+            for k, v in kvb.bytes_by_layout(group.caches).items():
+                by_layout[k] = by_layout.get(k, 0) + v
+        snap = EngineStats(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_prefilling=len(group.rows) if group is not None else 0,
+            active_requests=len(self._sinks),
+            kv_bytes=sum(by_layout.values()),
+            kv_bytes_by_layout=by_layout,
+            num_steps=self._num_steps,
+            num_generated_tokens=self._num_generated,
+            memory=MemoryStats(
+                budget_bytes=self.budget.budget, weights_bytes=self.budget.weights,
+                mlx_cache_limit=self.mlx_cache_limit, num_releases=self._num_releases,
+                release_seconds=round(self._release_seconds, 3),
+            ),
+            prefix_cache=self.prefix.stats(),
+            spec=self.spec.stats(),
+            last_error=self._last_error,
+        )
+        with self._snapshot_lock:
+            self._snapshot = snap
+        self._snapshot_at = time.monotonic()
 
     def _apply_cache_limit(self, limit: int | None) -> int:
         """Bound MLX's buffer cache (process-wide); returns the limit in force."""
@@ -247,26 +278,21 @@ class Engine:
             constraint=self._compile_constraint(params.constraint),
         )
 
-    def _build_spec(self) -> Any:
-        cfg = self.config.spec
-        if cfg is None or not cfg.enabled:
-            return None
-        from engine.spec import build_decoder
-
-        decoder = build_decoder(cfg, self.loaded.model, self.loaded.vocab_size)
+    def _warm_up_spec(self) -> None:
+        """The speculative shapes built now, not while serving (on a GPU unless configured)."""
+        spec, cfg = self.spec, self.config.spec
+        if not isinstance(spec, Speculation) or cfg is None:
+            return
         warm = cfg.warmup
         if warm is None:
             from kernels.common import gpu_backend
 
             warm = gpu_backend() is not None
-        if warm and decoder is not None:  # the speculative shapes built now, not while serving
+        if warm:
             try:
-                decoder.warm_up(self.runner.new_caches, self.loaded.vocab_size)
+                spec.warm_up(self.runner, self.loaded.vocab_size)
             except Exception:  # serving works without it: its shapes are then built on first use
                 log.exception("speculative warm-up failed; continuing without it")
-        sched = self.scheduler
-        sched.admit_spec = lambda rows: decoder.admit(rows, len(sched.running) + len(rows))
-        return decoder
 
     def _compile_constraint(self, spec: Any) -> Any:
         """The row's grammar matcher (None when unconstrained); a bad spec is a 400 here,
@@ -297,6 +323,7 @@ class Engine:
                     break
             if not (self._inbox or self._has_work()):
                 self._release_memory()  # idle: give back what the last burst left behind
+                self._publish()
                 continue
             try:
                 self._drain_inbox()
@@ -306,10 +333,13 @@ class Engine:
                 log.exception("engine step failed")
                 self._last_error = f"{type(exc).__name__}: {exc}"
                 self._fail_all(self._last_error)
+            if not self._has_work() or time.monotonic() - self._snapshot_at >= SNAPSHOT_EVERY_S:
+                self._publish()
         self._fail_all("the engine is shutting down", reason=FINISH_ABORT)
+        self._publish()
 
     def _has_work(self) -> bool:
-        return self._inflight is not None or self.scheduler.has_work()
+        return self.runner.in_flight or self.scheduler.has_work()
 
     def _drain_inbox(self) -> None:
         while True:
@@ -328,51 +358,27 @@ class Engine:
 
     def _step(self) -> None:
         start = time.perf_counter()
-        sched, runner = self.scheduler, self.runner
+        sched = self.scheduler
         plan = sched.schedule()
         if plan.prefill is not None:
             self._dequeue(plan.prefill.rows)  # a started row no longer counts against max_queue
-            runner.prefill(plan)
-            sched.finish_prefill_step(plan, None)
-        events: list[TokenEvent] = []
-        num_rows = len(sched.running)
-        width = self.spec.decide(sched.running) if self.spec is not None else 1
-        if width > 1:  # speculative: synchronous, several tokens per row
-            if self._inflight is not None:  # drain the pipeline first (not this step's cost)
-                events = self._collect(self._inflight)
-                self._inflight = None
-                start, num_rows = time.perf_counter(), len(sched.running)
-            if len(sched.running):
-                rows = list(sched.running.rows)
-                events += self._finish(rows, self.spec.step(sched.running, width))
-        else:
-            if self._inflight is not None and sched.running.constrained_rows():
-                # a grammar mask needs the previous token consumed: no pipelining while constrained
-                events = self._collect(self._inflight)
-                self._inflight = None
-            launched = runner.launch_decode(sched.running) if len(sched.running) else None
-            if self._inflight is not None:  # read step t-1 while step t computes
-                events = self._collect(self._inflight)
-            self._inflight = launched
-        self._stats.num_steps += 1
+        result = self.runner.run(plan)
+        num_rows = len(plan.batch)
+        events = sched.update(plan, result)
+        self._num_steps += 1
+        self._num_generated += sum(len(e.token_ids) for e in events)
         self._steps_since_release += 1
         if time.monotonic() - self._last_release >= self.config.release_every_s:
             self._release_memory(background=True)  # a never-idle server gives memory back too
         if events:
             self._emit(events)
-        if self.spec is not None:  # the speculation controller learns what a step costs
-            self.spec.record(num_rows, width, time.perf_counter() - start, plan.prefill is None)
-
-    def _collect(self, inflight: InFlight) -> list[TokenEvent]:
-        return self._finish(inflight.rows, self.runner.collect(inflight))
-
-    def _finish(self, rows: list[RowMeta], result: Any) -> list[TokenEvent]:
-        events = self.scheduler.finish_decode_step(rows, result)
-        self._stats.num_generated_tokens += sum(len(e.token_ids) for e in events)
-        return events
+        if result.width:  # the speculation learns what a step costs
+            seconds = time.perf_counter() - start
+            self.spec.record(num_rows, result.width, seconds, plan.prefill is None)
 
     def _emit(self, events: list[TokenEvent]) -> None:
         by_sink: dict[int, tuple[EventSink, list[TokenEvent]]] = {}
+        finished = False
         for ev in events:
             sink = self._sinks.get(ev.req_id)
             if sink is None:
@@ -380,6 +386,9 @@ class Engine:
             by_sink.setdefault(id(sink), (sink, []))[1].append(ev)
             if ev.finish_reason is not None:
                 del self._sinks[ev.req_id]
+                finished = True
+        if finished:  # a client told its request ended sees stats() without it
+            self._publish()
         for sink, evs in by_sink.values():
             sink(evs)
 
@@ -388,11 +397,10 @@ class Engine:
         rows = list(sched.waiting) + (sched.prefill.rows if sched.prefill else []) + sched.running.rows
         sched.waiting.clear()
         sched.prefill = None
-        if sched.prefix is not None:  # prefix hits looked up for rows that will never run
-            for row in rows:
-                sched.prefix.forget(row)
+        for row in rows:  # prefix hits looked up for rows that will never run
+            sched.prefix.forget(row)
         sched.running.take([])
-        self._inflight = None
+        self.runner.reset()
         events = []
         for row in rows:
             ev = sched.abort_event(row, reason)
@@ -452,7 +460,8 @@ class AsyncEngine:
             request.arrival_time = time.time()
         row = self.engine._validate(request)  # raises EngineError
         await self._enqueue(row, sink)  # raises EngineOverloaded
-        self.engine._stats.num_prompt_tokens += len(request.prompt_ids)
+        with self.engine._wake:
+            self.engine.num_prompt_tokens += len(request.prompt_ids)
         return self._stream(request.req_id, queue)
 
     async def _enqueue(self, row: RowMeta, sink: EventSink) -> None:

@@ -1,167 +1,317 @@
-"""Forward passes: one prefill chunk for the group being prefilled, one batched decode step.
+"""The executor: runs a step's plan (engine.scheduler.Plan) and returns its host values.
 
-The runner holds no per-request state; it reads the plan and the running batch and returns host
-values (token ids, logprobs) for the scheduler to turn into events.
+    result = runner.run(plan)
+
+`run` does, in order: the plan's prefill chunk (one right-padded forward for the group; the
+prefix cache takes the chunk's complete blocks), the group joining the running batch when its
+prefill is complete, and the batch's decode at the width the speculation picks
+(`Speculation.decide`; always 1 with `NoSpec`):
+
+* width 1, pipelined: the step is launched (`mx.async_eval`) and the previous step's tokens are
+  read while it computes, so Python bookkeeping overlaps the forward pass; the result is the
+  previous step's.
+* width 1, synchronous (a row under a grammar: its mask needs the previous token consumed):
+  launched and read in the same step.
+* width k + 1: a verify step: the speculation's drafts, one forward over
+  `[next, d_1 .. d_k]` per row, the verdict (engine.spec.accept), the accepted columns
+  committed into the rings (engine.spec.ringcommit).
+
+A synchronous decode while a pipelined step is still in flight first drains it: the result is
+that step's (`width` 0), and the decode runs at the width already chosen on the next call.
+Every result is a `StepResult`: per row, a list of tokens (and logprobs when asked).
+
+The runner keeps no per-request state beyond the one step in flight.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from typing import Any
+import logging
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import mlx.core as mx
+import numpy as np
 
-from engine import constrain, cuda_guard, kvcache
+from engine import constrain, cuda_guard
 from engine.batch import RowMeta, RunningBatch
+from engine.kv import batch as kvb
+from engine.kv.batch import KVConfig
+from engine.kv.prefix_cache import NoPrefix, PrefixIndex
 from engine.models import prepare_model
-from engine.sampling import SampleOutput, sample
+from engine.sampling import SamplerState, sample, token_logprobs
 from engine.scheduler import Plan, StepResult
-from engine.spec.widekv import wide, wide_enabled
+from engine.spec.accept import (
+    column_states,
+    greedy_verdict_host,
+    plain_greedy,
+    record_ragged,
+    verify,
+)
+from engine.spec.decoder import NoSpec, Round, Speculation
+from engine.spec.ringcommit import RingRound
 
-MIN_BUCKET = 16
+log = logging.getLogger("mlxd.engine")
 
 
-def bucket_width(width: int, cap: int) -> int:
-    """The forward width a last prefill chunk of `width` columns is padded to: the next power of
-    two (at least MIN_BUCKET), never more than `cap` (the scheduler's chunk) nor less than width."""
-    b = MIN_BUCKET
-    while b < width:
-        b *= 2
-    return max(width, min(b, cap))
+@dataclass(slots=True)
+class InFlight:
+    """A launched decode step: the rows it covers (at launch), its lazy outputs, and the rows
+    whose grammar failed while it was built (row index -> message)."""
 
-
-def bucket_widths(cap: int) -> list[int]:
-    """Every width `bucket_width` can return below `cap`, and `cap`: the shapes a warm-up builds."""
-    widths, w = [], MIN_BUCKET
-    while w < cap:
-        widths.append(w)
-        w *= 2
-    return [*widths, cap]
+    rows: list[RowMeta]
+    tokens: mx.array  # [B] int32 (plain step), or [B, W] (verify step)
+    counts: np.ndarray | None  # verify step: [B] tokens per row (None: a plain step)
+    logprobs: mx.array | None = None  # [B] / [B, W]
+    top_ids: mx.array | None = None  # [B, K] / [B, W, K]
+    top_logprobs: mx.array | None = None  # [B, K] / [B, W, K]
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 class Runner:
-    """Runs prefill chunks and decode steps.
-
-    Stable shapes (`stable_shapes`; opt-in with MLXD_STABLE_SHAPES=1, CUDA only — where MLX runs
-    attention over several queries through cuDNN): a cuDNN graph is built per (rows, queries, keys) shape, tens of ms
-    each, so a prompt of a new length would pay that on its time to first token. The last chunk
-    of a prefill is right-padded to a power-of-two width (the layouts are told each row's real
-    length, so the pad columns are never kept) and the keys are widened to the layout's
-    allocated capacity (engine/spec/widekv.py), so prompts of any length reuse a few shapes;
-    `warmup()` builds those shapes at start-up. Off by default: on the H200 it cut the median
-    TTFT of one-row prompts of new lengths from 142 to 26 ms, but one benchmark run with groups of
-    4 rows and the prefix cache on aborted inside MLX-CUDA (cudaStreamEndCapture failed), which a
-    run with it off did not (bench/results/h200-session2/); not yet explained.
-    """
+    """Runs plans: prefill chunks, pipelined decode, verification (see the module docstring)."""
 
     def __init__(
         self,
         model: Any,
-        kv: kvcache.KVConfig | None = None,
-        stable_shapes: bool | None = None,
-        prefill_chunk: int = 512,
+        kv: KVConfig | None = None,
+        spec: Speculation | NoSpec | None = None,
+        prefix: PrefixIndex | NoPrefix | None = None,
     ):
         self.model = model
-        self.kv = kv or kvcache.KVConfig()
+        self.kv = kv or KVConfig()
         cuda_guard.install()  # MLX-CUDA: RoPE over many rows (engine/cuda_guard.py); no-op elsewhere
         prepare_model(model)  # once: recurrent mixers step through padding / rollback
-        kvcache.check_supported(model, self.kv)  # quantized KV: fail at start, not per request
-        if stable_shapes is None:  # opt-in: MLXD_STABLE_SHAPES=1 (CUDA only; see below)
-            stable_shapes = os.environ.get("MLXD_STABLE_SHAPES", "") == "1" and wide_enabled()
-        self.stable_shapes = stable_shapes
-        self.prefill_chunk = prefill_chunk
-        self.warmup_seconds = self.warmup()
+        kvb.check_supported(model, self.kv)  # quantized KV: fail at start, not per request
+        self.spec = spec or NoSpec()
+        self.prefix = prefix or NoPrefix(self.new_caches)
+        self._inflight: InFlight | None = None
+        self._held = 0  # a width chosen while a step was in flight: the next decode's
 
-    def warmup(self) -> float:
-        """Build the stable prefill shapes and a decode step once (CUDA's per-shape setup) before
-        the first request; returns the seconds it took (0 when shapes are not stabilised)."""
-        if not self.stable_shapes:
-            return 0.0
-        import time
+    def new_caches(self, num_rows: int) -> list[Any]:
+        return kvb.new_batch(self.model, num_rows, self.kv)
 
-        t0 = time.perf_counter()
-        for width in bucket_widths(self.prefill_chunk):
-            caches = self.new_caches(1)
-            kvcache.prepare_right_padded(caches, [width - 1], force=True)
-            self.model(mx.zeros((1, width), dtype=mx.int32), cache=wide(caches, force=True))
-            kvcache.finalize(caches)
-            logits = self.model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
-            mx.eval(logits)
-        return time.perf_counter() - t0
+    @property
+    def in_flight(self) -> bool:
+        """A pipelined step has been launched and not read yet."""
+        return self._inflight is not None
 
-    def new_caches(self, num_rows: int) -> kvcache.Caches:
-        return kvcache.new_batch(self.model, num_rows, self.kv)
+    def reset(self) -> None:
+        """Forget the step in flight (its rows were failed)."""
+        self._inflight = None
+        self._held = 0
 
-    def prefill(self, plan: Plan) -> None:
+    # -- the step --------------------------------------------------------------------------
+    def run(self, plan: Plan) -> StepResult:
+        if plan.prefill is not None:
+            self._prefill(plan)
+        batch = plan.batch
+        if plan.join is not None:
+            batch.concat(plan.join)
+        if not len(batch):
+            self._held = 0  # chosen for rows that are gone
+            return self._drain()
+        width, self._held = self._held or self.spec.decide(batch), 0
+        constrained = batch.constrained_rows()
+        sync = width > 1 or bool(constrained)
+        if sync and self._inflight is not None:
+            self._held = width
+            return self._drain()
+        if width > 1:
+            result = self.verify(batch, width)
+        elif sync:
+            result = _collect(self._launch(batch, constrained))
+        else:
+            previous, self._inflight = self._inflight, self._launch(batch, constrained)
+            result = _collect(previous) if previous is not None else StepResult()
+        result.width = width
+        return result
+
+    def _drain(self) -> StepResult:
+        previous, self._inflight = self._inflight, None
+        return _collect(previous) if previous is not None else StepResult()
+
+    # -- prefill ---------------------------------------------------------------------------
+    def _prefill(self, plan: Plan) -> None:
         group = plan.prefill
-        if group is None or plan.prefill_end <= group.done:
-            return
+        assert group is not None
         start, end = group.done, plan.prefill_end
-        stable = self.stable_shapes
-        if start == 0:  # with stable shapes every group is announced: its last chunk is padded
-            lengths = [len(t) for t in group.token_lists]
-            kvcache.prepare_right_padded(group.caches, lengths, force=stable)
+        if end <= start:
+            return
+        if start == 0:  # the lengths announced here hold across chunks
+            kvb.prepare_right_padded(group.caches, [len(t) for t in group.token_lists])
         width = end - start
-        if stable and end >= group.width:  # only the last chunk: pad columns lie past every row
-            width = bucket_width(width, plan.chunk or self.prefill_chunk)
         rows = [t[start:end] + [0] * (width - len(t[start:end])) for t in group.token_lists]
-        caches = wide(group.caches, force=True) if stable else group.caches
-        self.model(mx.array(rows, dtype=mx.int32), cache=caches)
-        if end >= group.width:  # the lengths announced at start == 0 hold across chunks
-            kvcache.finalize(group.caches)
-        kvcache.eval_state(group.caches)
+        self.model(mx.array(rows, dtype=mx.int32), cache=group.caches)
+        if end >= group.width:
+            kvb.finalize(group.caches)
+        kvb.eval_state(group.caches)
+        self.prefix.store(group.rows, group.caches)
 
-    def launch_decode(self, batch: RunningBatch) -> InFlight:
-        """Queue one decode step for every running row without waiting for it (async_eval).
+    def prefill_row(self, caches: list[Any], token_ids: list[int]) -> None:
+        """One row's prompt into fresh `caches` (speculation's warm-up batch)."""
+        self.model(mx.array([token_ids], dtype=mx.int32), cache=caches)
+        kvb.eval_state(caches)
 
-        The step's inputs may themselves still be in flight: the host reads step t's tokens
-        while step t+1 computes, so Python bookkeeping overlaps the forward pass.
-        """
+    # -- plain decode ----------------------------------------------------------------------
+    def _launch(self, batch: RunningBatch, constrained: list[tuple[Any, int]]) -> InFlight:
+        """Queue one decode step for every row without waiting for it (async_eval). The
+        step's inputs may themselves still be in flight (the previous step's tokens)."""
         assert batch.next_tokens is not None and batch.sampler is not None
         logits = self.model(batch.next_tokens[:, None], cache=batch.caches)[:, -1, :]
-        constrained = batch.constrained_rows()
-        if constrained:  # the caller made sure every row's previous token is consumed
-            logits = _mask_logits(logits, constrained)
+        masked, errors = _mask(logits, constrained)
+        if masked is not None:
+            logits = masked
         out = sample(logits.astype(mx.float32), batch.sampler)
         batch.sampler = batch.sampler.record(out.tokens)
         batch.next_tokens = out.tokens
         extra = [a for a in (out.logprobs, out.top_ids, out.top_logprobs) if a is not None]
         mx.async_eval(out.tokens, *extra, *batch.arrays(), *_arrays_of(batch.sampler))
-        return InFlight(rows=list(batch.rows), out=out)
+        return InFlight(list(batch.rows), out.tokens, None, out.logprobs, out.top_ids,
+                        out.top_logprobs, errors)
 
-    @staticmethod
-    def collect(inflight: InFlight) -> StepResult:
-        """Wait for a launched step and bring its outputs to the host."""
-        out = inflight.out
-        result = StepResult(tokens=out.tokens.tolist())
-        if out.logprobs is not None:
-            result.logprobs = out.logprobs.tolist()
-        if out.top_ids is not None and out.top_logprobs is not None:
-            ids, lps = out.top_ids.tolist(), out.top_logprobs.tolist()
-            result.top_logprobs = [list(zip(a, b, strict=True)) for a, b in zip(ids, lps, strict=True)]
-        return result
+    # -- verification ----------------------------------------------------------------------
+    def verify(self, batch: RunningBatch, width: int) -> StepResult:
+        """Draft, verify and accept for every row; the batch (caches, sampler, next tokens,
+        drafter state) ends the step as if the accepted tokens had been decoded plainly."""
+        assert isinstance(self.spec, Speculation) and batch.sampler is not None
+        rnd = self.spec.propose(batch, width)
+        proposal = rnd.proposal
+        K = int(proposal.tokens.shape[1])
+        # rings are written after the verdict (accepted columns only): no ring slack needed,
+        # so the target's layouts are the plain engine's (engine/spec/ringcommit.py)
+        ring_round = RingRound(batch.caches or [], K + 1)
+        logits = self.model(_verify_input(batch, rnd), cache=ring_round.model_caches)
+        first, errors = _mask(logits[:, 0, :], batch.constrained_rows())
+        if first is not None:  # column 0 under the grammar (constrained rows have no drafts)
+            logits = mx.concatenate([first[:, None], logits[:, 1:]], axis=1)
+        sampler = batch.sampler
+        if plain_greedy(sampler):  # the verdict on the host: one argmax, then numpy on [B, W]
+            tokens = mx.argmax(logits, axis=-1).astype(mx.int32)  # [B, W]
+            extra = _logprobs(logits, tokens, sampler)
+            drafts = proposal.host_tokens
+            mx.eval(tokens, *[x for x in extra if x is not None],
+                    *([proposal.tokens] if drafts is None and K else []))
+            drafts = drafts if drafts is not None else np.array(proposal.tokens)
+            accepted, last = greedy_verdict_host(np.array(tokens), drafts, proposal.num_drafts)
+            num = mx.array(accepted.astype(np.int32) + 1)
+            batch.next_tokens = mx.array(last.astype(np.int32))
+        else:
+            states = proposal.column_states or column_states(sampler, proposal.tokens, K + 1)
+            while len(states) < K + 1:
+                states.append(states[-1].record(proposal.tokens[:, len(states) - 1]))
+            num_drafts = mx.array(proposal.num_drafts.astype(np.int32))
+            verdict = verify(logits, states, proposal.tokens, num_drafts, proposal.draft_logits)
+            tokens = verdict.tokens
+            extra = _logprobs(logits, tokens, sampler)
+            mx.eval(verdict.num_accepted, tokens, *[x for x in extra if x is not None])
+            accepted = np.array(verdict.num_accepted).astype(np.int64)
+            num = verdict.num_accepted + 1
+            batch.next_tokens = verdict.last
+        ring_round.finish(accepted + 1)
+        batch.sampler = record_ragged(sampler, tokens, num)
+        # the ring commit and the state updates run while the host does the bookkeeping
+        mx.async_eval(batch.next_tokens, *batch.arrays(), *_arrays_of(batch.sampler))
+        self.spec.observe(rnd, accepted)
+        chosen, top_ids, top_lps = extra
+        return _collect(InFlight(list(batch.rows), tokens, accepted + 1, chosen, top_ids, top_lps,
+                                 errors))
 
 
-@dataclass(slots=True)
-class InFlight:
-    """A launched decode step: the rows it covers (at launch) and its lazy outputs."""
+def _verify_input(batch: RunningBatch, rnd: Round) -> mx.array:
+    """[B, K + 1]: each row's next input token, then its drafts (padding past its own)."""
+    proposal = rnd.proposal
+    K = int(proposal.tokens.shape[1])
+    host = proposal.host_tokens
+    if host is not None:  # drafts on the host (a lookup drafter): one upload
+        contexts = rnd.ctx.contexts
+        nxt = np.fromiter((c[-1] for c in contexts), np.int32, len(contexts))
+        return mx.array(np.concatenate([nxt[:, None], host[:, :K].astype(np.int32)], axis=1))
+    assert batch.next_tokens is not None
+    return mx.concatenate([batch.next_tokens[:, None], proposal.tokens.astype(mx.int32)], axis=1)
 
-    rows: list[RowMeta]
-    out: SampleOutput
 
-
-def _mask_logits(logits: mx.array, constrained: list[tuple[Any, int]]) -> mx.array:
-    """-inf on every token a row's grammar forbids; free rows pass through bit for bit.
+def _mask(
+    logits: mx.array, constrained: list[tuple[Any, int]]
+) -> tuple[mx.array | None, dict[int, str]]:
+    """-inf on every token a row's grammar forbids; free rows pass through bit for bit. Returns
+    the masked logits (None when no row is constrained) and the rows whose grammar failed
+    (row index -> message; their mask allows everything, and the scheduler ends them).
+    `constrained`: (grammar, row index) of every row under one (`RunningBatch.constrained_rows`).
 
     The forward pass runs (async_eval) while the grammar engine fills the bitmasks on the CPU.
     """
+    if not constrained:
+        return None, {}
     mx.async_eval(logits)
-    batch, vocab = logits.shape
-    bitmask = constrain.new_bitmask(batch, vocab)
-    constrain.fill_masks(constrained, bitmask)
+    rows, vocab = logits.shape
+    bitmask = constrain.new_bitmask(rows, vocab)
+    errors = _fill_masks(constrained, bitmask)
     allowed = constrain.allowed_from_bitmask(bitmask, vocab)
-    return mx.where(allowed, logits, mx.array(float("-inf"), dtype=logits.dtype))
+    return mx.where(allowed, logits, mx.array(float("-inf"), dtype=logits.dtype)), errors
+
+
+def _fill_masks(constrained: list[tuple[Any, int]], bitmask: np.ndarray) -> dict[int, str]:
+    """All rows' masks in one call; if that fails, row by row, so that one broken grammar
+    fails only its own row."""
+    try:
+        constrain.fill_masks(constrained, bitmask)
+        return {}
+    except Exception:  # noqa: BLE001 - find the row(s) at fault below
+        log.debug("batched grammar mask failed; retrying row by row", exc_info=True)
+    errors: dict[int, str] = {}
+    for c, i in constrained:
+        try:
+            constrain.fill_masks([(c, i)], bitmask)
+        except Exception as exc:  # noqa: BLE001 - a grammar engine failure ends this row
+            errors[i] = f"{type(exc).__name__}: {exc}"
+            bitmask[i] = -1
+    return errors
+
+
+def _logprobs(
+    logits: mx.array, tokens: mx.array, sampler: SamplerState
+) -> tuple[mx.array | None, mx.array | None, mx.array | None]:
+    """`engine.sampling.token_logprobs` of every column of a [B, W, V] forward."""
+    if not sampler.want_logprobs:
+        return None, None, None
+    B, W, V = logits.shape
+    chosen, ids, lps = token_logprobs(
+        logits.reshape(B * W, V), tokens.reshape(B * W), sampler.num_top_logprobs
+    )
+    if ids is None or lps is None:
+        return chosen.reshape(B, W), None, None
+    K = ids.shape[-1]
+    return chosen.reshape(B, W), ids.reshape(B, W, K), lps.reshape(B, W, K)
+
+
+def _collect(step: InFlight) -> StepResult:
+    """Wait for a step and bring its outputs to the host, as per-row lists."""
+    if step.counts is None:  # a plain step: one token per row
+        tokens = cast(list[int], step.tokens.tolist())
+        result = StepResult(step.rows, [[t] for t in tokens], errors=step.errors)
+        if step.logprobs is not None:
+            result.logprobs = [[x] for x in cast(list[float], step.logprobs.tolist())]
+        if step.top_ids is not None and step.top_logprobs is not None:
+            ids = cast(list[list[int]], step.top_ids.tolist())
+            lps = cast(list[list[float]], step.top_logprobs.tolist())
+            pairs = zip(ids, lps, strict=True)
+            result.top_logprobs = [[list(zip(a, b, strict=True))] for a, b in pairs]
+        return result
+    counts = step.counts.tolist()
+    arr = np.array(step.tokens)
+    result = StepResult(step.rows, [arr[b, :n].tolist() for b, n in enumerate(counts)],
+                        errors=step.errors)
+    if step.logprobs is not None:
+        lp = np.array(step.logprobs)
+        result.logprobs = [lp[b, :n].tolist() for b, n in enumerate(counts)]
+    if step.top_ids is not None and step.top_logprobs is not None:
+        top_ids, top_lps = np.array(step.top_ids), np.array(step.top_logprobs)
+        result.top_logprobs = [
+            [list(zip(top_ids[b, j].tolist(), top_lps[b, j].tolist(), strict=True))
+             for j in range(n)]
+            for b, n in enumerate(counts)
+        ]
+    return result
 
 
 def _arrays_of(state: Any) -> list[mx.array]:

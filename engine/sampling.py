@@ -58,9 +58,8 @@ filters), as vLLM and OpenAI report them.
 from __future__ import annotations
 
 import copy
-
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import mlx.core as mx
@@ -490,14 +489,21 @@ def sample(logits: mx.array, state: SamplerState) -> SampleOutput:
     tokens = draw(process_logits(logits, state), state)
     if not state.want_logprobs:
         return SampleOutput(tokens, None, None, None)
+    return SampleOutput(tokens, *token_logprobs(logits, tokens, state.num_top_logprobs))
+
+
+def token_logprobs(
+    logits: mx.array, tokens: mx.array, top: int
+) -> tuple[mx.array, mx.array | None, mx.array | None]:
+    """[N] log-softmax of the raw logits [N, V] at `tokens` [N], and the `top` best as
+    ([N, top] ids, [N, top] logprobs), best first (None, None when top == 0)."""
     raw = logits.astype(mx.float32)
-    log_norm = mx.logsumexp(raw, axis=-1, keepdims=True)  # [B, 1]
+    log_norm = mx.logsumexp(raw, axis=-1, keepdims=True)  # [N, 1]
     chosen = (mx.take_along_axis(raw, tokens[:, None], axis=-1) - log_norm)[:, 0]
-    K = state.num_top_logprobs
-    if K == 0:
-        return SampleOutput(tokens, chosen, None, None)
-    cand = mx.argpartition(-raw, K - 1, axis=-1)[:, :K]  # the K best, unordered
+    if top == 0:
+        return chosen, None, None
+    cand = mx.argpartition(-raw, top - 1, axis=-1)[:, :top]  # the best, unordered
     cand_lp = mx.take_along_axis(raw, cand, axis=-1) - log_norm
     order = mx.argsort(-cand_lp, axis=-1)
     top_ids = mx.take_along_axis(cand, order, axis=-1).astype(mx.int32)
-    return SampleOutput(tokens, chosen, top_ids, mx.take_along_axis(cand_lp, order, axis=-1))
+    return chosen, top_ids, mx.take_along_axis(cand_lp, order, axis=-1)

@@ -1,30 +1,37 @@
 """Who runs this step, and with how many tokens.
 
 Queues: `waiting` (admitted, not started) → `prefill` (one group being prefilled, possibly over
-several steps) → `running` (decoding, one token per row per step). Each step:
+several steps) → `running` (decoding). Each step:
 
-    plan   = scheduler.schedule()            # next prefill chunk (if any) + whether to decode
-    result = runner.execute(plan, ...)        # forwards
-    events = scheduler.update(plan, result)   # tokens out, finished rows dropped at once
+    plan   = scheduler.schedule()            # next prefill chunk, and who joins the batch
+    result = runner.run(plan)                # forwards (engine.runner)
+    events = scheduler.update(plan, result)  # tokens out, finished rows dropped at once
 
 A prefill group is either several short prompts that fit one chunk together (one right-padded
 forward) or one long prompt prefilled alone in chunks of `prefill_chunk` tokens, so long
 prompts interleave with the running decodes instead of stalling them. Prefill covers the prompt
 minus its last token; the last token is the row's first decode input, so every sampled token
-comes from the batched decode step.
+comes from the batched decode step. A group joins the running batch in the step its prefill
+completes, and decodes in that same step.
+
+The running batch (with the rows that join it) decodes every step; how many tokens per row is
+the executor's question to the speculation (engine.runner).
 """
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 import mlx.core as mx
 
-from engine import kvcache
 from engine.api import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, TokenEvent
 from engine.batch import RowMeta, RunningBatch
+from engine.kv.memory import MemoryBudget
+from engine.kv.prefix_cache import NoPrefix, PrefixIndex
+from engine.sampling import SamplerState
+from engine.spec.decoder import NoSpec, Speculation
 
 
 @dataclass(slots=True)
@@ -37,10 +44,20 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class PrefillGroup:
-    rows: list[RowMeta]
-    token_lists: list[list[int]]  # what goes through prefill: prompt[:-1] per row
-    caches: kvcache.Caches
+    """Rows being prefilled together, as the batch they will join `running` as."""
+
+    batch: RunningBatch  # rows, last prompt tokens, sampler and spec state, the caches filled
+    token_lists: list[list[int]]  # what goes through prefill: prompt[cached:-1] per row
     done: int = 0  # columns already processed
+
+    @property
+    def rows(self) -> list[RowMeta]:
+        return self.batch.rows
+
+    @property
+    def caches(self) -> list:
+        assert self.batch.caches is not None
+        return self.batch.caches
 
     @property
     def width(self) -> int:
@@ -53,40 +70,51 @@ class PrefillGroup:
 
 @dataclass(slots=True)
 class Plan:
+    batch: RunningBatch  # the running batch
     prefill: PrefillGroup | None = None
     prefill_end: int = 0  # process columns [prefill.done, prefill_end)
-    decode: bool = False
-    chunk: int = 0  # the widest prefill forward allowed now (a padded last chunk stays within)
+    join: RunningBatch | None = None  # joins `batch` after the chunk (its prefill is complete)
 
 
 @dataclass(slots=True)
 class StepResult:
-    """Host-side outputs of a decode step, one entry per running row (a list of entries per
-    row after a speculative step: engine.spec.SpecStepResult has that shape)."""
+    """Host outputs of a step, per row of `rows` (the rows it covered, as launched): the tokens
+    it produced (accepted drafts, then the target's token), and their logprobs when asked."""
 
-    tokens: list[Any] = field(default_factory=list)
-    logprobs: list[Any] | None = None
-    top_logprobs: list[Any] | None = None
+    rows: list[RowMeta] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] | None = None
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+    errors: dict[int, str] = field(default_factory=dict)  # row index -> why the row failed
+    width: int = 0  # the decode this step ran: 0 none, 1 plain, k + 1 a verify of k drafts
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, make_caches):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        make_caches,
+        vocab_size: int,
+        budget: MemoryBudget,
+        prefix: PrefixIndex | NoPrefix | None = None,
+        spec: Speculation | NoSpec | None = None,
+    ):
         self.config = config
-        self._make_caches = make_caches  # (num_rows) -> empty batch caches
+        self.vocab_size = vocab_size
+        self.budget = budget
+        self.prefix = prefix or NoPrefix(make_caches, config.prefill_chunk)
+        self.spec = spec or NoSpec()
         self.waiting: deque[RowMeta] = deque()
         self.prefill: PrefillGroup | None = None
         self.running = RunningBatch()
-        # rows leaving prefill -> their speculation state (engine.spec; None: speculation off)
-        self.admit_spec: Any = None
-        self.prefix: Any = None  # engine.prefix.PrefixIndex, or None (prefix cache off)
-        self.budget: Any = None  # engine.admission.MemoryBudget, or None (no admission control)
+        self._failed: list[TokenEvent] = []  # rows failed while planning, out with the next update
 
     # -- admission -------------------------------------------------------------------------
     def add(self, row: RowMeta) -> None:
         self.waiting.append(row)
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or self.prefill is not None or len(self.running) > 0
+        return bool(self.waiting or self.prefill or len(self.running) or self._failed)
 
     def abort(self, req_id: str) -> RowMeta | None:
         """Remove a request wherever it is; returns its row if it was found."""
@@ -94,8 +122,7 @@ class Scheduler:
             if row.req_id == req_id:
                 self.waiting.remove(row)
                 row.finished = True
-                if self.prefix is not None:
-                    self.prefix.forget(row)
+                self.prefix.forget(row)
                 return row
         group = self.prefill
         if group is not None:
@@ -104,9 +131,9 @@ class Scheduler:
                     self._drop_from_prefill(i)
                     row.finished = True
                     return row
-        i = self.running.index_of(req_id)
-        if i is not None:
-            row = self.running.rows[i]
+        at = self.running.index_of(req_id)
+        if at is not None:
+            row = self.running.rows[at]
             row.finished = True
             self.drop_finished()
             return row
@@ -121,25 +148,21 @@ class Scheduler:
             return
         # A right-padded group mid-prefill cannot drop a row cheaply; groups of several rows
         # finish in one forward, so this only happens between steps on a finished-or-new group.
-        kvcache.filter_rows(group.caches, keep)
-        group.rows = [group.rows[j] for j in keep]
+        group.batch.take(keep)
         group.token_lists = [group.token_lists[j] for j in keep]
 
     # -- planning --------------------------------------------------------------------------
     def schedule(self) -> Plan:
         if self.prefill is None:
             self.prefill = self._form_group()
-        plan = Plan(decode=len(self.running) > 0)
+        plan = Plan(self.running)
         group = self.prefill
         if group is not None:
             plan.prefill = group
-            plan.chunk = self._chunk()
-            plan.prefill_end = min(group.width, group.done + plan.chunk)
+            plan.prefill_end = min(group.width, group.done + self.prefix.chunk)
+            if plan.prefill_end >= group.width:
+                plan.join = group.batch
         return plan
-
-    def _chunk(self) -> int:
-        """Prefill columns per forward (smaller with a prefix cache over sliding layers)."""
-        return self.prefix.chunk if self.prefix is not None else self.config.prefill_chunk
 
     def _reserved_bytes(self) -> int:
         rows = self.running.rows + (self.prefill.rows if self.prefill is not None else [])
@@ -148,20 +171,18 @@ class Scheduler:
     def _form_group(self) -> PrefillGroup | None:
         cfg = self.config
         room = cfg.max_num_seqs - len(self.running)
-        chunk = self._chunk()
+        chunk = self.prefix.chunk
         rows: list[RowMeta] = []
         width = 0
-        reserved = self._reserved_bytes() if self.budget is not None else 0
+        reserved = self._reserved_bytes()
         while self.waiting and len(rows) < room:
             row = self.waiting[0]
-            if self.prefix is not None:
-                self.prefix.lookup(row)
+            self.prefix.lookup(row)
             need = row.num_prompt_tokens - 1 - row.num_cached_tokens
-            if self.budget is not None:
-                extra = self.budget.row_bytes(row.num_prompt_tokens, row.max_new_tokens)
-                if (rows or len(self.running)) and not self.budget.fits(reserved, extra, min(need, chunk)):
-                    break  # wait until running rows finish and release their reservation
-                reserved += extra
+            extra = self.budget.row_bytes(row.num_prompt_tokens, row.max_new_tokens)
+            if (rows or len(self.running)) and not self.budget.fits(reserved, extra, min(need, chunk)):
+                break  # wait until running rows finish and release their reservation
+            reserved += extra
             if need > chunk:
                 if rows:
                     break  # a long prompt goes alone, next time
@@ -172,64 +193,61 @@ class Scheduler:
                 break
             rows.append(self.waiting.popleft())
             width = new_width
+        rows, sampler = self._sampler_for(rows)
         if not rows:
             return None
         token_lists = [r.request.prompt_ids[r.num_cached_tokens : -1] for r in rows]
-        if self.prefix is not None:
-            caches = self.prefix.group_caches(rows)
-        else:
-            caches = self._make_caches(len(rows))
-        return PrefillGroup(rows, token_lists, caches)
+        last = mx.array([r.request.prompt_ids[-1] for r in rows], dtype=mx.int32)
+        spec = self.spec.admit(rows, len(self.running) + len(rows))
+        caches = self.prefix.group_caches(rows)
+        return PrefillGroup(RunningBatch(rows, last, sampler, caches, spec), token_lists)
+
+    def _sampler_for(self, rows: list[RowMeta]) -> tuple[list[RowMeta], SamplerState | None]:
+        """The rows' sampler state; a row whose settings it refuses (a token id outside the
+        vocabulary) fails alone, with its message, and the others go on."""
+        try:
+            return rows, self._sampler(rows) if rows else None
+        except ValueError:
+            pass
+        good = []
+        for row in rows:
+            try:
+                self._sampler([row])
+                good.append(row)
+            except ValueError as exc:
+                self.prefix.forget(row)
+                row.finished = True
+                self._failed.append(self.abort_event(row, FINISH_ERROR, f"invalid request: {exc}"))
+        return good, self._sampler(good) if good else None
+
+    def _sampler(self, rows: list[RowMeta]) -> SamplerState:
+        return SamplerState.from_params(
+            [r.request.params for r in rows],
+            [r.request.prompt_ids for r in rows],
+            self.vocab_size,
+            [_seed_of(r) for r in rows],
+        )
 
     # -- results ---------------------------------------------------------------------------
-    def finish_prefill_step(self, plan: Plan, first_tokens: mx.array | None) -> None:
-        """After the runner processed `plan`'s chunk: move a completed group into `running`."""
+    def update(self, plan: Plan, result: StepResult) -> list[TokenEvent]:
+        """Turn a step's result into events; rows that finish leave the running batch at once.
+        Rows already finished (aborted, or finished by the previous step while this one was in
+        flight) are skipped. A row's tokens are cut at a stop token (not emitted), at its
+        max_new_tokens or where its grammar ends, exactly as if they had come one per step."""
         group = plan.prefill
-        if group is None:
-            return
-        group.done = plan.prefill_end
-        if self.prefix is not None:
-            self.prefix.store(group.rows, group.caches)
-        if not group.finished:
-            return
-        self.prefill = None
-        last = mx.array([r.request.prompt_ids[-1] for r in group.rows], dtype=mx.int32)
-        from engine.sampling import SamplerState  # local: keeps import order obvious
-
-        sampler = SamplerState.from_params(
-            [r.request.params for r in group.rows],
-            [r.request.prompt_ids for r in group.rows],
-            self.vocab_size,
-            [self._seed_of(r) for r in group.rows],
-        )
-        spec = self.admit_spec(group.rows) if self.admit_spec is not None else None
-        self.running.concat(RunningBatch(group.rows, last, sampler, group.caches, spec))
-
-    vocab_size: int = 0
-
-    @staticmethod
-    def _seed_of(row: RowMeta) -> int:
-        seed = row.request.params.seed
-        if seed is None:
-            import random
-
-            seed = random.getrandbits(32)
-        return seed & 0xFFFFFFFF
-
-    def finish_decode_step(self, rows: list[RowMeta], result: StepResult) -> list[TokenEvent]:
-        """Turn one decode step (covering `rows`, as launched) into events; rows that finish
-        leave the running batch at once. Rows already finished (aborted, or finished by the
-        previous step while this one was in flight) are skipped.
-
-        A row's entry in `result.tokens` is one token, or a list of them (a speculative step:
-        accepted drafts, then the target's token); the list is cut at a stop token (not
-        emitted) or at the row's max_new_tokens, exactly as if they had come one per step.
-        """
-        events: list[TokenEvent] = []
-        for i, (row, token) in enumerate(zip(rows, result.tokens, strict=True)):
+        if group is not None:
+            group.done = plan.prefill_end
+            if group.finished:  # its rows joined the running batch in this step
+                self.prefill = None
+        events, self._failed = self._failed, []
+        for i, row in enumerate(result.rows):
             if row.finished:
                 continue
-            event = self._row_event(row, result, i)
+            error = result.errors.get(i)
+            if error is None:
+                event = self._row_event(row, result, i)
+            else:  # the row's grammar failed while its mask was built
+                event = self.abort_event(row, FINISH_ERROR, f"constrained decoding failed: {error}")
             events.append(event)
             row.finished = event.finish_reason is not None
         self.drop_finished()
@@ -237,11 +255,10 @@ class Scheduler:
 
     def _row_event(self, row: RowMeta, result: StepResult, i: int) -> TokenEvent:
         params = row.request.params
-        multi = isinstance(result.tokens[i], list)
-        tokens = result.tokens[i] if multi else [result.tokens[i]]
         finish = None
+        error = None
         ids: list[int] = []
-        for token in tokens:
+        for token in result.tokens[i]:
             if token in row.stop_ids:
                 finish = FINISH_STOP
                 break
@@ -249,7 +266,7 @@ class Scheduler:
             row.output_ids.append(token)
             row.num_generated += 1
             if row.constraint is not None:
-                finish = _advance_constraint(row, token)
+                finish, error = _advance_constraint(row, token)
             if row.num_generated >= row.max_new_tokens:
                 finish = finish or FINISH_LENGTH
             if finish is not None:
@@ -260,15 +277,13 @@ class Scheduler:
             finish_reason=finish,
             num_prompt_tokens=row.num_prompt_tokens,
             num_cached_tokens=row.num_cached_tokens,
+            error=error,
         )
         if params.logprobs and ids and result.logprobs is not None:
-            lps = result.logprobs[i] if multi else [result.logprobs[i]]
-            event.logprobs = lps[: len(ids)]
+            event.logprobs = result.logprobs[i][: len(ids)]
             if params.top_logprobs and result.top_logprobs is not None:
-                tops = result.top_logprobs[i] if multi else [result.top_logprobs[i]]
-                event.top_logprobs = [t[: params.top_logprobs] for t in tops[: len(ids)]]
-        if finish == FINISH_ERROR:
-            event.error = f"constrained decoding failed: {row.constraint.error or 'token rejected'}"
+                tops = result.top_logprobs[i][: len(ids)]
+                event.top_logprobs = [t[: params.top_logprobs] for t in tops]
         return event
 
     def drop_finished(self) -> None:
@@ -276,18 +291,32 @@ class Scheduler:
         if any(r.finished for r in running.rows):
             running.take([i for i, r in enumerate(running.rows) if not r.finished])
 
-    def abort_event(self, row: RowMeta, reason: str = FINISH_ABORT) -> TokenEvent:
+    def abort_event(self, row: RowMeta, reason: str = FINISH_ABORT, error: str | None = None) -> TokenEvent:
         return TokenEvent(
             req_id=row.req_id,
             token_ids=[],
             finish_reason=reason,
             num_prompt_tokens=row.num_prompt_tokens,
             num_cached_tokens=row.num_cached_tokens,
+            error=error,
         )
 
 
-def _advance_constraint(row: RowMeta, token: int) -> str | None:
-    """Feed the sampled token to the row's grammar: "stop" once the grammar is complete."""
-    if not row.constraint.consume(token):
-        return FINISH_ERROR  # the mask should make this impossible
-    return FINISH_STOP if row.constraint.is_done() else None
+def _seed_of(row: RowMeta) -> int:
+    seed = row.request.params.seed
+    if seed is None:
+        seed = random.getrandbits(32)
+    return seed & 0xFFFFFFFF
+
+
+def _advance_constraint(row: RowMeta, token: int) -> tuple[str | None, str | None]:
+    """Feed the sampled token to the row's grammar: (finish reason, error). "stop" once the
+    grammar is complete; "error" when it rejects the token (the mask should make that
+    impossible) or the grammar engine fails."""
+    constraint = row.constraint
+    try:
+        if not constraint.consume(token):
+            return FINISH_ERROR, f"constrained decoding failed: {constraint.error or 'token rejected'}"
+        return (FINISH_STOP if constraint.is_done() else None), None
+    except Exception as exc:  # noqa: BLE001 - a grammar engine failure ends this row only
+        return FINISH_ERROR, f"constrained decoding failed: {type(exc).__name__}: {exc}"

@@ -291,7 +291,7 @@ def serve(args: argparse.Namespace) -> int:
         level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s",
     )
-    from engine.kvcache import UnsupportedKV
+    from engine.kv.batch import UnsupportedKV
     from engine.models.registry import UnsupportedArchitecture
     from mlxd.runtime import StartupError, build_client, describe_load_error
     from server.serving import listen_socket

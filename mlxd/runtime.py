@@ -29,7 +29,7 @@ def build_client(args: argparse.Namespace | None = None, **overrides: Any):
     import mlx.core as mx
 
     from engine.core import AsyncEngine, Engine, EngineConfig
-    from engine.kvcache import KVConfig
+    from engine.kv.batch import KVConfig
     from engine.loader import load_model
     from engine.scheduler import SchedulerConfig
     from mlxd import model_source
@@ -51,7 +51,7 @@ def build_client(args: argparse.Namespace | None = None, **overrides: Any):
         kv_group_size=opts.get("kv_group_size", 64),
         max_kv_size=opts.get("max_kv_size"),
     )
-    from engine.admission import parse_bytes
+    from engine.kv.memory import parse_bytes
 
     config = EngineConfig(
         scheduler=sched,

@@ -77,7 +77,7 @@ async def _fill_prefix_cache(client: httpx.AsyncClient, target: Target, rng: ran
                              concurrency: int, max_s: float, target_frac: float = 0.95,
                              ) -> dict[str, Any]:
     """Send distinct long prompts until the prefix cache holds `target_frac` of its budget."""
-    pc = (engine_stats(await health(client, target)).get("extra") or {}).get("prefix_cache")
+    pc = engine_stats(await health(client, target)).get("prefix_cache")
     budget = int((pc or {}).get("max_bytes") or 0)
     info: dict[str, Any] = {"budget": budget, "requests": 0, "statuses": {}}
     if not budget:
@@ -202,8 +202,8 @@ async def run(target: Target, *, minutes: float = 10.0, concurrency: int = 8,
                 st = engine_stats(await health(client, target))
                 if st:
                     engine_mem.append((round(time.monotonic() - t0, 1), int(st.get("kv_bytes") or 0),
-                                       int(st.get("prefix_cache_bytes") or 0)))
-                    mem = (st.get("extra") or {}).get("memory")
+                                       int((st.get("prefix_cache") or {}).get("bytes") or 0)))
+                    mem = st.get("memory")
                     if isinstance(mem, dict):
                         memory.append({"t": round(time.monotonic() - t0, 1), **mem})
                 await asyncio.sleep(sample_s)

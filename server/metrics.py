@@ -64,6 +64,8 @@ class Metrics:
 
 
 class _EngineCollector:
+    """Engine figures read from `client.stats()` at scrape time (engine.api.EngineStats)."""
+
     def __init__(self, client: Any):
         self.client = client
 
@@ -73,43 +75,86 @@ class _EngineCollector:
         except Exception:  # a scrape must not fail because stats did
             log.exception("engine stats failed")
             return
+        prefix = s.prefix_cache
         for name, value, doc in (
             ("mlxd_num_requests_running", s.num_running, "Requests decoding"),
             ("mlxd_num_requests_waiting", s.num_waiting, "Requests waiting for admission"),
             ("mlxd_num_requests_prefilling", s.num_prefilling, "Requests being prefilled"),
-            ("mlxd_prefix_cache_bytes", s.prefix_cache_bytes, "Bytes held by the prefix cache"),
+            ("mlxd_prefix_cache_bytes", prefix.bytes if prefix else 0, "Bytes held by the prefix cache"),
         ):
             yield GaugeMetricFamily(name, doc, value=float(value))
         kv = GaugeMetricFamily("mlxd_kv_cache_bytes", "KV cache bytes in use, by layout", labels=["layout"])
-        for layout, n in sorted((s.kv_bytes_by_layout or {}).items()):
+        for layout, n in sorted(s.kv_bytes_by_layout.items()):
             kv.add_metric([str(layout)], float(n))
         if not s.kv_bytes_by_layout:
             kv.add_metric(["all"], float(s.kv_bytes))
         yield kv
-        mem = (s.extra or {}).get("memory") or {}
-        if mem:
-            g = GaugeMetricFamily("mlxd_memory_bytes", "Process memory by owner (rss, mlx_active, "
-                                  "mlx_cache, mlx_cache_limit, malloc_in_use, malloc_free, ...)",
-                                  labels=["owner"])
-            for owner, n in sorted(mem.items()):
-                if owner not in ("python_blocks", "num_releases", "release_seconds"):
-                    g.add_metric([str(owner)], float(n))
+        yield _memory_family(s.memory)
+        yield CounterMetricFamily("mlxd_engine_steps", "Engine steps", value=float(s.num_steps))
+        if prefix is not None:
+            yield from _prefix_families(prefix)
+        if s.spec is not None:
+            yield from _spec_families(s.spec)
+
+
+_MEMORY_OWNERS = ("rss", "mlx_active", "mlx_cache", "mlx_peak", "mlx_cache_limit", "malloc_in_use",
+                  "malloc_free", "malloc_mmapped", "budget_bytes", "weights_bytes")
+
+
+def _memory_family(mem: Any) -> GaugeMetricFamily:
+    g = GaugeMetricFamily("mlxd_memory_bytes", "Process memory by owner (rss, mlx_active, "
+                          "mlx_cache, mlx_cache_limit, malloc_in_use, malloc_free, ...)",
+                          labels=["owner"])
+    for owner in _MEMORY_OWNERS:
+        g.add_metric([owner.removesuffix("_bytes")], float(getattr(mem, owner)))
+    return g
+
+
+def _prefix_families(p: Any) -> Any:
+    for name, value, doc in (
+        ("mlxd_prefix_cache_hits", p.hits, "Prefix cache hits"),
+        ("mlxd_prefix_cache_queries", p.queries, "Prefix cache lookups"),
+        ("mlxd_prefix_cache_hit_tokens", p.hit_tokens, "Prompt tokens served from the prefix cache"),
+        ("mlxd_prefix_cache_evicted_blocks", p.evicted_blocks, "Prefix cache blocks evicted"),
+    ):
+        yield CounterMetricFamily(name, doc, value=float(value))
+    yield GaugeMetricFamily("mlxd_prefix_cache_max_bytes", "Prefix cache budget", value=float(p.max_bytes))
+    yield GaugeMetricFamily("mlxd_prefix_cache_blocks", "Prefix cache blocks held", value=float(p.blocks))
+
+
+_SPEC_DOCS = {
+    "num_draft_tokens": "Ceiling of the adaptive draft length",
+    "spec_steps": "Engine steps that verified drafts",
+    "plain_steps": "Engine steps that decoded one token per row",
+    "drafted_tokens": "Draft tokens proposed",
+    "accepted_tokens": "Draft tokens accepted",
+    "acceptance_rate": "Accepted / drafted tokens",
+    "mean_verify_width": "Columns per verify forward",
+    "tokens_per_row_round": "Tokens a row gained per round it drafted in",
+    "pooled_acceptance": "The controller's acceptance estimate",
+    "overhead_ms_per_spec_step": "Drafter milliseconds outside the measured steps, per step",
+    "explore_ms": "Milliseconds spent trying widths that did not pay",
+    "jumps": "Flat-cost jumps (lookup drafters)",
+}
+
+
+def _spec_families(spec: Any) -> Any:
+    """`mlxd_spec_decode_<figure>{method}` for the speculation's figures (a figure not known
+    yet, such as the acceptance rate before any draft, is left out), and
+    `mlxd_spec_decode_drafter_<figure>{method}` for the drafter's own."""
+    for key, doc in _SPEC_DOCS.items():
+        value = getattr(spec, key)
+        if value is not None:
+            g = GaugeMetricFamily(f"mlxd_spec_decode_{key}", f"Speculative decoding: {doc}",
+                                  labels=["method"])
+            g.add_metric([spec.method], float(value))
             yield g
-        for name, value, doc in (
-            ("mlxd_prefix_cache_hits", s.prefix_cache_hits, "Prefix cache hits"),
-            ("mlxd_prefix_cache_queries", s.prefix_cache_queries, "Prefix cache lookups"),
-            ("mlxd_engine_steps", s.num_steps, "Engine steps"),
-        ):
-            yield CounterMetricFamily(name, doc, value=float(value))
-        spec = {k: v for k, v in (s.spec or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        for key, value in sorted(spec.items()):
-            safe = "".join(c if c.isalnum() else "_" for c in str(key))
-            yield GaugeMetricFamily(f"mlxd_spec_decode_{safe}", f"Speculative decoding: {key}", value=float(value))
-        drafted = spec.get("num_draft_tokens")
-        accepted = spec.get("num_accepted_tokens")
-        if drafted and accepted is not None:
-            yield GaugeMetricFamily("mlxd_spec_decode_acceptance_rate", "Accepted / drafted tokens",
-                                    value=float(accepted) / float(drafted))
+    for key, value in sorted(spec.drafter.items()):
+        safe = "".join(c if c.isalnum() else "_" for c in key)
+        g = GaugeMetricFamily(f"mlxd_spec_decode_drafter_{safe}", f"Speculative decoding, the "
+                              f"drafter's {key}", labels=["method"])
+        g.add_metric([spec.method], float(value))
+        yield g
 
 
 class InstrumentedClient:

@@ -81,3 +81,80 @@ def test_engine_matches_mlx_lm_greedy(tinycoder_path):
     finally:
         eng.stop()
     assert ours == ref
+
+
+class _BrokenMatcher:
+    """A grammar matcher whose mask computation fails (the grammar engine erroring)."""
+
+    def unsafe_compute_mask_ptr(self, *args, **kwargs):
+        raise RuntimeError("matcher state corrupted")
+
+
+class _BrokenConstraint:
+    matcher = _BrokenMatcher()
+    error = ""
+
+    def consume(self, token: int) -> bool:
+        return True
+
+    def is_done(self) -> bool:
+        return False
+
+
+def test_a_bad_row_fails_alone_and_its_batch_mates_finish_as_alone():
+    """One row whose grammar engine fails at mask time and one whose sampling settings the
+    engine thread refuses (a logit_bias id past the vocabulary, which skipped the add-time
+    checks) end with "error" and a message; the rows submitted together with them produce the
+    tokens they produce alone, and the engine goes on serving."""
+    from engine.api import Request, SamplingParams
+    from engine.core import Engine, EngineConfig
+    from engine.scheduler import SchedulerConfig
+    from tests.tiny_models import Collected
+
+    model, cfg = tiny_model("llama")
+    lm = loaded(model, cfg)
+    rng = random.Random(5)
+    good = [greedy(f"g{i}", [rng.randrange(3, 500) for _ in range(9 + 5 * i)], 30) for i in range(3)]
+    eng = make_engine(lm)
+    try:
+        alone = {r.req_id: run_alone(eng, r).tokens for r in good}
+    finally:
+        eng.stop()
+    eng = Engine(lm, EngineConfig(SchedulerConfig()))
+    real_compile = eng._compile_constraint
+    eng._compile_constraint = lambda spec: _BrokenConstraint() if spec == "broken" else real_compile(spec)
+    grammar = Request("bad-grammar", [7, 8, 9, 10], SamplingParams(temperature=0.0, max_tokens=30,
+                                                                   constraint="broken"))
+    bias = Request("bad-bias", [7, 8, 9], SamplingParams(temperature=0.0, max_tokens=30,
+                                                         logit_bias={10**6: 1.0}))
+    outs: dict[str, Collected] = {}
+    for req in [good[0], grammar, good[1], bias, good[2]]:  # queued before the engine starts:
+        out = outs[req.req_id] = Collected()  # they are prefilled and decoded as one batch
+
+        def sink(events, out=out):
+            for ev in events:
+                out.events.append(ev)
+                out.tokens.extend(ev.token_ids)
+                if ev.finish_reason is not None:
+                    out.finish = ev.finish_reason
+                    out.done.set()
+
+        row = eng._validate(req) if req is not bias else eng._validate(
+            Request("bad-bias", req.prompt_ids, SamplingParams(temperature=0.0, max_tokens=30)))
+        if req is bias:
+            row.request = req  # past the add-time checks, as a caller's own RowMeta would be
+        eng.enqueue(row, sink)
+    eng.start()
+    try:
+        assert all(o.done.wait(120) for o in outs.values())
+        for name, want in (("bad-grammar", "matcher state corrupted"), ("bad-bias", "logit_bias")):
+            ev = outs[name].events[-1]
+            assert outs[name].finish == "error" and want in (ev.error or ""), ev
+        for r in good:
+            assert outs[r.req_id].finish == "length"
+            assert outs[r.req_id].tokens == alone[r.req_id], r.req_id
+        assert eng.stats().last_error is None  # no step failed as a whole
+        again = run_alone(eng, greedy("after", good[0].prompt_ids, 30))
+        assert again.tokens == alone[good[0].req_id]
+    finally:
+        eng.stop()

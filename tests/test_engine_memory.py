@@ -50,7 +50,7 @@ def _wait(pred, timeout: float = 10.0) -> bool:
 def test_cache_limit_is_applied_and_reported(lm, restore_cache_limit):
     eng = Engine(lm, EngineConfig(SchedulerConfig(), mlx_cache_limit=5 << 20))
     assert mx.set_cache_limit(5 << 20) == 5 << 20  # what the engine set is in force
-    assert eng.stats().extra["memory"]["mlx_cache_limit"] == 5 << 20
+    assert eng.stats().memory.mlx_cache_limit == 5 << 20
     # default: MLX's own limit, but at most a tenth of the memory budget
     mx.set_cache_limit(1 << 40)
     eng = Engine(lm, EngineConfig(SchedulerConfig(), memory_budget=300 << 20))
@@ -63,12 +63,12 @@ def test_idle_engine_empties_the_buffer_cache(lm, restore_cache_limit):
     try:
         out = submit(eng, greedy("a", list(range(1, 40)), 12))
         assert out.done.wait(60)
-        assert _wait(lambda: eng.stats().extra["memory"]["num_releases"] >= 1)
-        mem = eng.stats().extra["memory"]
-        assert mem["mlx_cache"] == 0
-        releases = mem["num_releases"]
+        assert _wait(lambda: eng.stats().memory.num_releases >= 1)
+        mem = eng.stats().memory
+        assert mem.mlx_cache == 0
+        releases = mem.num_releases
         time.sleep(0.5)  # nothing ran since: no more releases
-        assert eng.stats().extra["memory"]["num_releases"] == releases
+        assert eng.stats().memory.num_releases == releases
     finally:
         eng.stop()
 
@@ -79,7 +79,7 @@ def test_busy_engine_releases_memory_periodically(lm, restore_cache_limit):
         trims = background_trims()
         out = submit(eng, greedy("a", list(range(1, 20)), 8))
         assert out.done.wait(60)
-        assert eng.stats().extra["memory"]["num_releases"] >= 8
+        assert eng.stats().memory.num_releases >= 8
         if memory_readings().get("malloc_free") is not None:  # glibc: the trims ran off-thread
             assert _wait(lambda: background_trims() > trims)
     finally:
@@ -103,7 +103,7 @@ def test_no_per_request_state_left_after_finish_and_aborts(lm):
         assert eng._sinks == {}
         assert eng.scheduler.prefix._hits == {}
         assert not eng.scheduler.waiting and eng.scheduler.prefill is None
-        assert eng.stats().extra["active_requests"] == 0
+        assert eng.stats().active_requests == 0
     finally:
         eng.stop()
 
@@ -122,7 +122,7 @@ def test_memory_readings_by_owner():
 
 
 def test_health_and_metrics_report_memory(real_server):
-    mem = httpx.get(real_server.url + "/health").json()["engine"]["extra"]["memory"]
+    mem = httpx.get(real_server.url + "/health").json()["engine"]["memory"]
     assert mem["mlx_cache_limit"] > 0 and mem["mlx_active"] > 0
     text = httpx.get(real_server.url + "/metrics").text
     owners = {s.labels["owner"] for fam in text_string_to_metric_families(text)

@@ -107,7 +107,7 @@ def test_engine_exact_tier_with_the_gathered_matmuls(arch, anywhere):
         st = _check(lm, SpecConfig("ngram", num_draft_tokens=4, adaptive=False), reqs, want, prefill_chunk=32)
     finally:
         fewrow.uninstall(model)
-    assert st["spec_steps"] > 0
+    assert st.spec_steps > 0
     for r in reqs:
         assert batched[r.req_id] == alone[r.req_id] == want[r.req_id], r.req_id
 

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from engine import kvcache
+from engine.kv import batch as kvb
 from engine.kv.attention import QuantizedLayout, QuantizedRotatingLayout
 from engine.runner import Runner
 from tests.tiny_models import tiny_model
@@ -34,17 +34,17 @@ class _Counting:
 def test_quantized_kv_that_cannot_run_is_one_clear_start_up_error():
     model, _ = tiny_model("llama", head_dim=32, hidden_size=128)
     broken = _Counting(model, no_quantized_attention=True)
-    with pytest.raises(kvcache.UnsupportedKV, match=r"--kv-bits 8 .*No implementation.*--kv-bits 16"):
-        Runner(broken, kvcache.KVConfig(kv_bits=8, kv_group_size=32))
+    with pytest.raises(kvb.UnsupportedKV, match=r"--kv-bits 8 .*No implementation.*--kv-bits 16"):
+        Runner(broken, kvb.KVConfig(kv_bits=8, kv_group_size=32))
     calls = broken.calls
-    Runner(broken, kvcache.KVConfig(kv_bits=16))  # 16 bits: no probe at all
+    Runner(broken, kvb.KVConfig(kv_bits=16))  # 16 bits: no probe at all
     assert broken.calls == calls
 
 
 def test_quantized_kv_that_runs_passes_the_check():
     model, _ = tiny_model("llama", head_dim=32, hidden_size=128)
     counting = _Counting(model)
-    Runner(counting, kvcache.KVConfig(kv_bits=4, kv_group_size=32))
+    Runner(counting, kvb.KVConfig(kv_bits=4, kv_group_size=32))
     assert counting.calls == 3  # a 32-token prefill, a 5-column verify, a decode step
 
 
@@ -53,7 +53,7 @@ def test_cli_prints_the_error_and_exits_2(monkeypatch, capsys):
     from mlxd import cli
 
     def fail(args):
-        raise kvcache.UnsupportedKV("--kv-bits 8 (group size 64) cannot run on Device(gpu, 0)")
+        raise kvb.UnsupportedKV("--kv-bits 8 (group size 64) cannot run on Device(gpu, 0)")
 
     monkeypatch.setattr(mlxd.runtime, "build_client", fail)
     args = argparse.Namespace(blas=None, log_level="WARNING")

@@ -33,7 +33,7 @@ def test_shared_1000_token_prefix_is_reused_exactly(tinycoder_path):
     finally:
         eng.stop()
     assert got.events[-1].num_cached_tokens >= 1000
-    assert stats.prefix_cache_hits >= 1 and stats.prefix_cache_bytes > 0
+    assert stats.prefix_cache.hits >= 1 and stats.prefix_cache.bytes > 0
     plain = _engine(lm, prefix_cache_bytes=0)
     try:
         ref = run_alone(plain, greedy("b", second.prompt_ids, 40))
@@ -53,9 +53,9 @@ def test_prefix_cache_stays_under_budget():
         for i in range(12):
             prompt = [rng.randrange(3, cfg["vocab_size"]) for _ in range(120)]
             run_alone(eng, greedy(f"r{i}", prompt, 3))
-            assert eng.stats().prefix_cache_bytes <= budget
+            assert eng.stats().prefix_cache.bytes <= budget
         stats = eng.stats()
-        assert stats.extra["prefix_cache"]["evicted_blocks"] > 0
+        assert stats.prefix_cache.evicted_blocks > 0
     finally:
         eng.stop()
 

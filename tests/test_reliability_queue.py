@@ -180,7 +180,7 @@ def test_a_failed_step_ends_the_rows_it_took_and_frees_their_places(lm, monkeypa
     eng._fail_all("MemoryError: no room for the caches")  # what the engine loop does next
     assert set(got) == {"r1", "r2"}
     assert all(evs[-1].finish_reason == FINISH_ERROR and evs[-1].error for evs in got.values())
-    assert eng.stats().extra["num_queued"] == 0 and not eng._sinks
+    assert eng.stats().num_queued == 0 and not eng._sinks
     monkeypatch.setattr(owner, name, make)
     _add(eng, 3)
     _add(eng, 4)  # both places are free again

@@ -245,7 +245,7 @@ def test_flat_cost_jump_finds_wide_lookup_rounds_that_pay():
     assert without < 1.05 and spec0 < 150, (without, spec0)
     assert ratio > 1.7 and spec_steps > 2500, (ratio, spec_steps)
     assert ctl.costs.measured(1, 9) is not None and not ctl._flat_refuted
-    assert ctl.jumps > 2000 and ctl.summary()["jumps"] == ctl.jumps
+    assert ctl.jumps > 2000
 
 
 def test_flat_cost_jump_stays_plain_where_even_wide_rounds_do_not_pay():

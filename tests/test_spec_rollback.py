@@ -46,7 +46,7 @@ def _no_compile():
 @pytest.fixture(autouse=True)
 def _quantized_kv_needs_quantized_attention(request):
     """MLX-CUDA 0.32.4 has no quantized_matmul for attention's shapes (the server refuses
-    --kv-bits 8/4 there at start-up: engine.kvcache.check_supported), so the quantized case
+    --kv-bits 8/4 there at start-up: engine.kv.batch.check_supported), so the quantized case
     runs on CPUs (and Metal) only."""
     from kernels.common import gpu_backend
 
@@ -155,7 +155,6 @@ def test_draft_rounds_keep_pending_and_accepted_drafts(case, prompt_lengths, rou
     _check_against_fresh(model, bits, batch, histories, rng)
 
 
-@pytest.mark.parametrize("widen", [False, True])
 @pytest.mark.parametrize("case", sorted(CASES))
 @SETTINGS
 @given(
@@ -164,11 +163,10 @@ def test_draft_rounds_keep_pending_and_accepted_drafts(case, prompt_lengths, rou
     seed=st.integers(0, 2**16),
 )
 def test_target_rounds_on_rings_without_slack_write_only_the_kept_columns(
-    case, widen, prompt_lengths, rounds, seed
+    case, prompt_lengths, rounds, seed
 ):
     """The engine's target pattern (engine/spec/ringcommit.py): rings have no slack, the verify
-    forward writes into shadow copies, and only each row's kept columns reach the real ring;
-    `widen` (CUDA's stable shapes) pads the ring part of the keys and mask to the ring size."""
+    forward writes into shadow copies, and only each row's kept columns reach the real ring."""
     from engine.spec.ringcommit import RingRound, defers
 
     arch, bits = CASES[case]
@@ -184,7 +182,7 @@ def test_target_rounds_on_rings_without_slack_write_only_the_kept_columns(
         num_drafts = [r % (k + 1) for r in raw]
         accepted = [r % (n + 1) for r, n in zip(raw[::-1], num_drafts, strict=True)]
         cols = rng.integers(1, 256, (len(histories), k + 1))
-        ring_round = RingRound(batch, k + 1, widen=widen)
+        ring_round = RingRound(batch, k + 1)
         assert any(defers(layer, k + 1) for layer in batch) == has_ring
         model(mx.array(cols), cache=ring_round.model_caches)
         ring_round.finish([a + 1 for a in accepted])
@@ -196,23 +194,3 @@ def test_target_rounds_on_rings_without_slack_write_only_the_kept_columns(
     _check_against_fresh(model, bits, batch, histories, rng, tol=1e-2 if bits < 16 else 2e-3)
 
 
-def test_widened_ring_rounds_have_one_shape_per_width():
-    """CUDA builds a cuDNN graph per attention shape: with `widen`, a slack-free ring's round
-    attends over `ring + W` columns whatever the rows' lengths (before and after the wrap)."""
-    from engine.spec.ringcommit import RingRound
-
-    model = _model("llama")
-    shapes = set()
-    for n in (3, 6, 20):  # window 8: 3 and 6 have not filled the ring, 20 has wrapped
-        batch = _layouts(model, 1, 16, 0)
-        model(mx.array([list(range(1, n + 1))]), cache=batch)
-        ring_round = RingRound(batch, 3, widen=True)
-        views = [v for v in ring_round.model_caches if getattr(v, "ring", None)]
-        assert views, "no ring layout was deferred"
-        view = views[0]
-        mask = view.make_mask(3, window_size=view.window)
-        H, D = view.state[0].shape[1], view.state[0].shape[3]
-        k, _ = view.update_and_fetch(mx.zeros((1, H, 3, D)), mx.zeros((1, H, 3, D)))
-        shapes.add((tuple(mask.shape), tuple(k.shape)))
-        assert int(mask.sum()) <= 3 * 8  # the padding columns are masked out
-    assert len(shapes) == 1, shapes

@@ -279,6 +279,7 @@ class KVLayout:
             for b, nb in zip(self._bufs, new, strict=True):
                 b[..., start : start + kmax, :] = nb
         else:
+            assert idx is not None
             self._bufs = [
                 mx.put_along_axis(b, idx, nb, axis=2) for b, nb in zip(self._bufs, new, strict=True)
             ]

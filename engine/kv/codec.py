@@ -69,8 +69,8 @@ class QuantizedCodec:
         return (bufs[0], bufs[1], bufs[2]), (bufs[3], bufs[4], bufs[5])
 
     def decode(self, bufs: list[mx.array]) -> tuple[mx.array, mx.array]:
-        k = mx.dequantize(*bufs[:3], group_size=self.group_size, bits=self.bits)
-        v = mx.dequantize(*bufs[3:], group_size=self.group_size, bits=self.bits)
+        k = mx.dequantize(bufs[0], bufs[1], bufs[2], group_size=self.group_size, bits=self.bits)
+        v = mx.dequantize(bufs[3], bufs[4], bufs[5], group_size=self.group_size, bits=self.bits)
         return k, v
 
     def bytes_per_token(self, num_heads: int, k_dim: int, v_dim: int, itemsize: int) -> int:

@@ -21,21 +21,45 @@ and holds, per layer, what restoring a row at or after that block needs:
 `lookup` returns the deepest node whose boundary every layer can be restored at. Eviction drops
 the least recently used leaf until the bytes fit; a lookup or insert touches the whole path,
 so parents always outlive their children.
+
+The scheduler's side is `PrefixIndex` (`NoPrefix` when the cache is off):
+
+    prefix.lookup(row)                        # at admission: sets row.num_cached_tokens
+    kv = prefix.group_caches(rows)            # restored rows + empty rows, one batch
+    ... prefill prompt[cached:-1] in chunks of at most prefix.chunk tokens ...
+    prefix.store(rows, kv)                    # after every chunk: insert each row's blocks
+
+Sliding-window (ring) layers only hold the last `window` positions, so a block can be stored
+only while it is still in the ring. Chunks are therefore at most `ring - block_size` tokens and
+end on block boundaries: every block of a long prompt is captured by some chunk, and any
+block-aligned prefix can later be restored for every layer kind.
+
+Worked example (tinycoder: ring 256, block 16 → chunk 240): a 1,100-token prompt is prefilled
+in chunks ending at 240, 480, …, 960, 1,099; after each, the blocks that are complete are
+inserted. A later prompt sharing its first 1,008 tokens restores 1,008 tokens (63 blocks) and
+prefills only the rest.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
 
+from engine.api import PrefixCacheStats
+from engine.kv import batch as kvb
 from engine.kv.attention import KVLayout
 from engine.kv.convert import RowKV, adopt, place
 from engine.kv.recurrent import RecurrentLayout
+
+if TYPE_CHECKING:
+    from engine.batch import RowMeta
+
+MakeCaches = Callable[[int], list[Any]]
 
 
 @dataclass(eq=False, slots=True)
@@ -55,7 +79,7 @@ class PrefixHit:
 
 
 @dataclass(slots=True)
-class PrefixCacheStats:
+class PrefixCounters:
     queries: int = 0
     hits: int = 0
     hit_tokens: int = 0
@@ -93,7 +117,7 @@ class PrefixCache:
         self._root = _Node((), None, 0)
         self._lru: OrderedDict[int, _Node] = OrderedDict()
         self._nbytes = 0
-        self.stats = PrefixCacheStats()
+        self.stats = PrefixCounters()
 
     # ---------------------------------------------------------------- queries
 
@@ -266,3 +290,78 @@ class PrefixCache:
         self._root = _Node((), None, 0)
         self._lru.clear()
         self._nbytes = 0
+
+
+class PrefixIndex:
+    """The scheduler's prefix-cache policy over a `PrefixCache` (see the module docstring)."""
+
+    def __init__(
+        self, make_caches: MakeCaches, max_bytes: int, block_size: int = 16,
+        prefill_chunk: int = 512,
+    ) -> None:
+        template = make_caches(0)
+        self.cache = PrefixCache(template, block_size=block_size, max_bytes=max_bytes)
+        self.block_size = block_size
+        rings = [layer.ring_size for layer in template if getattr(layer, "ring_size", None)]
+        chunk = min([prefill_chunk, *[r - block_size for r in rings]])
+        self.chunk = max(block_size, chunk // block_size * block_size)
+        self._make_caches = make_caches
+        self._hits: dict[str, PrefixHit | None] = {}  # req_id -> hit (None: looked up, missed)
+
+    def lookup(self, row: RowMeta) -> None:
+        """Find the row's longest cached prefix (at most prompt - 1 tokens); once per row."""
+        if row.req_id in self._hits:
+            return
+        ids = row.request.prompt_ids
+        hit = self.cache.lookup(ids, max_tokens=len(ids) - 1)
+        self._hits[row.req_id] = hit
+        if hit is not None:
+            row.num_cached_tokens = hit.num_tokens
+
+    def forget(self, row: RowMeta) -> None:
+        self._hits.pop(row.req_id, None)
+
+    def group_caches(self, rows: list[RowMeta]) -> list[Any]:
+        hits = [self._hits.pop(r.req_id, None) for r in rows]
+        if not any(hits):
+            return self._make_caches(len(rows))
+        parts = [self.cache.restore(h) if h is not None else self._make_caches(1) for h in hits]
+        return kvb.merge_rows(None, parts)
+
+    def store(self, rows: list[RowMeta], caches: list[Any]) -> None:
+        """Insert the complete blocks each row now holds."""
+        counts = kvb.num_tokens(caches)
+        for i, row in enumerate(rows):
+            n = int(counts[i])
+            if n >= self.block_size:
+                self.cache.insert(row.request.prompt_ids[:n], kvb.extract_row(caches, i))
+
+    def stats(self) -> PrefixCacheStats:
+        s, c = self.cache.stats, self.cache
+        return PrefixCacheStats(
+            bytes=c.nbytes, max_bytes=c.max_bytes, queries=s.queries, hits=s.hits,
+            hit_tokens=s.hit_tokens, blocks=c.num_blocks, evicted_blocks=s.evicted_blocks,
+        )
+
+
+class NoPrefix:
+    """`PrefixIndex` with the cache off: nothing is looked up or kept."""
+
+    def __init__(self, make_caches: MakeCaches, prefill_chunk: int = 512) -> None:
+        self._make_caches = make_caches
+        self.chunk = prefill_chunk
+
+    def lookup(self, row: RowMeta) -> None:
+        del row
+
+    def forget(self, row: RowMeta) -> None:
+        del row
+
+    def group_caches(self, rows: list[RowMeta]) -> list[Any]:
+        return self._make_caches(len(rows))
+
+    def store(self, rows: list[RowMeta], caches: list[Any]) -> None:
+        del rows, caches
+
+    def stats(self) -> None:
+        return None

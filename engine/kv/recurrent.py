@@ -172,9 +172,7 @@ class RecurrentLayout:
                 if ref is None:
                     new.append(None)
                     continue
-                stack = mx.stack(
-                    [s[e] if s[e] is not None else mx.zeros_like(ref) for _, s in self._snaps]
-                )
+                stack = mx.stack([_or_zeros(s[e], ref) for _, s in self._snaps])
                 new.append(stack[sel, rows])
             self.cache = new
         # columns the row did not accept were real or pads; either way they are gone now
@@ -233,12 +231,7 @@ class RecurrentLayout:
             if ref is None:
                 new.append(None)
                 continue
-            pieces = [
-                p.cache[e]
-                if p.cache[e] is not None
-                else mx.zeros((p.num_rows, *ref.shape[1:]), ref.dtype)
-                for p in parts
-            ]
+            pieces = [_or_zeros(p.cache[e], ref, p.num_rows) for p in parts]
             new.append(mx.concatenate(pieces) if len(pieces) > 1 else pieces[0])
         self.cache = new
         self._n = np.concatenate([self._n, *(o._n for o in others)])
@@ -284,3 +277,12 @@ def install_stepping(module: Any) -> None:
     if cls not in _STEPPING_CLASSES:
         _STEPPING_CLASSES[cls] = type(f"Stepping{cls.__name__}", (_SteppingMixer, cls), {})
     module.__class__ = _STEPPING_CLASSES[cls]
+
+
+def _or_zeros(x: mx.array | None, ref: mx.array, num_rows: int | None = None) -> mx.array:
+    """`x`, or zeros shaped as `ref` (with `num_rows` rows, when given) where it is missing."""
+    if x is not None:
+        return x
+    if num_rows is None:
+        return mx.zeros_like(ref)
+    return mx.zeros((num_rows, *ref.shape[1:]), ref.dtype)

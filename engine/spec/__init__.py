@@ -1,7 +1,7 @@
 """Speculative decoding inside continuous batching (docs/speculative.md).
 
     config = SpecConfig(method="ngram", num_draft_tokens=4)       # or method="draft", draft_model=
-    decoder = build_decoder(config, target_model, vocab_size)     # None when method == "none"
+    spec = build_speculation(config, target_model, vocab_size)    # NoSpec when method == "none"
 
 Drafters register by name (engine.spec.base.register_drafter): "draft" (a small model with the
 same tokenizer, engine.spec.draft_model) and "ngram" (prompt lookup, engine.spec.ngram).
@@ -24,7 +24,7 @@ from engine.spec.base import (
     register_drafter,
     registered_drafters,
 )
-from engine.spec.decoder import SpecDecoder, SpecRows, SpecStepResult
+from engine.spec.decoder import NoSpec, Round, SpecRows, Speculation
 
 METHODS = ("none", "draft", "ngram")
 
@@ -55,12 +55,13 @@ class SpecConfig:
         return self.method != "none"
 
 
-def build_decoder(
-    config: SpecConfig, target_model: Any, vocab_size: int, draft: Any = None
-) -> SpecDecoder | None:
-    """The engine's speculative decoder; `draft` is a loaded draft model (engine.loader)."""
-    if not config.enabled:
-        return None
+def build_speculation(
+    config: SpecConfig | None, target_model: Any, vocab_size: int, draft: Any = None
+) -> Speculation | NoSpec:
+    """The engine's speculation (`NoSpec` when off); `draft` is a loaded draft model
+    (engine.loader)."""
+    if config is None or not config.enabled:
+        return NoSpec()
     kwargs: dict[str, Any] = dict(max_draft=config.num_draft_tokens, vocab_size=vocab_size)
     if config.method == "draft":
         draft = draft if draft is not None else config.draft_model
@@ -81,7 +82,7 @@ def build_decoder(
         kwargs.update(max_ngram=config.ngram_max, min_ngram=config.ngram_min)
     drafter = make_drafter(config.method, **kwargs)
     ctl = ControllerConfig(max_draft=config.num_draft_tokens, adaptive=config.adaptive)
-    return SpecDecoder(target_model, drafter, ctl)
+    return Speculation(target_model, drafter, ctl)
 
 
 __all__ = [
@@ -91,12 +92,13 @@ __all__ = [
     "Drafter",
     "Proposal",
     "ProposeContext",
+    "NoSpec",
+    "Round",
     "SpecConfig",
-    "SpecDecoder",
     "SpecRows",
-    "SpecStepResult",
+    "Speculation",
     "StepCosts",
-    "build_decoder",
+    "build_speculation",
     "expected_tokens",
     "make_drafter",
     "register_drafter",

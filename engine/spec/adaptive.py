@@ -37,8 +37,8 @@ on the tokens decoded plainly). A changed choice restarts the interval.
 Exploration budget. Trying speculation where it is not yet known to pay (an untrusted width,
 or a probe while decoding plainly) costs whatever those steps take beyond a plain step: on a
 reference-BLAS CPU a step or two, but on CUDA the first speculative steps of an engine cost
-40-120 ms each against a ~1.5 ms plain step (new attention and graph shapes; H200
-measurements in bench/results/h200-spec-idle/), i.e. 5-10 % of a few-second workload. So the
+40-120 ms each against a ~1.5 ms plain step (new attention and graph shapes, measured on an
+H200), i.e. 5-10 % of a few-second workload. So the
 time exploratory steps took beyond plain decoding of the tokens they emitted is accounted
 (`explore_excess`: a round that already pays costs nothing), and an exploration starts
 only while `explore_excess + expected <= explore_budget * busy` (busy: the engine's recorded
@@ -155,12 +155,6 @@ class StepCosts:
                 best = (dist, ratio)
         return None if best is None else best[1]
 
-    def summary(self) -> dict[str, Any]:
-        return {
-            f"{b}x{w}": {"ms": round(c.seconds * 1e3, 3), "n": c.count}
-            for (b, w), c in sorted(self.cells.items())
-        }
-
 
 @dataclass(slots=True)
 class ControllerConfig:
@@ -194,7 +188,7 @@ class ControllerConfig:
     setup_bound: float = 4.0
     # The flat-cost jump (lookup drafters only). Their drafts cost nothing to make, and on
     # MLX-CUDA a verify step costs nearly the same at any width from 2 on (its cost is set by
-    # its kernel launches, not its columns: docs/speculative.md, "Session 6"), so W = 2, the
+    # its kernel launches, not its columns: docs/speculative.md), so W = 2, the
     # first width the climb measures, is the worst value and a measured W = 2 that does not pay
     # says little about wide widths. Then the widest width the rows' offers fill is tried on the
     # premise that it costs what W = 2 costs; its own samples replace the premise, and two
@@ -295,7 +289,7 @@ class Controller:
     def warm(self, num_rows: int) -> bool:
         """Whether speculation has been measured to pay for a batch of this size (a draft
         model then prefills admitted rows; until then it explores with one row, see
-        `SpecDecoder._caps`)."""
+        `Speculation._caps`)."""
         b = bucket_of(max(num_rows, 1))
         measured = any(
             w > 1 and self.costs.measured(b, w) for (bb, w) in self.costs.cells if bb == b
@@ -504,13 +498,7 @@ class Controller:
         self._episodes += 1
         self._episode = 0.0
 
-    def summary(self) -> dict[str, Any]:
-        return {
-            "pooled_acceptance": round(float(self.pooled_alpha), 4),
-            "overhead_ms_per_spec_step": round(self.overhead * 1e3, 3),
-            "explore_ms": round(self.explore_excess * 1e3, 3),
-            "busy_s": round(self.busy, 3),
-            "speculating_by_bucket": {str(b): v for b, v in sorted(self._chosen_spec.items())},
-            "jumps": self.jumps,
-            "step_ms": self.costs.summary(),
-        }
+    @property
+    def speculating(self) -> dict[int, bool]:
+        """Batch-size bucket -> whether its last exploit choice was to speculate."""
+        return dict(self._chosen_spec)

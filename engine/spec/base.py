@@ -3,7 +3,7 @@
 A drafter proposes up to `k[b]` tokens for every row `b` of the running batch, in one batched
 call, from the row's context (prompt + generated tokens, the last of which is the row's next
 input token). The target model then verifies every row's proposal in one forward pass
-(engine.spec.decoder); `observe` tells the drafter how many of each row's drafts were accepted,
+(engine.runner); `observe` tells the drafter how many of each row's drafts were accepted,
 so that it can learn and keep any state of its own (a draft model's KV) in step with the target.
 
 Per-row drafter state (a draft model's KV layouts) lives in an object with `take(keep)` and
@@ -15,9 +15,10 @@ with the rows like every other per-row array.
         name = "mine"
         point_mass = True        # proposals are deterministic: q is one-hot at the draft
         catches_up = False       # no state to bring up to date after plain decoding
-        def admit(self, rows, token_lists): ...        # state for rows joining the batch
+        def admit(self, contexts, warm): ...           # state for rows joining the batch
         def propose(self, ctx: ProposeContext) -> Proposal: ...
         def observe(self, ctx: ProposeContext, proposal, num_accepted): ...
+        def stats(self) -> dict[str, float]: ...       # its own figures (SpecStats.drafter)
 """
 
 from __future__ import annotations

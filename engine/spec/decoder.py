@@ -1,16 +1,20 @@
-"""One speculative decode step for the whole running batch (synchronous), and its bookkeeping.
+"""Speculation for the running batch: per-row state, the verify width, drafts, bookkeeping.
+
+The executor (engine.runner) asks for a width each step and, above 1, drafts to verify:
 
     width = spec.decide(batch)            # 1: plain (pipelined) decoding this step
-    result = spec.step(batch, width)      # drafts -> one target forward over [B, width] -> accept
+    rnd = spec.propose(batch, width)      # drafts for every row, at most width - 1 each
+    ... the runner's verify forward over [B, K + 1], the verdict ...
+    spec.observe(rnd, accepted)           # the drafter and the controller learn
     spec.record(num_rows, width, seconds, typical)
 
 Rows with and without speculation share the step: the verify input is
-`[next_token, d_1 .. d_{W-1}]` for every row, where a row with fewer drafts (none: n-gram found
+`[next_token, d_1 .. d_K]` for every row, where a row with fewer drafts (none: n-gram found
 nothing, its acceptance is too low, it is under a grammar, or it is about to finish) is padded;
 its padding columns are never accepted and the layouts roll every row back to its own accepted
 length (`engine.kv.batch.rollback`, exact across a ring's wrap and for recurrent layers). A row
 with no drafts gets exactly the token plain decoding would have drawn (same column-0 logits,
-same counter RNG).
+same counter RNG). `NoSpec` stands in when speculation is off.
 """
 
 from __future__ import annotations
@@ -18,31 +22,17 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
 
-from engine.spec.accept import (
-    column_states,
-    greedy_verdict_host,
-    plain_greedy,
-    record_ragged,
-    verify,
-)
+from engine.api import SpecStats
 from engine.spec.adaptive import Controller, ControllerConfig
 from engine.spec.base import Drafter, Proposal, ProposeContext
-from engine.spec.evalpoints import eval_points, every_from_env
-from engine.spec.ringcommit import RingRound
-from engine.spec.widekv import wide
 
-# a greedy batch's verdict on the host and a lookup drafter's verify input built there (False:
-# the device verdict of accept.verify; same tokens, bench/spec_round_host.py --ab times both)
-HOST_VERDICT = True
 PLAIN_HOLD = 15  # decide() re-decides a plain choice every PLAIN_HOLD + 1 steps
 NOT_FOUND_HOLD = 3  # ... and every NOT_FOUND_HOLD + 1 steps when a lookup drafter found nothing
-# the verify forward queues its work every N layers (engine/spec/evalpoints.py; 0: off)
-EVAL_EVERY = every_from_env()
 
 
 class SpecRows:
@@ -69,12 +59,23 @@ class SpecRows:
 
 
 @dataclass(slots=True)
-class SpecStepResult:
-    """Host outputs of a speculative step, per row (several tokens each)."""
+class Round:
+    """One speculative round's drafts, handed back to `observe` after the verdict."""
 
-    tokens: list[list[int]]
-    logprobs: list[list[float]] | None = None
-    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+    ctx: ProposeContext
+    proposal: Proposal
+    rows: SpecRows
+    started: float
+
+
+class Executor(Protocol):
+    """What `Speculation.warm_up` needs of the runner."""
+
+    def new_caches(self, num_rows: int) -> list[Any]: ...
+
+    def prefill_row(self, caches: list[Any], token_ids: list[int]) -> None: ...
+
+    def verify(self, batch: Any, width: int) -> Any: ...
 
 
 @dataclass(slots=True)
@@ -89,9 +90,11 @@ class _Totals:
     seconds_spec: float = 0.0
 
 
-class SpecDecoder:
+class Speculation:
+    """The drafter and the controller that picks each step's verify width (`model`: the
+    target, only to remember an exploration's cost for the next engine on it)."""
+
     def __init__(self, model: Any, drafter: Drafter, config: ControllerConfig) -> None:
-        self.model = model
         self.drafter = drafter
         self.controller = Controller(config)
         # what an engine's first exploration cost, remembered for the next engine on this model
@@ -114,7 +117,7 @@ class SpecDecoder:
         self._plain_rows: list[Any] | None = None  # the batch's row list when it was decided
         self._contexts: tuple[Any, list[int], list[list[int]]] | None = None  # see _context
         self.warmup_seconds = 0.0  # warm_up(): the speculative shapes built at engine start
-        self.warmup_ms: dict[int, float] = {}
+        self.warmup_ms: dict[int, float] = {}  # verify ms by width, at warm-up
 
     @property
     def max_draft(self) -> int:
@@ -147,7 +150,7 @@ class SpecDecoder:
             lag = lag_of(
                 spec.drafter_state, [r.num_prompt_tokens + len(r.output_ids) for r in rows]
             )
-            far = lag > self.drafter.max_merged
+            far = lag > int(getattr(self.drafter, "max_merged", 0))
             if far.all():
                 far[int(np.argmin(lag))] = False
             caps[far] = 0
@@ -160,11 +163,11 @@ class SpecDecoder:
         change or a probe is due), not every step: the decision is host work that a pipelined
         plain step would otherwise pay each time (on a GPU a plain step is ~1-2 ms of host
         work, and the choice moves only with the slowly changing costs and acceptance)."""
-        if batch.spec is None or not len(batch):
+        if batch.spec is None or not len(batch.rows):
             return 1
         ctl = self.controller
         rows = batch.rows  # a new list object whenever rows join or leave (take / concat)
-        if self._plain_hold > 0 and rows is self._plain_rows and not ctl.probe_due(len(rows)):
+        if self._plain_hold > 0 and rows is self._plain_rows and not ctl.probe_due(len(batch.rows)):
             self._plain_hold -= 1
             return 1
         alpha, caps = self._caps(batch, explore=False)  # what the batch would gain when warm
@@ -207,77 +210,31 @@ class SpecDecoder:
             contexts, caps, batch.next_tokens, batch.sampler, batch.spec.drafter_state
         )
 
-    # -- the step --------------------------------------------------------------------------
-    def step(self, batch: Any, width: int) -> SpecStepResult:
-        """Draft, verify and accept for every row; the batch (caches, sampler, next tokens,
-        drafter state) ends the step as if the accepted tokens had been decoded plainly."""
+    # -- the round -------------------------------------------------------------------------
+    def propose(self, batch: Any, width: int) -> Round:
+        """Drafts for every row of `batch`, at most `width - 1` each (rows with none are
+        padded; their padding is never accepted)."""
         t0 = time.perf_counter()
-        alpha, caps = self._caps(batch)
+        _, caps = self._caps(batch)
         jump = self._jump
         if jump is not None and jump[0] is batch.rows and width > 1:
             caps = jump[1]  # decided this step for these rows (ControllerConfig.jump)
         ctx = self._context(batch, np.minimum(caps, width - 1))
-        proposal = self._propose(ctx)
-        K = int(proposal.tokens.shape[1])
-        W = K + 1
-        greedy = plain_greedy(batch.sampler)  # argmax of the raw logits: no per-column states
-        host_path = greedy and HOST_VERDICT
-        if not greedy:
-            states = proposal.column_states or column_states(batch.sampler, proposal.tokens, W)
-            while len(states) < W:
-                states.append(states[-1].record(proposal.tokens[:, len(states) - 1]))
-        # rings are written after the verdict (accepted columns only): no ring slack needed, so
-        # the target's layouts are the plain engine's (engine/spec/ringcommit.py)
-        ring_round = RingRound(batch.caches, W)
-        host = proposal.host_tokens if HOST_VERDICT else None
-        if host is not None:  # drafts on the host: the whole input goes over as one array
-            nxt = np.fromiter((c[-1] for c in ctx.contexts), np.int32, len(ctx.contexts))
-            inp = mx.array(np.concatenate([nxt[:, None], host[:, :K].astype(np.int32)], axis=1))
-        else:
-            drafts = proposal.tokens.astype(mx.int32)
-            inp = mx.concatenate([batch.next_tokens[:, None], drafts], axis=1)
-        logits = self.model(inp, cache=eval_points(wide(ring_round.model_caches), EVAL_EVERY))
-        constrained = batch.constrained_rows()
-        if constrained:
-            from engine.runner import _mask_logits
+        return Round(ctx, self._propose(ctx), batch.spec, t0)
 
-            first = _mask_logits(logits[:, 0, :], constrained)
-            logits = mx.concatenate([first[:, None], logits[:, 1:]], axis=1)
-        if host_path:  # the verdict on the host: one argmax on the device, then numpy on [B, W]
-            plain = mx.argmax(logits, axis=-1).astype(mx.int32)  # [B, W]
-            extra = _logprobs(logits, plain, batch.sampler)
-            reads = [plain, *[x for x in extra if x is not None]]
-            mx.eval(*reads, *([proposal.tokens] if host is None and K else []))
-            tokens = np.array(plain)
-            drafts_np = host if host is not None else np.array(proposal.tokens)
-            accepted, last = greedy_verdict_host(tokens, drafts_np, proposal.num_drafts)
-            ring_round.finish(accepted + 1)
-            num = mx.array(accepted.astype(np.int32) + 1)
-            batch.sampler = record_ragged(batch.sampler, plain, num)
-            batch.next_tokens = mx.array(last.astype(np.int32))
-        else:
-            num_drafts = mx.array(proposal.num_drafts.astype(np.int32))
-            states = [batch.sampler] if greedy else states
-            verdict = verify(logits, states, proposal.tokens, num_drafts, proposal.draft_logits)
-            extra = _logprobs(logits, verdict.tokens, batch.sampler)
-            mx.eval(verdict.num_accepted, verdict.tokens, *[x for x in extra if x is not None])
-            accepted = np.array(verdict.num_accepted).astype(np.int64)
-            tokens = np.array(verdict.tokens)
-            ring_round.finish(accepted + 1)
-            batch.sampler = record_ragged(batch.sampler, verdict.tokens, verdict.num_accepted + 1)
-            batch.next_tokens = verdict.last
-        # the ring commit and the state updates run while the host does the bookkeeping
-        mx.async_eval(batch.next_tokens, *batch.arrays(), *_state_arrays(batch.sampler))
+    def observe(self, rnd: Round, accepted: np.ndarray) -> None:
+        """Row b accepted `accepted[b]` of its drafts (the target's token follows them)."""
+        proposal = rnd.proposal
+        K = int(proposal.tokens.shape[1])
         if K:
-            self.drafter.observe(ctx, proposal, accepted)
-        self._learn(batch.spec, proposal.num_drafts, accepted)
+            self.drafter.observe(rnd.ctx, proposal, accepted)
+        self._learn(rnd.rows, proposal.num_drafts, accepted)
         self._emitted = float(accepted.mean()) + 1.0 if len(accepted) else 1.0
         self._catch_up = bool(getattr(self.drafter, "caught_up", False)) and K > 0
         tot = self.totals
         tot.spec_steps += 1
-        tot.width_sum += W
-        tot.seconds_spec += time.perf_counter() - t0
-        return _host_result(tokens, accepted, extra, batch.sampler)
+        tot.width_sum += K + 1
+        tot.seconds_spec += time.perf_counter() - rnd.started
 
     def _propose(self, ctx: ProposeContext) -> Proposal:
         B = len(ctx.contexts)
@@ -310,12 +267,12 @@ class SpecDecoder:
         tot.row_rounds += int((num_drafts > 0).sum())
 
     # -- warm-up ---------------------------------------------------------------------------
-    def warm_up(self, new_caches: Any, vocab_size: int, prompt_len: int = 24) -> float:
+    def warm_up(self, executor: Executor, vocab_size: int, prompt_len: int = 24) -> float:
         """One speculative round per verify width the controller can choose (2 .. ceiling + 1),
         on a throwaway one-row batch (its own caches, drafter state and sampler), greedy: on
-        MLX-CUDA an engine's first rounds of each shape cost 40-550 ms (graphs and kernels set up
-        per engine), paid here at load instead of while serving. Leaves nothing behind: the
-        rows, caches and drafter state are dropped, and the statistics (totals, the controller's
+        MLX-CUDA an engine's first rounds of each shape cost 40-550 ms (kernels set up per
+        engine), paid here at load instead of while serving. Leaves nothing behind: the rows,
+        caches and drafter state are dropped, and the statistics (totals, the controller's
         pooled acceptance, the drafter's counters) are restored. Returns the seconds taken."""
         from engine.api import Request, SamplingParams
         from engine.batch import RowMeta, RunningBatch
@@ -337,11 +294,8 @@ class SpecDecoder:
             params = SamplingParams(temperature=0.0, max_tokens=4 * (K + 2) * (K + 1))
             row = RowMeta(Request("spec-warmup", prompt, params), len(prompt),
                           params.max_tokens, frozenset())
-            caches = new_caches(1)
-            from engine import kvcache
-
-            self.model(mx.array([prompt[:-1]], dtype=mx.int32), cache=caches)
-            kvcache.eval_state(caches)
+            caches = executor.new_caches(1)
+            executor.prefill_row(caches, prompt[:-1])
             sampler = SamplerState.from_params([params], [prompt], vocab_size, [0])
             spec = SpecRows(1, drafter.admit([prompt], True))
             spec.accepted[:] = spec.judged[:] = 1e3  # high acceptance: the ceiling's drafts
@@ -351,7 +305,7 @@ class SpecDecoder:
                 self.drafter = _FixedDrafter(drafter)
             for width in range(2, K + 2):
                 t1 = time.perf_counter()
-                result = self.step(batch, width)
+                result = executor.verify(batch, width)
                 mx.eval(batch.next_tokens, *batch.arrays())
                 ms[width] = round((time.perf_counter() - t1) * 1e3, 2)
                 row.output_ids.extend(result.tokens[0])
@@ -379,30 +333,53 @@ class SpecDecoder:
             self.controller.add_overhead(overhead - self._overhead_seen)
             self._overhead_seen = overhead
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> SpecStats:
         tot = self.totals
-        out: dict[str, Any] = {
-            "num_draft_tokens": self.max_draft,
-            "spec_steps": tot.spec_steps,
-            "plain_steps": tot.plain_steps,
-            "drafted_tokens": tot.drafted,
-            "accepted_tokens": tot.accepted,
-            "acceptance_rate": round(tot.accepted / tot.drafted, 4) if tot.drafted else None,
-            "mean_verify_width": round(tot.width_sum / tot.spec_steps, 3)
-            if tot.spec_steps
-            else None,
-            "tokens_per_row_round": (
-                round((tot.accepted + tot.row_rounds) / tot.row_rounds, 3)
-                if tot.row_rounds
-                else None
-            ),
-        }
-        out.update(self.controller.summary())
-        out.update(self.drafter.stats())
-        if self.warmup_ms:
-            out["warmup_s"] = round(self.warmup_seconds, 3)
-            out["warmup_ms_by_width"] = {str(w): v for w, v in self.warmup_ms.items()}
-        return {self.drafter.name: out}
+        ctl = self.controller
+        cells = ctl.costs.cells
+        drafter = {k: float(v) for k, v in self.drafter.stats().items() if v is not None}
+        return SpecStats(
+            method=self.drafter.name,
+            num_draft_tokens=self.max_draft,
+            spec_steps=tot.spec_steps,
+            plain_steps=tot.plain_steps,
+            drafted_tokens=tot.drafted,
+            accepted_tokens=tot.accepted,
+            acceptance_rate=_ratio(tot.accepted, tot.drafted),
+            mean_verify_width=_ratio(tot.width_sum, tot.spec_steps, 3),
+            tokens_per_row_round=_ratio(tot.accepted + tot.row_rounds, tot.row_rounds, 3),
+            pooled_acceptance=round(float(ctl.pooled_alpha), 4),
+            overhead_ms_per_spec_step=round(ctl.overhead * 1e3, 3),
+            explore_ms=round(ctl.explore_excess * 1e3, 3),
+            busy_s=round(ctl.busy, 3),
+            jumps=ctl.jumps,
+            speculating_by_bucket={str(b): v for b, v in sorted(ctl.speculating.items())},
+            step_ms={f"{b}x{w}": round(c.seconds * 1e3, 3) for (b, w), c in sorted(cells.items())},
+            drafter=drafter,
+            warmup_s=round(self.warmup_seconds, 3),
+            warmup_ms_by_width={str(w): v for w, v in self.warmup_ms.items()},
+        )
+
+
+def _ratio(num: float, den: float, digits: int = 4) -> float | None:
+    return round(num / den, digits) if den else None
+
+
+class NoSpec:
+    """`Speculation` when it is off: every step plain, no per-row state."""
+
+    def admit(self, rows: list[Any], batch_size: int = 0) -> None:
+        del rows, batch_size
+
+    def decide(self, batch: Any) -> int:
+        del batch
+        return 1
+
+    def record(self, num_rows: int, width: int, seconds: float, typical: bool) -> None:
+        del num_rows, width, seconds, typical
+
+    def stats(self) -> None:
+        return None
 
 
 class _FixedDrafter:
@@ -422,6 +399,12 @@ class _FixedDrafter:
     def observe(self, ctx: ProposeContext, proposal: Proposal, num_accepted: np.ndarray) -> None:
         del ctx, proposal, num_accepted
 
+    def admit(self, contexts: Any, warm: bool) -> None:
+        del contexts, warm
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
 
 def _room(rows: list[Any]) -> np.ndarray:
     """[B] drafts each row has room for: tokens it may still generate, less the target's own."""
@@ -434,44 +417,3 @@ def _empty(B: int) -> Proposal:
         num_drafts=np.zeros(B, np.int64),
         host_tokens=np.zeros((B, 0), np.int32),
     )
-
-
-def _state_arrays(state: Any) -> list[mx.array]:
-    return [v for v in (getattr(state, f) for f in state.__slots__) if isinstance(v, mx.array)]
-
-
-def _logprobs(
-    logits: mx.array, tokens: mx.array, sampler: Any
-) -> tuple[mx.array | None, mx.array | None, mx.array | None]:
-    """Model logprobs (raw log-softmax) of each column's emitted token, and the top-K."""
-    if not sampler.want_logprobs:
-        return None, None, None
-    raw = logits.astype(mx.float32)
-    log_norm = mx.logsumexp(raw, axis=-1, keepdims=True)
-    chosen = (mx.take_along_axis(raw, tokens[..., None], axis=-1) - log_norm)[..., 0]
-    K = sampler.num_top_logprobs
-    if K == 0:
-        return chosen, None, None
-    cand = mx.argpartition(-raw, K - 1, axis=-1)[..., :K]
-    cand_lp = mx.take_along_axis(raw, cand, axis=-1) - log_norm
-    order = mx.argsort(-cand_lp, axis=-1)
-    top_ids = mx.take_along_axis(cand, order, axis=-1).astype(mx.int32)
-    return chosen, top_ids, mx.take_along_axis(cand_lp, order, axis=-1)
-
-
-def _host_result(
-    tokens: np.ndarray, accepted: np.ndarray, extra: tuple[Any, Any, Any], sampler: Any
-) -> SpecStepResult:
-    counts = (accepted + 1).tolist()
-    result = SpecStepResult(tokens=[tokens[b, :n].tolist() for b, n in enumerate(counts)])
-    chosen, top_ids, top_lps = extra
-    if chosen is not None:
-        lp = np.array(chosen)
-        result.logprobs = [lp[b, :n].tolist() for b, n in enumerate(counts)]
-    if top_ids is not None and top_lps is not None:
-        ids, lps = np.array(top_ids), np.array(top_lps)
-        result.top_logprobs = [
-            [list(zip(ids[b, j].tolist(), lps[b, j].tolist(), strict=True)) for j in range(n)]
-            for b, n in enumerate(counts)
-        ]
-    return result

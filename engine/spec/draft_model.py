@@ -35,7 +35,6 @@ from engine.models import make_batch_layouts, prepare_model
 from engine.sampling import process_logits
 from engine.spec.accept import STREAM_DRAFT, draw_stream, plain_greedy
 from engine.spec.base import Proposal, ProposeContext, register_drafter
-from engine.spec.widekv import wide, wide_enabled
 
 MAX_MERGED = 4  # pending tokens fed as the (right-padded) first draft step, not caught up apart
 
@@ -83,20 +82,6 @@ class DraftModelDrafter:
         self.prefill_seconds = 0.0  # prefill of admitted rows (recurring with admissions)
         self.catch_up_seconds = 0.0  # catch-up after plain stretches (once per stretch)
         self.caught_up = False  # the last propose() had to catch up (the step is not typical)
-        self.warmup_seconds = self._warm_shapes() if wide_enabled() else 0.0
-
-    def _warm_shapes(self) -> float:
-        """Build the stable feed shapes (one row, every padded width) and a decode step once,
-        as the runner does for the target (CUDA's per-shape setup, before the first request)."""
-        t0 = time.perf_counter()
-        from engine.runner import bucket_widths
-
-        for width in bucket_widths(self.prefill_chunk):
-            layouts = self._layouts(1)
-            self._feed(layouts, [[0] * width])
-            mx.eval(self.model(mx.zeros((1, 1), dtype=mx.int32), cache=layouts))
-        self.num_fed_tokens = 0
-        return time.perf_counter() - t0
 
     max_merged = MAX_MERGED
 
@@ -128,20 +113,10 @@ class DraftModelDrafter:
             return
         self.num_fed_tokens += sum(lengths)
         kvb.prepare(layouts, lengths=lengths)
-        # CUDA: as the runner's prefill, the last chunk is padded to a power-of-two width and the
-        # keys widened, so prompts and catch-ups of any length reuse a few cuDNN graph shapes
-        # (a new shape costs tens of ms: once per admitted prompt or probe, without this)
-        stable = wide_enabled()
-        view = wide(layouts) if stable else layouts
         for start in range(0, width, self.prefill_chunk):
             end = min(width, start + self.prefill_chunk)
-            cols = end - start
-            if stable and end >= width:  # pad columns lie past every row's announced length
-                from engine.runner import bucket_width
-
-                cols = bucket_width(cols, self.prefill_chunk)
-            rows = [t[start:end] + [0] * (cols - len(t[start:end])) for t in token_lists]
-            self.model(mx.array(rows, dtype=mx.int32), cache=view)
+            rows = [t[start:end] + [0] * (end - start - len(t[start:end])) for t in token_lists]
+            self.model(mx.array(rows, dtype=mx.int32), cache=layouts)
             kvb.eval_state(layouts)
         kvb.finalize(layouts)
 
@@ -223,7 +198,7 @@ class DraftModelDrafter:
         width = int(lengths.max())
         kvb.prepare(layouts, lengths=lengths.tolist())
         rows = [p + [0] * (width - len(p)) for p in pending]
-        out = self.model(mx.array(rows, dtype=mx.int32), cache=wide(layouts))
+        out = self.model(mx.array(rows, dtype=mx.int32), cache=layouts)
         kvb.finalize(layouts)
         last = mx.array(np.maximum(lengths - 1, 0), dtype=mx.int32)[:, None, None]
         return mx.take_along_axis(out, last, axis=1)[:, 0, :]

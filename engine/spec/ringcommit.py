@@ -9,7 +9,7 @@ so a speculative engine's *plain* steps were not the plain engine's steps. Here 
 rings keep the plain engine's shape (no slack), and a round never needs to roll them back:
 
     views = RingRound(caches, width)     # before the verify forward
-    model(tokens, cache=wide(views.model_caches))
+    model(tokens, cache=views.model_caches)
     views.finish(accepted + 1)           # after the verdict
 
 `model_caches` hands the forward, for each ring that a `width`-column chunk would write past
@@ -30,11 +30,6 @@ accepted: keep 2, so positions 10 and 11 are written (columns 2, 3): the ring ho
 [8 9 10 11], what plain decoding of those two tokens would have left. Position 12's keys are
 dropped; the columns of positions 6 and 7, still needed by position 10's query during the
 round, were never overwritten in the real ring.
-
-CUDA (`widekv.wide_enabled()`): the forward attends over [ring columns filled so far, chunk],
-whose width grows with every token until the ring is full, and MLX-CUDA builds a cuDNN graph
-per attention shape (tens of ms). So for plain-codec rings the view pads the ring part to the
-ring's size (zero keys, masked out): `[B, H, R + W, D]` for every round of width W.
 """
 
 from __future__ import annotations
@@ -47,11 +42,6 @@ import mlx.core as mx
 import numpy as np
 
 from engine.kv import batch as kvb
-from engine.kv.attention import RotatingLayout
-from engine.spec.widekv import wide_enabled
-
-
-APPEND = True  # finish() through KVLayout.append_columns (False: prepare + chunk + finalize)
 
 
 def defers(layout: Any, width: int) -> bool:
@@ -66,18 +56,15 @@ class _Deferred:
     mutates, so the real layout is untouched) and the chunk's keys and values are kept for
     `RingRound.finish`."""
 
-    __slots__ = ("shadow", "keys", "values", "ring")
+    __slots__ = ("shadow", "keys", "values")
 
-    def __init__(self, layout: Any, widen: bool = False) -> None:
+    def __init__(self, layout: Any) -> None:
         self.shadow = _shallow_copy(layout)
         # the shadow keeps nothing of the chunk (0 real columns a row): the forward still
         # attends over [ring, chunk], and no fold-in is built on the host for nothing
         self.shadow.prepare(lengths=[0] * layout.num_rows)
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
-        # pad the ring part of the keys to this many columns (None: as the layout gives them)
-        plain_ring = widen and type(layout) is RotatingLayout
-        self.ring: int | None = layout.ring_size if plain_ring else None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.shadow, name)
@@ -90,38 +77,11 @@ class _Deferred:
     def state(self) -> list[mx.array]:
         return self.shadow.state
 
-    def make_mask(
-        self, N: int, window_size: int | None = None, return_array: bool = False, **kw: Any
-    ) -> Any:
-        if self.ring is None:
-            return self.shadow.make_mask(
-                N, window_size=window_size, return_array=return_array, **kw
-            )
-        mask = self.shadow.make_mask(N, window_size=window_size, return_array=True, **kw)
-        return self._pad(mask, N, axis=-1)
-
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
         if self.keys is not None:
             raise RuntimeError("a deferred ring takes one chunk per round")
         self.keys, self.values = keys, values
-        k, v = self.shadow.update_and_fetch(keys, values)
-        if self.ring is None:
-            return k, v
-        N = keys.shape[2]
-        return self._pad(k, N, axis=2), self._pad(v, N, axis=2)
-
-    def _pad(self, x: mx.array, N: int, axis: int) -> mx.array:
-        """Keys `[B, H, old + N, D]` (axis 2) or a mask `[B, 1, N, old + N]` (axis -1): the old
-        part padded to `ring` columns (zero keys; False in the mask, so never attended)."""
-        assert self.ring is not None
-        axis = axis % x.ndim
-        old = x.shape[axis] - N
-        if old >= self.ring:
-            return x
-        shape = list(x.shape)
-        shape[axis] = self.ring - old
-        head, tail = mx.split(x, [old], axis=axis)
-        return mx.concatenate([head, mx.zeros(shape, dtype=x.dtype), tail], axis=axis)
+        return self.shadow.update_and_fetch(keys, values)
 
 
 def _shallow_copy(layout: Any) -> Any:
@@ -138,15 +98,14 @@ class RingRound:
 
     __slots__ = ("layouts", "model_caches", "_deferred", "_others")
 
-    def __init__(self, layouts: list[Any], width: int, widen: bool | None = None) -> None:
-        widen = wide_enabled() if widen is None else widen
+    def __init__(self, layouts: list[Any], width: int) -> None:
         self.layouts = layouts
         self.model_caches: list[Any] = []
         self._deferred: list[tuple[Any, _Deferred]] = []
         self._others: list[Any] = []
         for layout in layouts:
             if defers(layout, width):
-                view = _Deferred(layout, widen)
+                view = _Deferred(layout)
                 self._deferred.append((layout, view))
                 self.model_caches.append(view)
             else:
@@ -162,10 +121,5 @@ class RingRound:
         for layout, view in self._deferred:
             if view.keys is None or view.values is None:
                 raise RuntimeError("the verify forward never reached a deferred ring")
-            if APPEND:
-                layout.append_columns(view.keys, view.values, keep, memo)  # kept columns only
-            else:  # the general path (same result; bench/spec_round_host.py --ab times both)
-                layout.prepare(lengths=keep.tolist())
-                layout.update_and_fetch(view.keys, view.values)
-                layout.finalize()
+            layout.append_columns(view.keys, view.values, keep, memo)  # kept columns only
         self._deferred = []

@@ -1,0 +1,61 @@
+"""/metrics from a real run: the bundled model with n-gram speculation and the prefix cache on,
+requests through the real app (uvicorn), and the exported figures equal the engine's stats."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.core import AsyncEngine, Engine, EngineConfig
+from engine.loader import load_model
+from engine.scheduler import SchedulerConfig
+from engine.spec import SpecConfig
+from server.app import create_app
+from server.config import ServerConfig
+from tests.fake_engine import ServerThread
+
+
+def _samples(text: str) -> dict[str, float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.startswith(("mlxd_spec_decode_", "mlxd_prefix_cache_")):
+                out[s.name] = s.value
+    return out
+
+
+def test_metrics_export_speculation_and_prefix_cache_figures_of_a_real_run():
+    lm = load_model(None, dtype="float32")
+    spec = SpecConfig("ngram", num_draft_tokens=4, adaptive=False)
+    engine = Engine(lm, EngineConfig(SchedulerConfig(), spec=spec, prefix_cache_bytes=64 << 20))
+    client = AsyncEngine(engine)
+    client.start()
+    try:
+        with ServerThread(create_app(client, ServerConfig())) as srv:
+            model = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
+            # repetitive code: the n-gram lookup finds drafts; the same prompt twice: a prefix hit
+            prompt = "def add(a, b):\n    return a + b\n\n" * 12
+            for _ in range(2):
+                r = httpx.post(srv.url + "/v1/completions", timeout=120, json=dict(
+                    model=model, prompt=prompt, max_tokens=40, temperature=0.0))
+                assert r.status_code == 200, r.text
+            got = _samples(httpx.get(srv.url + "/metrics").text)
+            health = httpx.get(srv.url + "/health").json()["engine"]
+        stats = client.stats()
+    finally:
+        client.stop()
+    sp, pc = stats.spec, stats.prefix_cache
+    assert sp is not None and pc is not None
+    assert sp.spec_steps > 0 and sp.drafted_tokens > 0 and sp.accepted_tokens > 0
+    assert pc.hits >= 1 and pc.hit_tokens > 0 and pc.bytes > 0
+    for key in ("spec_steps", "drafted_tokens", "accepted_tokens", "num_draft_tokens",
+                "acceptance_rate", "mean_verify_width"):
+        assert got[f"mlxd_spec_decode_{key}"] == float(getattr(sp, key)), key
+    assert got["mlxd_spec_decode_drafter_lookup_hit_rate"] == sp.drafter["lookup_hit_rate"] > 0
+    assert got["mlxd_prefix_cache_hits_total"] == pc.hits
+    assert got["mlxd_prefix_cache_queries_total"] == pc.queries >= 2
+    assert got["mlxd_prefix_cache_hit_tokens_total"] == pc.hit_tokens
+    assert got["mlxd_prefix_cache_bytes"] == pc.bytes
+    # /health carries the same typed figures
+    assert health["spec"]["method"] == "ngram" and health["spec"]["spec_steps"] == sp.spec_steps
+    assert health["prefix_cache"]["hits"] == pc.hits and health["memory"]["weights_bytes"] > 0
