@@ -634,10 +634,10 @@ def check_ngram(h: _Harness, seed: int = 2) -> Check:
     why = _compare(h.model, reqs, [o.tokens for o in outs], ref, "speculative vs mlx-lm")
     if why:
         return Check(False, why)
-    st: dict[str, Any] = next(iter((stats.spec or {}).values()), {})
-    if not st.get("drafted_tokens"):
+    st = stats.spec
+    if st is None or not st.drafted_tokens:
         return Check(False, "no tokens were drafted: the check verified nothing")
-    return Check(True, f"{st['drafted_tokens']} drafted, acceptance {st['acceptance_rate']:.2f}")
+    return Check(True, f"{st.drafted_tokens} drafted, acceptance {st.acceptance_rate or 0:.2f}")
 
 
 def check_kv8(h: _Harness, seed: int = 3) -> Check:

@@ -24,8 +24,8 @@ def _samples(text: str) -> dict[str, float]:
     return out
 
 
-def test_metrics_export_speculation_and_prefix_cache_figures_of_a_real_run():
-    lm = load_model(None, dtype="float32")
+def test_metrics_export_speculation_and_prefix_cache_figures_of_a_real_run(tinycoder_path):
+    lm = load_model(str(tinycoder_path), dtype="float32")
     spec = SpecConfig("ngram", num_draft_tokens=4, adaptive=False)
     engine = Engine(lm, EngineConfig(SchedulerConfig(), spec=spec, prefix_cache_bytes=64 << 20))
     client = AsyncEngine(engine)

@@ -3,8 +3,6 @@ start-up, with a clear message — not on every request's first prefill."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from engine.kv import batch as kvb
@@ -56,6 +54,6 @@ def test_cli_prints_the_error_and_exits_2(monkeypatch, capsys):
         raise kvb.UnsupportedKV("--kv-bits 8 (group size 64) cannot run on Device(gpu, 0)")
 
     monkeypatch.setattr(mlxd.runtime, "build_client", fail)
-    args = argparse.Namespace(blas=None, log_level="WARNING")
+    args = cli.parse_serve_args(["--port", "0", "--log-level", "WARNING"])
     assert cli.serve(args) == 2
     assert "mlxd: error: --kv-bits 8" in capsys.readouterr().err

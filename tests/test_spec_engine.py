@@ -374,10 +374,12 @@ def test_idle_draft_model_does_no_work_then_catches_up_past_the_window():
     seen: dict[str, int] = {}
     decide = eng.spec.decide
 
-    def forced(batch):  # plain for `plain_steps` steps, then speculation (3 drafts) every step
+    decisions = [0]  # counted here: stats() is a snapshot the engine publishes now and then
+
+    def forced(batch):  # plain for `plain_steps` decisions, then speculation (3 drafts) each step
         decide(batch)  # the controller's own bookkeeping still runs
-        steps = eng.stats().num_steps
-        if steps < plain_steps:
+        decisions[0] += 1
+        if decisions[0] <= plain_steps:
             return 1
         seen.setdefault("calls_while_idle", counter.calls)
         seen.setdefault("fed_while_idle", drafter.num_fed_tokens)
