@@ -291,9 +291,9 @@ class Speculation:
             period = max(1, min(16, vocab_size - 1))
             prompt = [1 + i % period for i in range(max(prompt_len, 2 * period))]
             K = self.max_draft
-            params = SamplingParams(temperature=0.0, max_tokens=4 * (K + 2) * (K + 1))
-            row = RowMeta(Request("spec-warmup", prompt, params), len(prompt),
-                          params.max_tokens, frozenset())
+            max_new = 4 * (K + 2) * (K + 1)
+            params = SamplingParams(temperature=0.0, max_tokens=max_new)
+            row = RowMeta(Request("spec-warmup", prompt, params), len(prompt), max_new, frozenset())
             caches = executor.new_caches(1)
             executor.prefill_row(caches, prompt[:-1])
             sampler = SamplerState.from_params([params], [prompt], vocab_size, [0])

@@ -52,7 +52,7 @@ def states_from_symbols(symbols: mx.array, L: int, K: int) -> mx.array:
     acc = mx.zeros(symbols.shape, dtype=mx.uint32)
     sym = symbols.astype(mx.uint32)
     for i in range(num_syms):
-        acc = (acc << K) | mx.roll(sym, -i, axis=-1)
+        acc = (acc << K) | mx.roll(sym, -i, -1)
     return (acc >> (num_syms * K - L)) & mx.array(2**L - 1, mx.uint32)
 
 
@@ -64,7 +64,7 @@ def symbols_from_states(states: mx.array, L: int, K: int) -> mx.array:
 def is_tail_biting(states: mx.array, L: int, K: int) -> mx.array:
     """True where every consecutive pair of states (including last -> first) overlaps."""
     low = states.astype(mx.uint32) & mx.array(2 ** (L - K) - 1, mx.uint32)
-    nxt = mx.roll(states.astype(mx.uint32), -1, axis=-1) >> K
+    nxt = mx.roll(states.astype(mx.uint32), -1, -1) >> K
     return mx.all(low == nxt, axis=-1)
 
 

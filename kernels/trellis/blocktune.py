@@ -35,6 +35,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -189,7 +190,7 @@ def tune_block(
         keys = [k for k, v in m.items() if isinstance(v, mx.array) and v.ndim == 1 and mx.issubdtype(v.dtype, mx.floating)]
         if keys:
             m.unfreeze(keys=keys, recurse=False)
-    trainable = sum(v.size for _, v in tree_flatten(block.trainable_parameters()))
+    trainable = sum(v.size for _, v in cast(list[tuple[str, mx.array]], tree_flatten(block.trainable_parameters())))
 
     def loss_fn(blk: nn.Module, args: tuple, kwargs: dict, target: mx.array) -> mx.array:
         y = block_output(blk(*args, **kwargs)).astype(mx.float32)
@@ -200,7 +201,7 @@ def tune_block(
         if cfg.steps > 0 and trainable > 0:
             opt = optim.Adam(learning_rate=optim.cosine_decay(cfg.lr, cfg.steps))
             step_fn = nn.value_and_grad(block, loss_fn)
-            order = mx.random.permutation(len(calls), key=mx.random.key(seed)).tolist()
+            order = cast(list[int], mx.random.permutation(len(calls), key=mx.random.key(seed)).tolist())
             for step in range(cfg.steps):
                 i = order[step % len(order)]
                 args, kwargs = calls[i]

@@ -91,7 +91,7 @@ def disjoint_records(
     For calibration data that must not overlap the evaluation text: a data file can hold the same
     record (or the same licence header, the same function) more than once.
     """
-    seen = set()
+    seen: set[int] = set()
     for rec in held_out:
         t = _text(rec)
         seen.update(hash(t[i : i + k]) for i in range(max(1, len(t) - k + 1)))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -164,7 +165,7 @@ def finetune(
             keys = [k for k, v in m.items() if isinstance(v, mx.array) and v.ndim == 1 and mx.issubdtype(v.dtype, mx.floating)]
             if keys:
                 m.unfreeze(keys=keys, recurse=False)
-    trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+    trainable = sum(v.size for _, v in cast(list[tuple[str, mx.array]], tree_flatten(model.trainable_parameters())))
 
     def loss_fn(mdl: nn.Module, x: mx.array, target: mx.array) -> mx.array:
         return _kl(mdl(x).astype(mx.float32), target)

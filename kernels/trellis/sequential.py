@@ -109,8 +109,8 @@ def _block_key(path: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in path.split("."))
 
 
-def _swap(model: nn.Module, items: list[tuple[str, nn.Module]]) -> None:
-    model.update_modules(tree_unflatten(items))
+def _swap(model: nn.Module, items: Sequence[tuple[str, nn.Module]]) -> None:
+    model.update_modules(tree_unflatten(list(items)))
 
 
 def capture_block_inputs(model: nn.Module, block: str, windows: mx.array, batch: int) -> list:
@@ -195,7 +195,7 @@ def _check_chain(prev: str, prev_out: mx.array, block: str, calls: list) -> None
     """target="float": the hidden state entering ``block`` must be ``prev``'s output (first call)."""
     x = calls[0][0][0] if calls[0][0] else None
     ok = isinstance(x, mx.array) and x.shape == prev_out.shape
-    if ok:
+    if ok and x is not None:
         num = float(mx.sum(mx.square(x.astype(mx.float32) - prev_out.astype(mx.float32))))
         ok = num <= 1e-6 * max(float(mx.sum(mx.square(prev_out.astype(mx.float32)))), 1e-30)
     if not ok:
