@@ -19,7 +19,7 @@ from mlx_lm.models import cache as mlc
 
 from engine.kv import batch as kvb
 from engine.models import ARCHITECTURES, layer_templates, make_batch_layouts, prepare_model
-from engine.models.tiny import tiny_model
+from tests.tiny_archs import tiny_model
 
 ARCHS = sorted(ARCHITECTURES)
 QUANT_ARCHS = [a for a in ARCHS if ARCHITECTURES[a].can_quantize]

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.kv import RecurrentLayout, install_stepping
-from engine.models.tiny import tiny_model
+from tests.tiny_archs import tiny_model
 
 SETTINGS = settings(
     max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True

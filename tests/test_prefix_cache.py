@@ -10,7 +10,7 @@ from engine.kv import batch as kvb
 from engine.kv.memory import measure_footprint
 from engine.kv.prefix_cache import PrefixCache, chunk_ends
 from engine.models import layer_templates, make_batch_layouts, prepare_model
-from engine.models.tiny import tiny_model
+from tests.tiny_archs import tiny_model
 
 
 @pytest.fixture(scope="module", autouse=True)

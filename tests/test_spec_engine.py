@@ -132,8 +132,8 @@ def test_tiny_spec_rows_with_and_without_drafts_share_a_batch():
 
 def test_tiny_recurrent_hybrid_spec_equals_plain():
     """qwen3_next: gated-DeltaNet layers roll back to per-row snapshots."""
-    from engine.models.tiny import TINY_CONFIGS
-    from engine.models.tiny import tiny_model as registry_tiny
+    from tests.tiny_archs import TINY_CONFIGS
+    from tests.tiny_archs import tiny_model as registry_tiny
 
     mx.disable_compile()  # compiled helpers JIT per shape on CPU (slow); same answers
     try:

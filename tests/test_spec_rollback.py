@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from engine.kv import batch as kvb
 from engine.models import make_batch_layouts, prepare_model
-from engine.models.tiny import tiny_model
+from tests.tiny_archs import tiny_model
 
 SETTINGS = settings(
     max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True

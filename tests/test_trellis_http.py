@@ -12,11 +12,11 @@ from mlxd import DEFAULT_MODEL_DIR
 
 @pytest.fixture(scope="module")
 def trellis_server(tmp_path_factory):
-    from kernels.trellis.testing import quick_quantized_dir
     from mlxd.runtime import build_client
     from server.app import create_app
     from server.config import ServerConfig
     from tests.fake_engine import ServerThread
+    from tests.trellis_dirs import quick_quantized_dir
 
     dst = tmp_path_factory.mktemp("trellis") / "tc-trellis"
     quick_quantized_dir(DEFAULT_MODEL_DIR, dst)

@@ -18,7 +18,7 @@ from mlx_lm.utils import save_model as mlx_lm_save_model
 from kernels import trellis as tr
 from kernels.trellis import matvec
 from kernels.trellis.calibration import even_windows, read_records, token_stream
-from kernels.trellis.testing import quick_quantized_dir
+from tests.trellis_dirs import quick_quantized_dir
 
 TINY = {
     "model_type": "llama",

@@ -28,7 +28,7 @@ def quick_quantized_dir(
     """
     from mlx_lm.utils import load_model
 
-    from .linear import quantize_model, save_model
+    from kernels.trellis.linear import quantize_model, save_model
 
     model, config = load_model(Path(src))
 
