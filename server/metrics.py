@@ -249,8 +249,9 @@ class ObservabilityMiddleware:
         finally:
             route = scope.get("route")
             path = getattr(route, "path", None) or "unmatched"
-            self.metrics.http.labels(scope.get("method", ""), path, str(status)).inc()
+            # the access line first: a request that is counted has its line written
             _log_access(scope, status, (time.perf_counter() - t0) * 1e3, note)
+            self.metrics.http.labels(scope.get("method", ""), path, str(status)).inc()
             request_id_var.reset(token)
 
 
