@@ -1,0 +1,231 @@
+"""LoRA adapters (engine/lora.py): rows with different adapters and rows without share one batch,
+and each row's greedy tokens equal those of its adapter merged into the weights, served alone."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+from engine import lora
+from engine.api import EngineError, Request
+from engine.loader import load_model
+from tests.tiny_models import greedy, loaded, make_engine, run_alone, submit, tiny_model
+
+
+def write_adapter(root: Path, model: Any, *, rank: int, scale: float, num_layers: int,
+                  keys: list[str] | None, seed: int, std: float = 0.3) -> Path:
+    """An mlx-lm adapter directory with random lora_a / lora_b for `model`'s layers."""
+    root.mkdir(parents=True, exist_ok=True)
+    cfg = {"fine_tune_type": "lora", "num_layers": num_layers,
+           "lora_parameters": {"rank": rank, "scale": scale, "dropout": 0.0,
+                               **({"keys": keys} if keys else {})}}
+    probe = lora.Adapter("probe", root, rank, scale, num_layers, tuple(keys) if keys else None)
+    modules = dict(model.named_modules())
+    mx.random.seed(seed)
+    weights: dict[str, mx.array] = {}
+    for path in sorted(lora.allowed_modules(model, probe)):
+        dims = lora.linear_dims(modules[path])
+        assert dims is not None
+        weights[f"{path}.lora_a"] = mx.random.normal((dims[0], rank)) * std
+        weights[f"{path}.lora_b"] = mx.random.normal((rank, dims[1])) * std
+    mx.save_safetensors(str(root / "adapters.safetensors"), weights)
+    (root / "adapter_config.json").write_text(json.dumps(cfg))
+    return root
+
+
+def merge_into(model: Any, adapter_dir: Path) -> None:
+    """W + scale * B^T A^T in every adapted module: the merged reference."""
+    ad = lora.read_adapter("merged", adapter_dir)
+    modules = dict(model.named_modules())
+    for path, (a, b) in ad.weights.items():
+        m = modules[path]
+        m.weight = m.weight + ad.scale * (b.T @ a.T)
+    mx.eval(model.parameters())
+
+
+def _mixed_run(lm: Any, reqs: list[tuple[Request, str | None]]) -> dict[str, list[int]]:
+    """Half the rows start together, the rest join while those decode; rows leave at their own
+    max_tokens."""
+    for req, name in reqs:
+        req.adapter = name
+    eng = make_engine(lm, prefill_chunk=32, prefill_budget=256)
+    try:
+        first, rest = reqs[: len(reqs) // 2], reqs[len(reqs) // 2:]
+        outs = {r.req_id: submit(eng, r) for r, _ in first}
+        lead = outs[first[0][0].req_id]
+        for r, _ in rest:
+            for _ in range(200):
+                if len(lead.tokens) >= 3 or lead.done.is_set():
+                    break
+                lead.done.wait(0.01)
+            outs[r.req_id] = submit(eng, r)
+        for r, _ in reqs:
+            assert outs[r.req_id].done.wait(300), r.req_id
+        assert eng.stats().num_running == 0
+        return {rid: c.tokens for rid, c in outs.items()}
+    finally:
+        eng.stop()
+
+
+def _alone(lm: Any, reqs: list[Request]) -> dict[str, list[int]]:
+    eng = make_engine(lm, prefill_chunk=32, prefill_budget=256)
+    try:
+        return {r.req_id: run_alone(eng, Request(r.req_id, r.prompt_ids, r.params)).tokens
+                for r in reqs}
+    finally:
+        eng.stop()
+
+
+def _requests(vocab: int, names: list[str | None], seed: int) -> list[tuple[Request, str | None]]:
+    rng = random.Random(seed)
+    out = []
+    for i, name in enumerate(names):
+        plen = 50 if i % 3 == 1 else rng.randint(2, 20)  # 50 > the 24-token window, > a chunk
+        prompt = [rng.randrange(3, vocab) for _ in range(plen)]
+        out.append((greedy(f"r{i}-{name}", prompt, max_tokens=rng.randint(6, 24)), name))
+    return out
+
+
+def _check_mixed_equals_merged(make_base: Any, adapters: dict[str, Path], vocab: int,
+                               seed: int) -> None:
+    base = make_base()
+    served = loaded_with(base, adapters)
+    names: list[str | None] = [*adapters, None] * 2 + [None, next(iter(adapters))]
+    reqs = _requests(vocab, names, seed)
+    mixed = _mixed_run(served, reqs)
+    plain = make_base()
+    want_base = _alone(plain, [r for r, n in reqs if n is None])
+    for name, path in adapters.items():
+        merged = make_base()
+        merge_into(merged.model, path)
+        mine = [r for r, n in reqs if n == name]
+        want = _alone(merged, mine)
+        other = _alone(plain, mine)
+        for r in mine:
+            assert mixed[r.req_id] == want[r.req_id], (name, r.req_id)
+        # the adapter matters: not every row of it is the base model's output
+        assert any(want[r.req_id] != other[r.req_id] for r in mine), name
+    for rid, toks in want_base.items():
+        assert mixed[rid] == toks, rid
+
+
+def loaded_with(lm: Any, adapters: dict[str, Path]) -> Any:
+    s = lora.load(lm.model, list((n, str(p)) for n, p in adapters.items()))
+    assert s is not None and s.names == tuple(adapters)
+    return lm
+
+
+def test_tiny_llama_mixed_adapters_equal_merged_alone(tmp_path):
+    model, cfg = tiny_model("llama")
+    adapters = {
+        "a1": write_adapter(tmp_path / "a1", model, rank=4, scale=2.0, num_layers=-1,
+                            keys=["self_attn.q_proj", "self_attn.v_proj"], seed=1),
+        "a2": write_adapter(tmp_path / "a2", model, rank=8, scale=1.0, num_layers=2, keys=None,
+                            seed=2),
+        "a3": write_adapter(tmp_path / "a3", model, rank=2, scale=4.0, num_layers=3,
+                            keys=["mlp.down_proj", "mlp.up_proj"], seed=3),
+    }
+
+    def make_base() -> Any:
+        m, c = tiny_model("llama")
+        return loaded(m, c)
+
+    _check_mixed_equals_merged(make_base, adapters, cfg["vocab_size"], seed=5)
+
+
+def test_bundled_model_mixed_adapters_equal_merged_alone(tmp_path, tinycoder_path):
+    probe = load_model(str(tinycoder_path), dtype="float32").model
+    adapters = {
+        "coder-a": write_adapter(tmp_path / "a", probe, rank=8, scale=1.0, num_layers=-1,
+                                 keys=["self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"],
+                                 seed=11, std=0.2),
+        "coder-b": write_adapter(tmp_path / "b", probe, rank=4, scale=2.0, num_layers=4, keys=None,
+                                 seed=12, std=0.2),
+    }
+
+    def make_base() -> Any:
+        lm = load_model(str(tinycoder_path), dtype="float32")
+        lm.eos_token_ids = ()
+        return lm
+
+    _check_mixed_equals_merged(make_base, adapters, make_base().vocab_size, seed=6)
+
+
+def test_loader_serves_adapters_and_the_engine_refuses_unknown_names(tmp_path, tinycoder_path):
+    probe = load_model(str(tinycoder_path), dtype="float32").model
+    path = write_adapter(tmp_path / "a", probe, rank=2, scale=1.0, num_layers=1, keys=None, seed=3)
+    lm = load_model(str(tinycoder_path), dtype="float32", adapters=[("mine", str(path))])
+    assert lm.extra["adapters"] == ["mine"]
+    eng = make_engine(lm)
+    try:
+        with pytest.raises(EngineError) as err:
+            eng.add(Request("x", [5, 6, 7], adapter="other"), lambda events: None)
+        assert err.value.status == 404
+        req = greedy("y", [5, 6, 7], 4)
+        req.adapter = "mine"
+        assert len(run_alone(eng, req).tokens) >= 1
+    finally:
+        eng.stop()
+
+
+def test_prefix_cache_keys_on_the_adapter(tmp_path):
+    model, cfg = tiny_model("llama")
+    path = write_adapter(tmp_path / "a", model, rank=4, scale=2.0, num_layers=-1, keys=None, seed=4)
+    lm = loaded(model, cfg)
+    lora.load(model, [("a", str(path))])
+    rng = random.Random(0)
+    shared = [rng.randrange(3, cfg["vocab_size"]) for _ in range(40)]
+    eng = make_engine(lm, prefill_chunk=32)
+    try:
+        first = run_alone(eng, greedy("base", shared + [9], 4))
+        with_adapter = greedy("ad", shared + [9], 4)
+        with_adapter.adapter = "a"
+        got = run_alone(eng, with_adapter)
+        again = greedy("ad2", shared + [9], 4)
+        again.adapter = "a"
+        hit = run_alone(eng, again)
+    finally:
+        eng.stop()
+    # the base row's blocks are not served to the adapter's row; the adapter's own are
+    assert got.events[-1].num_cached_tokens == 0
+    assert hit.events[-1].num_cached_tokens > 0 and hit.tokens == got.tokens
+    assert first.tokens != got.tokens
+
+
+def _fit_error(tmp_path: Path, model: Any, mutate: Any) -> str:
+    path = write_adapter(tmp_path, model, rank=2, scale=1.0, num_layers=-1,
+                         keys=["self_attn.q_proj"], seed=1)
+    mutate(path)
+    with pytest.raises(lora.AdapterError) as err:
+        lora.load(model, [("bad", str(path))])
+    return str(err.value)
+
+
+def test_adapters_that_do_not_fit_are_refused_at_start(tmp_path):
+    model, _ = tiny_model("llama")
+
+    def wrong_shape(p: Path) -> None:
+        w = dict(mx.load(str(p / "adapters.safetensors")))
+        key = next(k for k in w if k.endswith("lora_a"))
+        w[key] = mx.zeros((7, 2))
+        mx.save_safetensors(str(p / "adapters.safetensors"), w)
+
+    def outside_layers(p: Path) -> None:
+        cfg = json.loads((p / "adapter_config.json").read_text())
+        cfg["num_layers"] = 1
+        (p / "adapter_config.json").write_text(json.dumps(cfg))
+
+    def dora(p: Path) -> None:
+        cfg = json.loads((p / "adapter_config.json").read_text())
+        cfg["fine_tune_type"] = "dora"
+        (p / "adapter_config.json").write_text(json.dumps(cfg))
+
+    assert "in the base" in _fit_error(tmp_path / "s", model, wrong_shape)
+    assert "outside the layers" in _fit_error(tmp_path / "l", model, outside_layers)
+    assert "not supported" in _fit_error(tmp_path / "d", model, dora)
+    assert lora.attached(model) is None  # nothing was installed
