@@ -210,7 +210,9 @@ def test_adapters_that_do_not_fit_are_refused_at_start(tmp_path):
     model, _ = tiny_model("llama")
 
     def wrong_shape(p: Path) -> None:
-        w = dict(mx.load(str(p / "adapters.safetensors")))
+        loaded_w = mx.load(str(p / "adapters.safetensors"))
+        assert isinstance(loaded_w, dict)
+        w = dict(loaded_w)
         key = next(k for k in w if k.endswith("lora_a"))
         w[key] = mx.zeros((7, 2))
         mx.save_safetensors(str(p / "adapters.safetensors"), w)
@@ -229,3 +231,67 @@ def test_adapters_that_do_not_fit_are_refused_at_start(tmp_path):
     assert "outside the layers" in _fit_error(tmp_path / "l", model, outside_layers)
     assert "not supported" in _fit_error(tmp_path / "d", model, dora)
     assert lora.attached(model) is None  # nothing was installed
+
+
+def _serve(client: Any) -> Any:
+    from server.app import create_app
+    from server.config import ServerConfig
+    from tests.fake_engine import ServerThread
+
+    return ServerThread(create_app(client, ServerConfig()))
+
+
+def test_http_a_request_naming_an_adapter_gets_its_output(tmp_path, tinycoder_path):
+    import httpx
+
+    from engine.core import AsyncEngine, Engine
+    from mlxd.runtime import build_client
+
+    probe = load_model(str(tinycoder_path), dtype="float32").model
+    path = write_adapter(tmp_path / "a", probe, rank=4, scale=2.0, num_layers=-1, keys=None,
+                         seed=21, std=0.2)
+    served = build_client(model=str(tinycoder_path), dtype="float32",
+                          adapters=[("coder-lora", str(path))])
+    merged_lm = load_model(str(tinycoder_path), dtype="float32")
+    merge_into(merged_lm.model, path)
+    merged = AsyncEngine(Engine(merged_lm))
+    body = {"prompt": "def fibonacci(n):", "max_tokens": 16, "temperature": 0}
+    base_name = served.model.model_id
+    served.start()
+    merged.start()
+    try:
+        with _serve(served) as srv, _serve(merged) as ref:
+            ids = [m["id"] for m in httpx.get(f"{srv.url}/v1/models").json()["data"]]
+            assert ids == [base_name, "coder-lora"]
+            card = httpx.get(f"{srv.url}/v1/models/coder-lora").json()
+            assert card["id"] == "coder-lora" and card["parent"] == base_name
+
+            def text(url: str, model: str) -> str:
+                r = httpx.post(f"{url}/v1/completions", json={**body, "model": model}, timeout=60)
+                assert r.status_code == 200, r.text
+                return str(r.json()["choices"][0]["text"])
+
+            with_adapter = text(srv.url, "coder-lora")
+            assert with_adapter == text(ref.url, merged.model.model_id)
+            assert with_adapter != text(srv.url, base_name)
+            r = httpx.post(f"{srv.url}/v1/completions", json={**body, "model": "coder-other"})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+            chat = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60, json={
+                "model": "coder-lora", "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}]})
+            assert chat.status_code == 200, chat.text
+    finally:
+        served.stop()
+        merged.stop()
+
+
+def test_cli_adapter_flag_and_a_misfit_is_a_startup_error(tmp_path):
+    from mlxd.cli import _adapter
+    from mlxd.runtime import StartupError, build_client
+
+    assert _adapter("a=/x/y") == ("a", "/x/y")
+    with pytest.raises(Exception, match="NAME=PATH"):
+        _adapter("/x/y")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(StartupError, match="--adapter: adapter 'x'.*adapter_config.json"):
+        build_client(model=None, adapters=[("x", str(tmp_path / "empty"))])
