@@ -97,10 +97,16 @@ class Runner:
             raise KeyError(name)
         return self.adapters.index_of(name)
 
-    def _select(self, batch: RunningBatch | None) -> None:
-        """The per-row adapter indices of the forward about to be built (None: no adapters)."""
-        if self.adapters is not None:
-            self.adapters.select(batch.adapters if batch is not None else None)
+    def _forward(self, inputs: mx.array, caches: Any, batch: RunningBatch | None) -> mx.array:
+        """The model over `inputs` with `batch`'s rows' adapters (None: none). The indices are
+        set only while the (lazy) graph is built, so no other forward of the model sees them."""
+        if self.adapters is None:
+            return cast(mx.array, self.model(inputs, cache=caches))
+        self.adapters.select(batch.adapters if batch is not None else None)
+        try:
+            return cast(mx.array, self.model(inputs, cache=caches))
+        finally:
+            self.adapters.select(None)
 
     def new_caches(self, num_rows: int) -> list[Any]:
         return kvb.new_batch(self.model, num_rows, self.kv)
@@ -156,8 +162,7 @@ class Runner:
             kvb.prepare_right_padded(group.caches, [len(t) for t in group.token_lists])
         width = end - start
         rows = [t[start:end] + [0] * (width - len(t[start:end])) for t in group.token_lists]
-        self._select(group.batch)
-        self.model(mx.array(rows, dtype=mx.int32), cache=group.caches)
+        self._forward(mx.array(rows, dtype=mx.int32), group.caches, group.batch)
         if end >= group.width:
             kvb.finalize(group.caches)
         kvb.eval_state(group.caches)
@@ -165,8 +170,7 @@ class Runner:
 
     def prefill_row(self, caches: list[Any], token_ids: list[int]) -> None:
         """One row's prompt into fresh `caches` (speculation's warm-up batch, no adapter)."""
-        self._select(None)
-        self.model(mx.array([token_ids], dtype=mx.int32), cache=caches)
+        self._forward(mx.array([token_ids], dtype=mx.int32), caches, None)
         kvb.eval_state(caches)
 
     # -- plain decode ----------------------------------------------------------------------
@@ -174,8 +178,7 @@ class Runner:
         """Queue one decode step for every row without waiting for it (async_eval). The
         step's inputs may themselves still be in flight (the previous step's tokens)."""
         assert batch.next_tokens is not None and batch.sampler is not None
-        self._select(batch)
-        logits = self.model(batch.next_tokens[:, None], cache=batch.caches)[:, -1, :]
+        logits = self._forward(batch.next_tokens[:, None], batch.caches, batch)[:, -1, :]
         masked, errors = _mask(logits, constrained)
         if masked is not None:
             logits = masked
@@ -198,8 +201,7 @@ class Runner:
         # rings are written after the verdict (accepted columns only): no ring slack needed,
         # so the target's layouts are the plain engine's (engine/spec/ringcommit.py)
         ring_round = RingRound(batch.caches or [], K + 1)
-        self._select(batch)
-        logits = self.model(_verify_input(batch, rnd), cache=ring_round.model_caches)
+        logits = self._forward(_verify_input(batch, rnd), ring_round.model_caches, batch)
         first, errors = _mask(logits[:, 0, :], batch.constrained_rows())
         if first is not None:  # column 0 under the grammar (constrained rows have no drafts)
             logits = mx.concatenate([first[:, None], logits[:, 1:]], axis=1)

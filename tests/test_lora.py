@@ -98,6 +98,12 @@ def _check_mixed_equals_merged(make_base: Any, adapters: dict[str, Path], vocab:
     names: list[str | None] = [*adapters, None] * 2 + [None, next(iter(adapters))]
     reqs = _requests(vocab, names, seed)
     mixed = _mixed_run(served, reqs)
+    # the rows' indices are gone once each forward is built: another engine on this model
+    # (or any other forward of it) runs without them
+    attached = lora.attached(served.model)
+    assert attached is not None and attached.rows is None
+    assert _alone(served, [r for r, n in reqs if n is None]) == _alone(make_base(), [
+        r for r, n in reqs if n is None])
     plain = make_base()
     want_base = _alone(plain, [r for r, n in reqs if n is None])
     for name, path in adapters.items():
@@ -295,3 +301,43 @@ def test_cli_adapter_flag_and_a_misfit_is_a_startup_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(StartupError, match="--adapter: adapter 'x'.*adapter_config.json"):
         build_client(model=None, adapters=[("x", str(tmp_path / "empty"))])
+
+
+def test_ngram_speculation_with_adapters_equals_plain_greedy(tmp_path):
+    """Verify forwards select the rows' adapters too: forced n-gram drafting (every step a
+    verify step) gives each adapter row and base row the tokens of plain greedy decoding."""
+    from engine.core import Engine, EngineConfig
+    from engine.scheduler import SchedulerConfig
+    from engine.spec import SpecConfig
+
+    model, cfg = tiny_model("llama")
+    paths = [("a1", write_adapter(tmp_path / "a1", model, rank=4, scale=2.0, num_layers=-1,
+                                  keys=None, seed=7)),
+             ("a2", write_adapter(tmp_path / "a2", model, rank=2, scale=2.0, num_layers=2,
+                                  keys=["self_attn.o_proj"], seed=8))]
+    lora.load(model, [(n, str(p)) for n, p in paths])
+    lm = loaded(model, cfg)
+    rng = random.Random(3)
+    reqs = []
+    for i, name in enumerate(["a1", None, "a2", "a1", None, "a2"]):
+        motif = [rng.randrange(3, cfg["vocab_size"]) for _ in range(5)]
+        req = greedy(f"s{i}", motif * 6, max_tokens=30)
+        req.adapter = name
+        reqs.append(req)
+
+    def run(spec: Any) -> dict[str, list[int]]:
+        eng = Engine(lm, EngineConfig(SchedulerConfig(prefill_chunk=32), spec=spec))
+        eng.start()
+        try:
+            outs = {r.req_id: submit(eng, Request(r.req_id, r.prompt_ids, r.params,
+                                                  adapter=r.adapter)) for r in reqs}
+            for c in outs.values():
+                assert c.done.wait(300)
+            return {k: c.tokens for k, c in outs.items()}
+        finally:
+            stats = eng.stats().spec
+            eng.stop()
+            if spec is not None:
+                assert stats is not None and stats.spec_steps > 0
+
+    assert run(SpecConfig("ngram", num_draft_tokens=4, adaptive=False)) == run(None)
