@@ -182,11 +182,12 @@ class _LoraCall:
         idx = self._lora.owner.rows
         if idx is None:
             return y
-        rows = idx.shape[0]
-        xb = x.reshape(rows, -1, x.shape[-1])
-        h = mx.gather_mm(xb, self._lora.a, rhs_indices=idx)
-        z = mx.gather_mm(h, self._lora.b, rhs_indices=idx)
-        return y + z.reshape(y.shape).astype(y.dtype)
+        flat = x.ndim != 3  # [rows, tokens, in] is the engine's shape
+        xb = x.reshape(idx.shape[0], -1, x.shape[-1]) if flat else x
+        z = mx.gather_mm(mx.gather_mm(xb, self._lora.a, rhs_indices=idx), self._lora.b,
+                         rhs_indices=idx)
+        z = z.reshape(y.shape) if flat else z
+        return y + (z if z.dtype == y.dtype else z.astype(y.dtype))
 
 
 _CLASSES: dict[type, type] = {}
