@@ -341,3 +341,31 @@ def test_ngram_speculation_with_adapters_equals_plain_greedy(tmp_path):
                 assert stats is not None and stats.spec_steps > 0
 
     assert run(SpecConfig("ngram", num_draft_tokens=4, adaptive=False)) == run(None)
+
+
+def test_quantized_base_takes_adapters_batched_equals_alone(tmp_path):
+    """QuantizedLinear layers: the adapter's in-size is the unpacked one; a mixed batch equals
+    each row alone with its own adapter, and the adapter changes the output."""
+    import mlx.nn as nn
+
+    model, cfg = tiny_model("llama")
+    nn.quantize(model, group_size=32, bits=8)
+    q = dict(model.named_modules())["model.layers.0.self_attn.q_proj"]
+    assert isinstance(q, nn.QuantizedLinear) and lora.linear_dims(q) == (64, 64)
+    path = write_adapter(tmp_path / "q", model, rank=4, scale=2.0, num_layers=-1, keys=None,
+                         seed=9)
+    lora.load(model, [("q", str(path))])
+    lm = loaded(model, cfg)
+    reqs = _requests(cfg["vocab_size"], ["q", None, "q", None, "q", None], seed=8)
+    mixed = _mixed_run(lm, reqs)
+    eng = make_engine(lm, prefill_chunk=32, prefill_budget=256)
+    try:
+        for r, name in reqs:
+            alone = run_alone(eng, Request(r.req_id + "-alone", r.prompt_ids, r.params,
+                                           adapter=name)).tokens
+            assert mixed[r.req_id] == alone, r.req_id
+            if name is not None:
+                base = run_alone(eng, Request(r.req_id + "-base", r.prompt_ids, r.params)).tokens
+                assert base != alone, r.req_id
+    finally:
+        eng.stop()
