@@ -56,6 +56,7 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0  # lower runs first among waiting requests
     arrival_time: float = 0.0
+    adapter: str | None = None  # a LoRA adapter served with the model, by name (None: the base)
 
 
 @dataclass(slots=True)

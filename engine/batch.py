@@ -1,7 +1,7 @@
 """Per-row state of the running (decoding) batch, kept in one place with one take/concat.
 
-Python-side bookkeeping (`RowMeta`: ids, counters, limits) and device-side arrays (next input
-token, sampler state, KV caches) always move together through `RunningBatch.take` and
+Python-side bookkeeping (`RowMeta`: ids, counters, limits, adapter) and device-side arrays (next
+input token, sampler state, KV caches, per-row adapter index) always move together through `RunningBatch.take` and
 `RunningBatch.concat`, so rows never drift apart.
 """
 
@@ -31,6 +31,7 @@ class RowMeta:
     finished: bool = False  # set once its last event is out (in-flight results are then ignored)
     constraint: Any = None  # engine.constrain.Constraint: the row's grammar state, if any
     output_ids: list[int] = field(default_factory=list)  # tokens emitted so far (drafters read)
+    adapter: int = 0  # the row's LoRA adapter (engine.lora index; 0 = none)
 
     @property
     def req_id(self) -> str:
@@ -44,6 +45,12 @@ class RunningBatch:
     sampler: SamplerState | None = None
     caches: list[Any] | None = None  # per-layer KV layouts (engine.kv)
     spec: Any = None  # engine.spec.SpecRows: per-row speculation state (None: speculation off)
+    # [B] uint32: each row's adapter index (engine.lora); None while no row has an adapter
+    adapters: mx.array | None = None
+
+    def __post_init__(self) -> None:
+        if self.adapters is None:
+            self.adapters = _adapter_rows(self.rows)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -60,13 +67,15 @@ class RunningBatch:
             return
         if not keep:
             self.rows, self.next_tokens, self.sampler, self.caches = [], None, None, None
-            self.spec = None
+            self.spec = self.adapters = None
             return
         idx = mx.array(keep, dtype=mx.int32)
         self.rows = [self.rows[i] for i in keep]
         assert self.next_tokens is not None and self.sampler is not None and self.caches
         self.next_tokens = self.next_tokens[idx]
         self.sampler = self.sampler.take(idx)
+        has = any(r.adapter for r in self.rows)
+        self.adapters = self.adapters[idx] if has and self.adapters is not None else None
         kvb.filter_rows(self.caches, keep)
         if self.spec is not None:
             self.spec.take(keep)
@@ -78,10 +87,13 @@ class RunningBatch:
         if not self.rows:
             self.rows, self.next_tokens = other.rows, other.next_tokens
             self.sampler, self.caches = other.sampler, other.caches
-            self.spec = other.spec
+            self.spec, self.adapters = other.spec, other.adapters
             return
         assert self.next_tokens is not None and other.next_tokens is not None
         assert self.sampler is not None and other.sampler is not None and other.caches
+        if self.adapters is not None or other.adapters is not None:
+            self.adapters = mx.concatenate([_or_zeros(self.adapters, len(self.rows)),
+                                            _or_zeros(other.adapters, len(other.rows))])
         self.rows = self.rows + other.rows
         self.next_tokens = mx.concatenate([self.next_tokens, other.next_tokens])
         self.sampler = SamplerState.concat([self.sampler, other.sampler])
@@ -98,3 +110,14 @@ class RunningBatch:
         if self.caches:
             out.extend(kvb.state_arrays(self.caches))
         return out
+
+
+def _adapter_rows(rows: list[RowMeta]) -> mx.array | None:
+    """The rows' adapter indices as a device array, or None when no row has an adapter."""
+    if not any(r.adapter for r in rows):
+        return None
+    return mx.array([r.adapter for r in rows], dtype=mx.uint32)
+
+
+def _or_zeros(adapters: mx.array | None, num_rows: int) -> mx.array:
+    return adapters if adapters is not None else mx.zeros((num_rows,), dtype=mx.uint32)

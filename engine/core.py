@@ -267,6 +267,11 @@ class Engine:
                 status=413,
                 code="memory_budget_exceeded",
             )
+        try:
+            adapter = self.runner.adapter_index(request.adapter)
+        except KeyError:
+            raise EngineError(f"no adapter {request.adapter!r} is served with this model",
+                              status=404, code="model_not_found") from None
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.loaded.eos_token_ids)
@@ -276,6 +281,7 @@ class Engine:
             max_new_tokens=max_new,
             stop_ids=frozenset(stop_ids),
             constraint=self._compile_constraint(params.constraint),
+            adapter=adapter,
         )
 
     def _warm_up_spec(self) -> None:

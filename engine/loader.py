@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -18,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from engine import cuda_guard, fewrow
+from engine import cuda_guard, fewrow, lora
 
 _ALLOW_PATTERNS = [
     "*.json",
@@ -90,7 +91,11 @@ def load_model(
     dtype: str = "auto",
     chat_template: str | None = None,
     revision: str | None = None,
+    adapters: Sequence[tuple[str, str]] = (),
 ) -> LoadedModel:
+    """Load `model` (a directory or repo id) in `dtype`; `adapters` are (name, directory)
+    pairs of mlx-lm LoRA adapters served on top of it (engine/lora.py; a misfit raises
+    `engine.lora.AdapterError`)."""
     from mlx_lm.utils import load_config, load_tokenizer
     from mlx_lm.utils import load_model as mlx_load_model
 
@@ -109,6 +114,7 @@ def load_model(
         net.set_dtype(want)
     fewrow.install(net)  # CUDA only: 3..16-row matmuls as one gathered gemv, engine/fewrow.py
     cuda_guard.install(net)  # CUDA only: RoPE modules that slice inputs MLX-CUDA cannot launch
+    served = lora.load(net, adapters)  # after the dtype and the swaps: wraps the final classes
     wrapper = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     hf_tok = wrapper._tokenizer
     template = chat_template
@@ -130,5 +136,6 @@ def load_model(
         chat_template=template,
         dtype=",".join(d.replace("mlx.core.", "") for d in dtypes),
         vocab_size=vocab,
-        extra={"loaded_at": int(time.time()), "config": json.loads(json.dumps(config, default=str))},
+        extra={"loaded_at": int(time.time()), "config": json.loads(json.dumps(config, default=str)),
+               "adapters": list(served.names) if served is not None else []},
     )

@@ -32,7 +32,7 @@ from typing import Any, cast
 import mlx.core as mx
 import numpy as np
 
-from engine import constrain, cuda_guard
+from engine import constrain, cuda_guard, lora
 from engine.batch import RowMeta, RunningBatch
 from engine.kv import batch as kvb
 from engine.kv.batch import KVConfig
@@ -86,6 +86,27 @@ class Runner:
         self.prefix = prefix or NoPrefix(self.new_caches)
         self._inflight: InFlight | None = None
         self._held = 0  # a width chosen while a step was in flight: the next decode's
+        # LoRA adapters installed by the loader (engine/lora.py): each forward's rows select theirs
+        self.adapters = lora.attached(model)
+
+    def adapter_index(self, name: str | None) -> int:
+        """A request's adapter by name -> its per-row index (KeyError: not served here)."""
+        if name is None:
+            return lora.NO_ADAPTER
+        if self.adapters is None:
+            raise KeyError(name)
+        return self.adapters.index_of(name)
+
+    def _forward(self, inputs: mx.array, caches: Any, batch: RunningBatch | None) -> mx.array:
+        """The model over `inputs` with `batch`'s rows' adapters (None: none). The indices are
+        set only while the (lazy) graph is built, so no other forward of the model sees them."""
+        if self.adapters is None:
+            return cast(mx.array, self.model(inputs, cache=caches))
+        self.adapters.select(batch.adapters if batch is not None else None)
+        try:
+            return cast(mx.array, self.model(inputs, cache=caches))
+        finally:
+            self.adapters.select(None)
 
     def new_caches(self, num_rows: int) -> list[Any]:
         return kvb.new_batch(self.model, num_rows, self.kv)
@@ -141,15 +162,15 @@ class Runner:
             kvb.prepare_right_padded(group.caches, [len(t) for t in group.token_lists])
         width = end - start
         rows = [t[start:end] + [0] * (width - len(t[start:end])) for t in group.token_lists]
-        self.model(mx.array(rows, dtype=mx.int32), cache=group.caches)
+        self._forward(mx.array(rows, dtype=mx.int32), group.caches, group.batch)
         if end >= group.width:
             kvb.finalize(group.caches)
         kvb.eval_state(group.caches)
         self.prefix.store(group.rows, group.caches)
 
     def prefill_row(self, caches: list[Any], token_ids: list[int]) -> None:
-        """One row's prompt into fresh `caches` (speculation's warm-up batch)."""
-        self.model(mx.array([token_ids], dtype=mx.int32), cache=caches)
+        """One row's prompt into fresh `caches` (speculation's warm-up batch, no adapter)."""
+        self._forward(mx.array([token_ids], dtype=mx.int32), caches, None)
         kvb.eval_state(caches)
 
     # -- plain decode ----------------------------------------------------------------------
@@ -157,7 +178,7 @@ class Runner:
         """Queue one decode step for every row without waiting for it (async_eval). The
         step's inputs may themselves still be in flight (the previous step's tokens)."""
         assert batch.next_tokens is not None and batch.sampler is not None
-        logits = self.model(batch.next_tokens[:, None], cache=batch.caches)[:, -1, :]
+        logits = self._forward(batch.next_tokens[:, None], batch.caches, batch)[:, -1, :]
         masked, errors = _mask(logits, constrained)
         if masked is not None:
             logits = masked
@@ -180,7 +201,7 @@ class Runner:
         # rings are written after the verdict (accepted columns only): no ring slack needed,
         # so the target's layouts are the plain engine's (engine/spec/ringcommit.py)
         ring_round = RingRound(batch.caches or [], K + 1)
-        logits = self.model(_verify_input(batch, rnd), cache=ring_round.model_caches)
+        logits = self._forward(_verify_input(batch, rnd), ring_round.model_caches, batch)
         first, errors = _mask(logits[:, 0, :], batch.constrained_rows())
         if first is not None:  # column 0 under the grammar (constrained rows have no drafts)
             logits = mx.concatenate([first[:, None], logits[:, 1:]], axis=1)

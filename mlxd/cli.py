@@ -141,6 +141,13 @@ def _api_key(text: str) -> str:
 # -- parsers --------------------------------------------------------------------------------
 
 
+def _adapter(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"{value!r}: expected NAME=PATH (an adapter directory)")
+    return name.strip(), path.strip()
+
+
 def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="start the HTTP server", formatter_class=_Formatter,
                        description="Start the OpenAI- and Anthropic-compatible HTTP server.")
@@ -152,6 +159,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="model name reported by the API (default: the model directory's name)")
     g.add_argument("--chat-template", default=None, help="a Jinja chat template (string or file) "
                    "that replaces the tokenizer's")
+    g.add_argument("--adapter", dest="adapters", action="append", type=_adapter, default=[],
+                   metavar="NAME=PATH",
+                   help="a LoRA adapter (mlx-lm's adapter directory) served on the model as "
+                        "model NAME; repeat for more (docs/adapters.md)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype; auto = float32 on a CPU, the checkpoint's dtype elsewhere")
     g.add_argument("--blas", type=_blas, default=None,

@@ -31,15 +31,21 @@ def build_client(args: argparse.Namespace | None = None, **overrides: Any):
     from engine.core import AsyncEngine, Engine, EngineConfig
     from engine.kv.batch import KVConfig
     from engine.loader import load_model
+    from engine.lora import AdapterError
     from engine.scheduler import SchedulerConfig
     from mlxd import model_source
 
-    loaded = load_model(
-        model_source(opts.get("model")),
-        dtype=opts.get("dtype", "auto"),
-        chat_template=opts.get("chat_template"),
-        revision=opts.get("revision"),
-    )
+    adapters = list(opts.get("adapters") or [])
+    try:
+        loaded = load_model(
+            model_source(opts.get("model")),
+            dtype=opts.get("dtype", "auto"),
+            chat_template=opts.get("chat_template"),
+            revision=opts.get("revision"),
+            adapters=adapters,
+        )
+    except AdapterError as exc:
+        raise StartupError(f"--adapter: {exc}") from None
     sched = SchedulerConfig(
         max_num_seqs=opts.get("max_num_seqs", 128),
         prefill_chunk=opts.get("prefill_chunk", 512),
@@ -64,6 +70,10 @@ def build_client(args: argparse.Namespace | None = None, **overrides: Any):
     client = AsyncEngine(Engine(loaded, config))
     if opts.get("served_model_name"):
         client.model.model_id = opts["served_model_name"]
+    clash = {name for name, _ in adapters} & {client.model.model_id, str(loaded.path)}
+    if clash:
+        raise StartupError(f"--adapter {sorted(clash)[0]}: the name is the model's own; "
+                           "give the adapter another name")
     client.model.extra.update(
         blas={"path": info.path, "status": info.reason},
         device=str(mx.default_device()),

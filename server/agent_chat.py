@@ -98,7 +98,7 @@ async def chat_completions_agent(request: Request, body: ChatCompletionRequest, 
     specs = make_specs(cid, [plan.prompt_ids], [params], body.n or 1, body)
     for s in specs:
         s.skip_special_tokens = s.skip_special_tokens and plan.skip_special_tokens
-    gens = await start_all(st.client, specs, model.info.eos_token_ids)  # EngineError → 400 etc.
+    gens = await start_all(st.client, specs, model.info.eos_token_ids, adapter=model.adapter_for(body.model))  # EngineError → 400 etc.
     created = int(time.time())
     if body.stream:
         return SSEResponse(

@@ -291,7 +291,7 @@ async def messages(request: Request) -> Response:
     stops = [s for s in (body.stop_sequences or []) if s]
     spec = ChoiceSpec(index=0, req_id=mid, prompt_ids=plan.prompt_ids, params=params, stop=stops,
                       skip_special_tokens=plan.skip_special_tokens)
-    gens = await start_all(st.client, [spec], model.info.eos_token_ids)
+    gens = await start_all(st.client, [spec], model.info.eos_token_ids, adapter=model.adapter_for(body.model))
     if body.stream:
         return SSEResponse(_stream(gens[0], plan, parallel, model, mid), on_close=gens[0].abort)
     try:

@@ -74,15 +74,19 @@ def _json_safe(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def _model_card(model: ServedModel) -> dict[str, Any]:
-    return {
-        "id": model.name,
+def _model_card(model: ServedModel, adapter: str | None = None) -> dict[str, Any]:
+    """The base model's card, or an adapter's (`parent`: the base it runs on)."""
+    card = {
+        "id": adapter or model.name,
         "object": "model",
         "created": model.info.created,
         "owned_by": "mlxd",
         "root": model.info.model_id,
         "max_model_len": model.context_length,
     }
+    if adapter is not None:
+        card["parent"] = model.name
+    return card
 
 
 def _install_api_docs(app: FastAPI, auth: list[Any]) -> None:
@@ -122,7 +126,8 @@ def create_app(client: EngineClient, config: ServerConfig | None = None) -> Fast
 
     @app.get("/v1/models", dependencies=auth)
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(model)]}
+        cards = [_model_card(model)] + [_model_card(model, a) for a in model.adapters]
+        return {"object": "list", "data": cards}
 
     @app.get("/v1/models/{model_id:path}", dependencies=auth)
     async def get_model(model_id: str) -> dict[str, Any]:
@@ -133,7 +138,7 @@ def create_app(client: EngineClient, config: ServerConfig | None = None) -> Fast
                 param="model",
                 code="model_not_found",
             )
-        return _model_card(model)
+        return _model_card(model, model.adapter_for(model_id))
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

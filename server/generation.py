@@ -245,14 +245,17 @@ class Generation:
 
 
 async def start_all(
-    client: EngineClient, specs: Sequence[ChoiceSpec], eos_token_ids: Iterable[int] = ()
+    client: EngineClient, specs: Sequence[ChoiceSpec], eos_token_ids: Iterable[int] = (),
+    adapter: str | None = None,
 ) -> list[Generation]:
-    """Submit every choice; if one is refused (EngineError), abort the ones already queued."""
+    """Submit every choice (on the base model, or with the LoRA adapter the request's `model`
+    named); if one is refused (EngineError), abort the ones already queued."""
     eos = tuple(eos_token_ids)
     gens: list[Generation] = []
     try:
         for spec in specs:
-            request = Request(req_id=spec.req_id, prompt_ids=spec.prompt_ids, params=spec.params)
+            request = Request(req_id=spec.req_id, prompt_ids=spec.prompt_ids, params=spec.params,
+                              adapter=adapter)
             stream = await client.submit(request)
             gens.append(Generation(client, spec, stream, eos))
     except BaseException:

@@ -248,7 +248,8 @@ async def chat_completions(request: Request) -> Response:
     params = sampling_params(body, st.config, model, ids, logprobs=want_lp, top_logprobs=k)
     cid = new_id("chatcmpl")
     specs = make_specs(cid, [ids], [params], body.n or 1, body)
-    gens = await start_all(st.client, specs, model.info.eos_token_ids)
+    gens = await start_all(st.client, specs, model.info.eos_token_ids,
+                          adapter=model.adapter_for(body.model))
     _log_start(request, cid, specs)
     created = int(time.time())
     if body.stream:
@@ -382,7 +383,8 @@ async def completions(request: Request) -> Response:
     echoes = _echoes(model, body, prompts)
     specs = make_specs(cid, prompts, params, n, body)
     echo_of = {s.index: (echoes[s.prompt_index] if body.echo else "") for s in specs}
-    gens = await start_all(st.client, specs, model.info.eos_token_ids)
+    gens = await start_all(st.client, specs, model.info.eos_token_ids,
+                          adapter=model.adapter_for(body.model))
     _log_start(request, cid, specs)
     if body.stream:
         return SSEResponse(

@@ -36,6 +36,7 @@ class ServedModel:
     vocab: TokenVocab | None = None
     vocab_size: int = 0
     max_token_chars: int = 0  # the most characters of text one token can stand for; 0 = unknown
+    adapters: tuple[str, ...] = ()  # LoRA adapters served on this model: each a model name too
 
     @classmethod
     def from_info(cls, info: ModelInfo, alias: str | None = None) -> ServedModel:
@@ -43,7 +44,14 @@ class ServedModel:
         tok = info.tokenizer
         vocab_size = max(int(info.extra.get("vocab_size") or 0), len(tok))
         aliases = {name, info.model_id, info.path}
-        return cls(info, name, aliases, TokenVocab(tok), vocab_size, max_token_chars(tok))
+        adapters = tuple(str(a) for a in info.extra.get("adapters") or ())
+        aliases.update(adapters)
+        return cls(info, name, aliases, TokenVocab(tok), vocab_size, max_token_chars(tok),
+                   adapters)
+
+    def adapter_for(self, requested: str | None) -> str | None:
+        """The adapter a request's `model` names (None: the base model)."""
+        return requested if requested in self.adapters else None
 
     @property
     def tokenizer(self) -> Any:

@@ -393,7 +393,7 @@ async def _prepare(request: Request) -> _Prepared:
     rid = _new("resp")
     spec = ChoiceSpec(index=0, req_id=rid, prompt_ids=plan.prompt_ids, params=params,
                       skip_special_tokens=plan.skip_special_tokens)
-    gens = await start_all(st.client, [spec], model.info.eos_token_ids)
+    gens = await start_all(st.client, [spec], model.info.eos_token_ids, adapter=model.adapter_for(body.model))
     return _Prepared(rid, body, plan, parallel, messages, gens, tools)
 
 

@@ -114,7 +114,7 @@ class PrefixCache:
         self.template = [layer.empty_like(0) for layer in template]
         self.block_size = block_size
         self.max_bytes = max_bytes
-        self._root = _Node((), None, 0)
+        self._roots: dict[int, _Node] = {}  # one trie per key (the row's adapter: KV differs)
         self._lru: OrderedDict[int, _Node] = OrderedDict()
         self._nbytes = 0
         self.stats = PrefixCounters()
@@ -145,11 +145,18 @@ class PrefixCache:
         for n in self._path(node):
             self._lru.move_to_end(id(n))
 
-    def lookup(self, token_ids: Sequence[int], max_tokens: int | None = None) -> PrefixHit | None:
-        """The longest cached, restorable, block-aligned prefix of `token_ids` (<= max_tokens)."""
+    def _root(self, key: int) -> _Node:
+        return self._roots.setdefault(key, _Node((), None, 0))
+
+    def lookup(
+        self, token_ids: Sequence[int], max_tokens: int | None = None, key: int = 0
+    ) -> PrefixHit | None:
+        """The longest cached, restorable, block-aligned prefix of `token_ids` (<= max_tokens)
+        among the blocks inserted under `key` (rows whose KV differs, such as rows with
+        different adapters, use different keys)."""
         self.stats.queries += 1
         limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
-        node, path = self._root, []
+        node, path = self._root(key), []
         for block in self._blocks(token_ids, limit):
             child = node.children.get(block)
             if child is None:
@@ -209,9 +216,10 @@ class PrefixCache:
 
     # ---------------------------------------------------------------- insert
 
-    def insert(self, token_ids: Sequence[int], row: Sequence[Any]) -> int:
+    def insert(self, token_ids: Sequence[int], row: Sequence[Any], key: int = 0) -> int:
         """Store the complete blocks of a one-row cache that has seen `token_ids` (its length
-        is the row's token count). Returns the number of new trie nodes."""
+        is the row's token count) under `key` (see `lookup`). Returns the number of new trie
+        nodes."""
         rows = [
             r if isinstance(r, RecurrentLayout) else adopt(t, r)
             for t, r in zip(self.template, row, strict=True)
@@ -220,7 +228,7 @@ class PrefixCache:
         if n > len(token_ids):
             raise ValueError(f"row has {n} tokens but only {len(token_ids)} ids were given")
         positions = [None if isinstance(r, RecurrentLayout) else r.row_positions(0) for r in rows]
-        node, created = self._root, 0
+        node, created = self._root(key), 0
         filled: list[mx.array] = []
         for block in self._blocks(token_ids, n):
             child = node.children.get(block)
@@ -235,7 +243,7 @@ class PrefixCache:
         # buffer (the batch's KV) alive while the LRU counts only the block's bytes.
         if filled:
             mx.eval(filled)
-        if node is not self._root:
+        if node.parent is not None:
             self._touch(node)
         self.stats.inserted_blocks += created
         self._evict()
@@ -287,7 +295,7 @@ class PrefixCache:
         self.stats.evicted_blocks += 1
 
     def clear(self) -> None:
-        self._root = _Node((), None, 0)
+        self._roots.clear()
         self._lru.clear()
         self._nbytes = 0
 
@@ -313,7 +321,7 @@ class PrefixIndex:
         if row.req_id in self._hits:
             return
         ids = row.request.prompt_ids
-        hit = self.cache.lookup(ids, max_tokens=len(ids) - 1)
+        hit = self.cache.lookup(ids, max_tokens=len(ids) - 1, key=row.adapter)
         self._hits[row.req_id] = hit
         if hit is not None:
             row.num_cached_tokens = hit.num_tokens
@@ -334,7 +342,8 @@ class PrefixIndex:
         for i, row in enumerate(rows):
             n = int(counts[i])
             if n >= self.block_size:
-                self.cache.insert(row.request.prompt_ids[:n], kvb.extract_row(caches, i))
+                self.cache.insert(row.request.prompt_ids[:n], kvb.extract_row(caches, i),
+                                  key=row.adapter)
 
     def stats(self) -> PrefixCacheStats:
         s, c = self.cache.stats, self.cache
