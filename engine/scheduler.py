@@ -14,6 +14,23 @@ minus its last token; the last token is the row's first decode input, so every s
 comes from the batched decode step. A group joins the running batch in the step its prefill
 completes, and decodes in that same step.
 
+Which prompts start, and when (`_next_group`, `_order`, `_pick`):
+
+* Order: shortest prompt first (then priority, then arrival), except that a request which later
+  requests have passed in `max_passed` steps is overdue and goes first (overdue ones first come
+  first served), and nothing later passes an overdue request that cannot start yet. So no
+  request is passed in more than `max_passed` steps, and short prompts do not queue behind long
+  ones.
+* Interleaving: while a long prompt is being prefilled, at most one group of short prompts runs
+  between two of its chunks: a short prompt arriving then starts within two steps, and the long
+  one's prefill takes at most twice its number of chunks in steps. One long prompt at a time.
+* Budget: a group of short prompts holds at most `prefill_budget` rows x columns of prefill
+  (`idle_budget_factor` times that when no rows are decoding: nobody's next token waits on
+  it). `prefill_budget=None` (the default) is sized at start-up by `auto_prefill_budget` from
+  the prefill rate the runner's warm-up measures: the prefill work of one step costs about
+  `prefill_step_s` (50 ms), so a decoding row's next token is late by about that much, at least
+  one chunk and at most 16.
+
 The running batch (with the rows that join it) decodes every step; how many tokens per row is
 the executor's question to the speculation (engine.runner).
 """
