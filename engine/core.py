@@ -292,8 +292,9 @@ class Engine:
                  shapes[0][1], shapes[0][2], shapes[1][1], shapes[1][2], rows)
         from tqdm import tqdm
 
-        with tqdm(total=len(shapes), desc="warming up", unit="shape", delay=1.0,
-                  leave=False) as bar:
+        # shown after a second, on a terminal only (disable=None: off when stderr is not a tty)
+        with tqdm(total=len(shapes), desc="warming up", unit="shape", delay=1.0, leave=False,
+                  disable=None) as bar:
 
             def step(shape: Shape) -> None:
                 del shape
