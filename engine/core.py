@@ -46,8 +46,8 @@ from engine.kv.batch import KVConfig
 from engine.kv.memory import MemoryBudget
 from engine.kv.prefix_cache import NoPrefix, PrefixIndex
 from engine.loader import LoadedModel
-from engine.runner import Runner
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.runner import Runner, Shape, WarmUp
+from engine.scheduler import Scheduler, SchedulerConfig, auto_prefill_budget
 from engine.spec import SpecConfig, build_speculation
 from engine.spec.decoder import Speculation
 
@@ -67,9 +67,11 @@ class EngineConfig:
     release_every_s: float = 10.0  # while busy, give idle memory back this often
     idle_release_s: float = 1.0  # and once the engine has been idle this long
     spec: SpecConfig | None = None  # speculative decoding (None: off)
+    warmup: bool = True  # run the first requests' shapes at start-up (Runner.warm_up)
 
 
-SNAPSHOT_EVERY_S = 0.05  # while busy, stats() sees the engine's state at most this old
+SNAPSHOT_EVERY_S = 0.05
+WARM_DECODE_ROWS = 16  # the warm-up runs the decode batch at 1..this many rows  # while busy, stats() sees the engine's state at most this old
 
 
 class Engine:
@@ -101,6 +103,7 @@ class Engine:
         self.scheduler = Scheduler(
             cfg.scheduler, make, loaded.vocab_size, self.budget, self.prefix, self.spec
         )
+        self.warm_up: WarmUp | None = self._warm_up() if cfg.warmup else None
         self._warm_up_spec()
         self.mlx_cache_limit = self._apply_cache_limit(cfg.mlx_cache_limit)
         self._steps_since_release = 0
@@ -283,6 +286,36 @@ class Engine:
             constraint=self._compile_constraint(params.constraint),
             adapter=adapter,
         )
+
+    def _warm_up(self) -> WarmUp:
+        """The first requests' shapes run before serving (engine.runner, `Runner.warm_up`), one
+        log line before and after, a progress bar when it takes over a second; the auto prefill
+        budget is sized from the prefill rate it measures."""
+        sched = self.config.scheduler
+        chunk, rows = self.prefix.chunk, min(sched.max_num_seqs, WARM_DECODE_ROWS)
+        shapes = self.runner.warm_up_shapes(chunk, rows)
+        log.info("warming up: prefill %d x %d and %d x %d tokens, decode 1..%d rows",
+                 shapes[0][1], shapes[0][2], shapes[1][1], shapes[1][2], rows)
+        from tqdm import tqdm
+
+        # shown after a second, on a terminal only (disable=None: off when stderr is not a tty)
+        with tqdm(total=len(shapes), desc="warming up", unit="shape", delay=1.0, leave=False,
+                  disable=None) as bar:
+
+            def step(shape: Shape) -> None:
+                del shape
+                bar.update()
+
+            warm = self.runner.warm_up(chunk, rows, self.loaded.vocab_size, step)
+        budget = "set by --prefill-budget"
+        if sched.prefill_budget is None:
+            self.scheduler.prefill_budget = auto_prefill_budget(
+                warm.prefill_tokens_per_s, chunk, sched.prefill_step_s)
+            budget = f"auto, {sched.prefill_step_s * 1e3:.0f} ms of prefill per step"
+        log.info("warm-up done in %.2f s (%d shapes); prefill %.0f tokens/s; prefill budget %d "
+                 "row-tokens per step (%s)", warm.seconds, len(warm.shapes),
+                 warm.prefill_tokens_per_s, self.scheduler.prefill_budget, budget)
+        return warm
 
     def _warm_up_spec(self) -> None:
         """The speculative shapes built now, not while serving (on a GPU unless configured)."""

@@ -20,12 +20,25 @@ A synchronous decode while a pipelined step is still in flight first drains it: 
 that step's (`width` 0), and the decode runs at the width already chosen on the next call.
 Every result is a `StepResult`: per row, a list of tokens (and logprobs when asked).
 
-The runner keeps no per-request state beyond the one step in flight.
+The runner keeps no per-request state beyond the one step in flight. It counts the forwards it
+has run per shape, `shapes`: (kind, rows, width) with kind "prefill" (rows x chunk columns),
+"decode" (rows x 1) or "verify" (rows x k + 1).
+
+`warm_up` runs, before serving, the shapes the first requests will use: one full prefill chunk
+(every long prompt's chunks but its last), a group prefill and the decode batch at 1..N rows,
+with greedy and sampled rows (the sampling kernels). MLX-CUDA JIT-compiles each kernel per
+dtype and keeps cuBLAS/cuDNN plans per shape, so after it the first request pays for neither;
+a prompt of a width not run yet (the last chunk of a long prompt, a short prompt's own length)
+still builds its matmul plans on first use. On a CPU nothing is compiled; the same warm-up runs
+and measures the prefill rate the scheduler's auto budget is sized from.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -33,13 +46,14 @@ import mlx.core as mx
 import numpy as np
 
 from engine import constrain, cuda_guard, lora
+from engine.api import Request, SamplingParams
 from engine.batch import RowMeta, RunningBatch
 from engine.kv import batch as kvb
 from engine.kv.batch import KVConfig
 from engine.kv.prefix_cache import NoPrefix, PrefixIndex
 from engine.models import prepare_model
 from engine.sampling import SamplerState, sample, token_logprobs
-from engine.scheduler import Plan, StepResult
+from engine.scheduler import Plan, PrefillGroup, StepResult
 from engine.spec.accept import (
     column_states,
     greedy_verdict_host,
@@ -51,6 +65,18 @@ from engine.spec.decoder import NoSpec, Round, Speculation
 from engine.spec.ringcommit import RingRound
 
 log = logging.getLogger("mlxd.engine")
+
+Shape = tuple[str, int, int]  # (kind, rows, width) of a forward the runner ran
+WARM_GROUP_WIDTH = 15  # the warm-up's group prefill: 16-token prompts
+
+
+@dataclass(slots=True)
+class WarmUp:
+    """What `Runner.warm_up` ran and measured."""
+
+    shapes: list[Shape]  # in the order they ran
+    seconds: float
+    prefill_tokens_per_s: float  # one row, one full chunk, after its shapes were built
 
 
 @dataclass(slots=True)
@@ -86,6 +112,7 @@ class Runner:
         self.prefix = prefix or NoPrefix(self.new_caches)
         self._inflight: InFlight | None = None
         self._held = 0  # a width chosen while a step was in flight: the next decode's
+        self.shapes: Counter[Shape] = Counter()  # forwards run so far per shape (warm-up included)
         # LoRA adapters installed by the loader (engine/lora.py): each forward's rows select theirs
         self.adapters = lora.attached(model)
 
@@ -162,6 +189,7 @@ class Runner:
             kvb.prepare_right_padded(group.caches, [len(t) for t in group.token_lists])
         width = end - start
         rows = [t[start:end] + [0] * (width - len(t[start:end])) for t in group.token_lists]
+        self.shapes[("prefill", len(rows), width)] += 1
         self._forward(mx.array(rows, dtype=mx.int32), group.caches, group.batch)
         if end >= group.width:
             kvb.finalize(group.caches)
@@ -173,11 +201,75 @@ class Runner:
         self._forward(mx.array([token_ids], dtype=mx.int32), caches, None)
         kvb.eval_state(caches)
 
+    # -- warm-up ---------------------------------------------------------------------------
+    def warm_up(
+        self, chunk: int, max_rows: int, vocab_size: int,
+        on_shape: Callable[[Shape], None] | None = None,
+    ) -> WarmUp:
+        """Run the first requests' shapes (module docstring) through `run`, with the prefix
+        cache and speculation out of the way (nothing is stored, no drafts), and time one more
+        full chunk for the prefill rate. `on_shape` is called after each shape (progress)."""
+        t0 = time.perf_counter()
+        saved = self.prefix, self.spec
+        self.prefix, self.spec = NoPrefix(self.new_caches), NoSpec()
+        before = set(self.shapes)
+        order: list[Shape] = []
+
+        def ran() -> None:
+            for shape in sorted(set(self.shapes) - before - set(order)):
+                order.append(shape)
+                if on_shape is not None:
+                    on_shape(shape)
+
+        try:
+            self.run(self._warm_plan([chunk + 1], vocab_size))
+            ran()
+            t1 = time.perf_counter()
+            self._prefill(self._warm_plan([chunk + 1], vocab_size))
+            rate = chunk / max(time.perf_counter() - t1, 1e-9)
+            plan = self._warm_plan([WARM_GROUP_WIDTH + 1] * max_rows, vocab_size)
+            self.run(plan)
+            ran()
+            batch = plan.batch
+            for rows in range(max_rows, 0, -1):  # the decode batch at max_rows .. 1 rows
+                batch.take(list(range(rows)))
+                self.run(Plan(batch))
+                ran()
+            self._drain()
+        finally:
+            self.reset()
+            self.prefix, self.spec = saved
+        return WarmUp(order, time.perf_counter() - t0, rate)
+
+    def _warm_plan(self, prompt_lens: list[int], vocab_size: int) -> Plan:
+        """A plan that prefills rows of these prompt lengths in one chunk and joins them to an
+        empty batch; odd rows greedy, even rows sampled (temperature, top-p: the sampling
+        kernels too)."""
+        rows = []
+        for i, n in enumerate(prompt_lens):
+            prompt = [(7 * i + 3 * j + 1) % vocab_size for j in range(n)]
+            params = SamplingParams(temperature=0.0) if i % 2 else SamplingParams(top_p=0.9)
+            rows.append(RowMeta(Request(f"warm-up-{i}", prompt, params), n, 1 << 30, frozenset()))
+        sampler = SamplerState.from_params(
+            [r.request.params for r in rows], [r.request.prompt_ids for r in rows], vocab_size,
+            list(range(len(rows))),
+        )
+        last = mx.array([r.request.prompt_ids[-1] for r in rows], dtype=mx.int32)
+        batch = RunningBatch(rows, last, sampler, self.new_caches(len(rows)))
+        group = PrefillGroup(batch, [r.request.prompt_ids[:-1] for r in rows])
+        return Plan(RunningBatch(), group, group.width, batch)
+
+    def warm_up_shapes(self, chunk: int, max_rows: int) -> list[Shape]:
+        """The shapes `warm_up` runs (for its log line and progress bar)."""
+        return ([("prefill", 1, chunk), ("prefill", max_rows, WARM_GROUP_WIDTH)]
+                + [("decode", r, 1) for r in range(max_rows, 0, -1)])
+
     # -- plain decode ----------------------------------------------------------------------
     def _launch(self, batch: RunningBatch, constrained: list[tuple[Any, int]]) -> InFlight:
         """Queue one decode step for every row without waiting for it (async_eval). The
         step's inputs may themselves still be in flight (the previous step's tokens)."""
         assert batch.next_tokens is not None and batch.sampler is not None
+        self.shapes[("decode", len(batch), 1)] += 1
         logits = self._forward(batch.next_tokens[:, None], batch.caches, batch)[:, -1, :]
         masked, errors = _mask(logits, constrained)
         if masked is not None:
@@ -198,6 +290,7 @@ class Runner:
         rnd = self.spec.propose(batch, width)
         proposal = rnd.proposal
         K = int(proposal.tokens.shape[1])
+        self.shapes[("verify", len(batch), K + 1)] += 1
         # rings are written after the verdict (accepted columns only): no ring slack needed,
         # so the target's layouts are the plain engine's (engine/spec/ringcommit.py)
         ring_round = RingRound(batch.caches or [], K + 1)

@@ -14,6 +14,23 @@ minus its last token; the last token is the row's first decode input, so every s
 comes from the batched decode step. A group joins the running batch in the step its prefill
 completes, and decodes in that same step.
 
+Which prompts start, and when (`_next_group`, `_order`, `_pick`):
+
+* Order: shortest prompt first (then priority, then arrival), except that a request which later
+  requests have passed in `max_passed` steps is overdue and goes first (overdue ones first come
+  first served), and nothing later passes an overdue request that cannot start yet. So no
+  request is passed in more than `max_passed` steps, and short prompts do not queue behind long
+  ones.
+* Interleaving: while a long prompt is being prefilled, at most one group of short prompts runs
+  between two of its chunks: a short prompt arriving then starts within two steps, and the long
+  one's prefill takes at most twice its number of chunks in steps. One long prompt at a time.
+* Budget: a group of short prompts holds at most `prefill_budget` rows x columns of prefill
+  (`idle_budget_factor` times that when no rows are decoding: nobody's next token waits on
+  it). `prefill_budget=None` (the default) is sized at start-up by `auto_prefill_budget` from
+  the prefill rate the runner's warm-up measures: the prefill work of one step costs about
+  `prefill_step_s` (50 ms), so a decoding row's next token is late by about that much, at least
+  one chunk and at most 16.
+
 The running batch (with the rows that join it) decodes every step; how many tokens per row is
 the executor's question to the speculation (engine.runner).
 """
@@ -38,8 +55,26 @@ from engine.spec.decoder import NoSpec, Speculation
 class SchedulerConfig:
     max_num_seqs: int = 128  # rows decoding at once
     prefill_chunk: int = 512  # columns per prefill forward
-    prefill_budget: int = 2048  # rows x columns of prefill work per step
+    # rows x columns of prefill work per step; None = auto: sized at start-up from the measured
+    # prefill rate (`auto_prefill_budget`)
+    prefill_budget: int | None = None
     max_queue: int = 1024  # waiting requests before new ones are refused
+    prefill_step_s: float = 0.05  # auto budget: one step's prefill work costs about this long
+    idle_budget_factor: int = 4  # no rows decoding: a prefill group may be this many budgets
+    max_passed: int = 4  # steps in which later requests may start before a waiting one
+
+
+DEFAULT_PREFILL_BUDGET = 2048  # until the start-up measurement sets the auto budget
+MAX_BUDGET_CHUNKS = 16  # the auto budget is at most this many chunks
+
+
+def auto_prefill_budget(tokens_per_s: float, chunk: int, step_s: float) -> int:
+    """Rows x columns of prefill per step such that the step's prefill costs about `step_s` at
+    the measured prefill rate (the decode rows' next token is late by that much), at least one
+    chunk (a long prompt always advances) and at most `MAX_BUDGET_CHUNKS` chunks, rounded down
+    to a multiple of 16 columns."""
+    budget = int(tokens_per_s * step_s) // 16 * 16
+    return max(chunk, min(budget, MAX_BUDGET_CHUNKS * chunk))
 
 
 @dataclass(slots=True)
@@ -107,6 +142,9 @@ class Scheduler:
         self.waiting: deque[RowMeta] = deque()
         self.prefill: PrefillGroup | None = None
         self.running = RunningBatch()
+        self.prefill_budget = config.prefill_budget or DEFAULT_PREFILL_BUDGET
+        self._passed: dict[str, int] = {}  # waiting req_id -> steps in which later ones started
+        self._interleaved = False  # the last step ran a short group between a long one's chunks
         self._failed: list[TokenEvent] = []  # rows failed while planning, out with the next update
 
     # -- admission -------------------------------------------------------------------------
@@ -121,6 +159,7 @@ class Scheduler:
         for row in self.waiting:
             if row.req_id == req_id:
                 self.waiting.remove(row)
+                self._passed.pop(req_id, None)
                 row.finished = True
                 self.prefix.forget(row)
                 return row
@@ -153,10 +192,8 @@ class Scheduler:
 
     # -- planning --------------------------------------------------------------------------
     def schedule(self) -> Plan:
-        if self.prefill is None:
-            self.prefill = self._form_group()
+        group = self._next_group()
         plan = Plan(self.running)
-        group = self.prefill
         if group is not None:
             plan.prefill = group
             plan.prefill_end = min(group.width, group.done + self.prefix.chunk)
@@ -164,36 +201,86 @@ class Scheduler:
                 plan.join = group.batch
         return plan
 
+    def _next_group(self) -> PrefillGroup | None:
+        """The group whose chunk this step runs. A long prompt in progress (`self.prefill`)
+        alternates with groups of short prompts formed from the queue: at most one short group
+        between two of its chunks, so short prompts never wait for a long one's whole prefill
+        and the long one's prefill takes at most twice its chunks in steps."""
+        started = self.prefill
+        if started is None:
+            self._interleaved = False
+            self.prefill = self._form_group(long_ok=True)
+            return self.prefill
+        if self._interleaved:
+            self._interleaved = False
+            return started
+        short = self._form_group(long_ok=False)
+        self._interleaved = short is not None
+        return short or started
+
+    def _order(self) -> list[RowMeta]:
+        """Waiting rows in the order they may start: first those later requests have already
+        passed in `max_passed` steps (overdue, first come first served), then the rest by
+        priority, prompt length (shortest first: the least prefill delays the fewest requests)
+        and arrival. A request is thus passed in at most `max_passed` steps."""
+        bound = self.config.max_passed
+        overdue = [r for r in self.waiting if self._passed.get(r.req_id, 0) >= bound]
+        rest = [(i, r) for i, r in enumerate(self.waiting) if self._passed.get(r.req_id, 0) < bound]
+        rest.sort(key=lambda ir: (ir[1].request.priority, ir[1].num_prompt_tokens, ir[0]))
+        return overdue + [r for _, r in rest]
+
+    def _group_budget(self) -> int:
+        """Rows x columns a new group may prefill: the budget, times `idle_budget_factor` when
+        no rows are decoding (nobody's next token waits on this step)."""
+        if len(self.running):
+            return self.prefill_budget
+        return self.prefill_budget * self.config.idle_budget_factor
+
     def _reserved_bytes(self) -> int:
         rows = self.running.rows + (self.prefill.rows if self.prefill is not None else [])
         return sum(self.budget.row_bytes(r.num_prompt_tokens, r.max_new_tokens) for r in rows)
 
-    def _form_group(self) -> PrefillGroup | None:
+    def _pick(self, long_ok: bool) -> list[RowMeta]:
+        """The next group's rows in `_order`: one long prompt alone (only when `long_ok`: no
+        long one is in progress), or short ones up to the group budget. An overdue row that
+        cannot start now (no room, no memory, a long one while another is in progress) stops
+        the group: nothing later passes it."""
         cfg = self.config
-        room = cfg.max_num_seqs - len(self.running)
-        chunk = self.prefix.chunk
+        started = len(self.prefill.rows) if self.prefill is not None else 0
+        room = cfg.max_num_seqs - len(self.running) - started
+        chunk, budget = self.prefix.chunk, self._group_budget()
         rows: list[RowMeta] = []
         width = 0
         reserved = self._reserved_bytes()
-        while self.waiting and len(rows) < room:
-            row = self.waiting[0]
+        for row in self._order():
+            if len(rows) >= room:
+                break
+            overdue = self._passed.get(row.req_id, 0) >= cfg.max_passed
             self.prefix.lookup(row)
             need = row.num_prompt_tokens - 1 - row.num_cached_tokens
-            extra = self.budget.row_bytes(row.num_prompt_tokens, row.max_new_tokens)
-            if (rows or len(self.running)) and not self.budget.fits(reserved, extra, min(need, chunk)):
-                break  # wait until running rows finish and release their reservation
-            reserved += extra
-            if need > chunk:
-                if rows:
-                    break  # a long prompt goes alone, next time
-                rows.append(self.waiting.popleft())
-                break
+            long = need > chunk
             new_width = max(width, need)
-            if rows and new_width * (len(rows) + 1) > cfg.prefill_budget:
-                break
-            rows.append(self.waiting.popleft())
+            extra = self.budget.row_bytes(row.num_prompt_tokens, row.max_new_tokens)
+            busy = bool(rows or len(self.running) or started)
+            if (long and (rows or not long_ok)
+                    or rows and new_width * (len(rows) + 1) > budget
+                    or busy and not self.budget.fits(reserved, extra, min(need, chunk))):
+                if overdue or not long:
+                    break  # shortest first: what follows is no shorter
+                continue  # a long one waits for the long slot; shorter ones may go
+            reserved += extra
+            rows.append(row)
             width = new_width
-        rows, sampler = self._sampler_for(rows)
+            if long:
+                break
+        return rows
+
+    def _form_group(self, long_ok: bool = True) -> PrefillGroup | None:
+        picked = self._pick(long_ok)
+        if not picked:
+            return None
+        self._take_waiting(picked)
+        rows, sampler = self._sampler_for(picked)
         if not rows:
             return None
         token_lists = [r.request.prompt_ids[r.num_cached_tokens : -1] for r in rows]
@@ -201,6 +288,24 @@ class Scheduler:
         spec = self.spec.admit(rows, len(self.running) + len(rows))
         caches = self.prefix.group_caches(rows)
         return PrefillGroup(RunningBatch(rows, last, sampler, caches, spec), token_lists)
+
+    def _take_waiting(self, picked: list[RowMeta]) -> None:
+        """Move `picked` off the queue; every row still waiting that arrived before one of them
+        has been passed once more (this step)."""
+        ids = {r.req_id for r in picked}
+        latest = max(i for i, r in enumerate(self.waiting) if r.req_id in ids)
+        keep: deque[RowMeta] = deque()
+        for i, row in enumerate(self.waiting):
+            if row.req_id in ids:
+                self._passed.pop(row.req_id, None)
+                continue
+            if i < latest:
+                self._passed[row.req_id] = self._passed.get(row.req_id, 0) + 1
+            keep.append(row)
+        self.waiting = keep
+        if len(self._passed) > len(keep):  # rows that left the queue otherwise (a failed step)
+            waiting = {r.req_id for r in keep}
+            self._passed = {k: v for k, v in self._passed.items() if k in waiting}
 
     def _sampler_for(self, rows: list[RowMeta]) -> tuple[list[RowMeta], SamplerState | None]:
         """The rows' sampler state; a row whose settings it refuses (a token id outside the
@@ -237,7 +342,7 @@ class Scheduler:
         group = plan.prefill
         if group is not None:
             group.done = plan.prefill_end
-            if group.finished:  # its rows joined the running batch in this step
+            if group.finished and group is self.prefill:  # its rows joined the batch this step
                 self.prefill = None
         events, self._failed = self._failed, []
         for i, row in enumerate(result.rows):

@@ -49,7 +49,7 @@ def build_client(args: argparse.Namespace | None = None, **overrides: Any):
     sched = SchedulerConfig(
         max_num_seqs=opts.get("max_num_seqs", 128),
         prefill_chunk=opts.get("prefill_chunk", 512),
-        prefill_budget=opts.get("prefill_budget", 2048),
+        prefill_budget=opts.get("prefill_budget"),  # None: auto
         max_queue=opts.get("max_queue", 1024),
     )
     kv = KVConfig(
@@ -66,6 +66,7 @@ def build_client(args: argparse.Namespace | None = None, **overrides: Any):
         memory_budget=parse_bytes(opts.get("memory_budget")),
         mlx_cache_limit=parse_bytes(opts.get("mlx_cache_limit")),
         spec=_spec_config(opts),
+        warmup=opts.get("warmup", True),
     )
     client = AsyncEngine(Engine(loaded, config))
     if opts.get("served_model_name"):

@@ -1,0 +1,194 @@
+"""Prefill order and budget, at the scheduler with a fake runner (no model): no request is passed
+by later ones in more than `max_passed` steps, short prompts interleave with a long one's chunks,
+and the long one still finishes its prefill within twice its chunks."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from engine.api import Request, SamplingParams
+from engine.batch import RowMeta
+from engine.kv.memory import MemoryBudget, ModelFootprint
+from engine.scheduler import (
+    MAX_BUDGET_CHUNKS,
+    Plan,
+    Scheduler,
+    SchedulerConfig,
+    StepResult,
+    auto_prefill_budget,
+)
+
+CHUNK = 64
+
+
+class FakeLayer:
+    """Stands in for a KV layout: only the row bookkeeping the batch does."""
+
+    def __init__(self, rows: int):
+        self.rows = list(range(rows))
+
+    def filter(self, keep: list[int]) -> None:
+        self.rows = [self.rows[i] for i in keep]
+
+    def extend(self, other: FakeLayer) -> None:
+        self.rows += other.rows
+
+
+@dataclass
+class FakeRunner:
+    """Runs plans without a model: every decoding row gets one token per step."""
+
+    step: int = 0
+    started: dict[str, int] = field(default_factory=dict)  # req_id -> step its prefill began
+    joined: dict[str, int] = field(default_factory=dict)  # req_id -> step it joined the batch
+    groups: list[tuple[int, list[str]]] = field(default_factory=list)  # groups as they started
+    prefill_steps: dict[str, list[int]] = field(default_factory=dict)  # steps with its chunk
+
+    def run(self, plan: Plan) -> StepResult:
+        group = plan.prefill
+        if group is not None:
+            ids = [r.req_id for r in group.rows]
+            if group.done == 0:
+                self.groups.append((self.step, ids))
+            for rid in ids:
+                self.started.setdefault(rid, self.step)
+                self.prefill_steps.setdefault(rid, []).append(self.step)
+        if plan.join is not None:
+            for row in plan.join.rows:
+                self.joined[row.req_id] = self.step
+            plan.batch.concat(plan.join)
+        rows = list(plan.batch.rows)
+        self.step += 1
+        return StepResult(rows, [[5] for _ in rows], width=1 if rows else 0)
+
+
+def _scheduler(**cfg) -> Scheduler:
+    cfg.setdefault("prefill_chunk", CHUNK)
+    cfg.setdefault("prefill_budget", 4 * CHUNK)
+    budget = MemoryBudget(budget=1 << 40, weights=0, footprint=ModelFootprint(()))
+    return Scheduler(SchedulerConfig(**cfg), lambda n: [FakeLayer(n)], 100, budget)
+
+
+def _row(req_id: str, prompt_len: int, max_tokens: int) -> RowMeta:
+    request = Request(req_id, [3] * prompt_len, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    return RowMeta(request, prompt_len, max_tokens, frozenset())
+
+
+def _drive(sched: Scheduler, arrivals: dict[int, list[RowMeta]], max_steps: int = 2000) -> FakeRunner:
+    runner = FakeRunner()
+    last = max(arrivals)
+    while runner.step < max_steps and (runner.step <= last or sched.has_work()):
+        for row in arrivals.get(runner.step, []):
+            sched.add(row)
+        plan = sched.schedule()
+        sched.update(plan, runner.run(plan))
+    assert not sched.has_work(), "the stream did not drain"
+    return runner
+
+
+def _passes(runner: FakeRunner, arrived: dict[str, int], order: list[str]) -> dict[str, int]:
+    """Per request: steps in which a group holding a request that arrived after it started
+    while it was still waiting."""
+    rank = {rid: i for i, rid in enumerate(order)}
+    out = {}
+    for rid in order:
+        out[rid] = sum(
+            1 for step, ids in runner.groups
+            if arrived[rid] <= step < runner.started[rid] and any(rank[o] > rank[rid] for o in ids)
+        )
+    return out
+
+
+def _long_stream(seed: int, n: int) -> tuple[dict[int, list[RowMeta]], dict[str, int], list[str]]:
+    """Four short rows decoding from step 0, then a prompt every 2 steps: mostly long ones
+    (2..12 chunks), some short, in random order of length."""
+    rng = random.Random(seed)
+    arrivals: dict[int, list[RowMeta]] = {0: [_row(f"d{i}", 10, 400) for i in range(4)]}
+    arrived = {f"d{i}": 0 for i in range(4)}
+    order = [f"d{i}" for i in range(4)]
+    for i in range(n):
+        step = 2 + 2 * i
+        plen = rng.choice([rng.randint(2 * CHUNK, 12 * CHUNK), rng.randint(2, CHUNK)])
+        rid = f"p{i}"
+        arrivals.setdefault(step, []).append(_row(rid, plen, 8))
+        arrived[rid], order = step, order + [rid]
+    return arrivals, arrived, order
+
+
+def test_no_request_is_passed_in_more_than_max_passed_steps():
+    arrivals, arrived, order = _long_stream(seed=1, n=60)
+    sched = _scheduler(max_passed=3)
+    runner = _drive(sched, arrivals)
+    passes = _passes(runner, arrived, order)
+    assert max(passes.values()) <= 3, passes
+    assert any(passes.values()), "the stream never reordered anything: the test shows nothing"
+    # every prompt got its first token (joined the batch)
+    assert set(runner.joined) == set(order)
+
+
+def test_without_the_bound_a_long_prompt_starves_behind_short_ones():
+    """Shortest-first alone (no bound) lets a stream of short prompts pass a long one again and
+    again; with the bound it is passed in at most `max_passed` steps."""
+
+    def arrivals() -> dict[int, list[RowMeta]]:
+        out = {s: [_row(f"s{s}", 20, 4)] for s in range(40)}
+        out[0].insert(0, _row("long", 6 * CHUNK, 4))
+        return out
+
+    order = ["long"] + [f"s{s}" for s in range(40)]
+    arrived = {"long": 0, **{f"s{s}": s for s in range(40)}}
+    unbounded = _drive(_scheduler(max_passed=10**9), arrivals())
+    bounded = _drive(_scheduler(max_passed=2), arrivals())
+    assert _passes(unbounded, arrived, order)["long"] > 10
+    assert _passes(bounded, arrived, order)["long"] <= 2
+    assert bounded.joined["long"] < unbounded.joined["long"]
+
+
+def test_short_prompts_interleave_with_a_long_prefill():
+    """A 10-chunk prompt starts first; short prompts arriving during its prefill join the batch
+    within two steps, not after its whole prefill, and the long one's prefill still ends within
+    twice its chunks."""
+    long_chunks = 10
+    arrivals = {0: [_row("long", long_chunks * CHUNK + 1, 4)]}
+    for s in (2, 5, 9):
+        arrivals[s] = [_row(f"s{s}", 40, 4)]
+    runner = _drive(_scheduler(), arrivals)
+    long_steps = runner.prefill_steps["long"]
+    assert len(long_steps) == long_chunks
+    for s in (2, 5, 9):
+        assert runner.joined[f"s{s}"] - s <= 1, (s, runner.joined)
+        assert runner.joined[f"s{s}"] < runner.joined["long"]  # before the long one finished
+    assert runner.joined["long"] - runner.started["long"] < 2 * long_chunks
+
+
+def test_a_long_prompt_waits_for_the_long_slot_but_short_ones_do_not():
+    """Two long prompts: the second starts after the first's prefill (one long one at a time);
+    a short prompt arriving after both passes the second, not the first."""
+    arrivals = {0: [_row("a", 4 * CHUNK + 1, 4), _row("b", 4 * CHUNK + 1, 4)], 1: [_row("s", 9, 4)]}
+    runner = _drive(_scheduler(max_passed=4), arrivals)
+    assert runner.started["b"] >= runner.joined["a"]
+    assert runner.started["s"] < runner.started["b"]
+
+
+def test_group_budget_grows_when_no_rows_decode():
+    """With rows decoding a group holds budget / width rows; with none it may hold
+    `idle_budget_factor` times as many."""
+    rows = [_row(f"r{i}", 33, 4) for i in range(40)]  # width 32
+    idle = _scheduler(prefill_budget=128, idle_budget_factor=4)
+    for r in rows:
+        idle.add(r)
+    assert len(idle.schedule().prefill.rows) == 16  # 4 x 128 / 32
+    busy = _scheduler(prefill_budget=128, idle_budget_factor=4)
+    busy.add(_row("d", 5, 100))
+    busy.update(plan := busy.schedule(), FakeRunner().run(plan))
+    for r in rows:
+        busy.add(_row("b" + r.req_id, 33, 4))
+    assert len(busy.schedule().prefill.rows) == 4  # 128 / 32
+
+
+def test_auto_budget_rule():
+    # 20,000 tokens/s x 50 ms = 1,000 -> 992 (multiple of 16)
+    assert auto_prefill_budget(20_000, 256, 0.05) == 992
+    assert auto_prefill_budget(100, 256, 0.05) == 256  # at least one chunk
+    assert auto_prefill_budget(1e9, 256, 0.05) == MAX_BUDGET_CHUNKS * 256

@@ -1,0 +1,62 @@
+"""Warm start on the CPU with the bundled model: the engine runs the first requests' shapes
+before it serves (engine.runner, `Runner.warm_up`), and the first requests' prefill chunks and
+decode batches were all among them."""
+
+from __future__ import annotations
+
+import random
+
+from engine.core import WARM_DECODE_ROWS, Engine, EngineConfig
+from engine.scheduler import SchedulerConfig
+from tests.tiny_models import greedy, submit
+
+
+def _engine(tinycoder_path) -> Engine:
+    from engine.loader import load_model
+
+    lm = load_model(str(tinycoder_path), dtype="float32")
+    lm.eos_token_ids = ()
+    return Engine(lm, EngineConfig(SchedulerConfig(max_num_seqs=8)))
+
+
+def test_first_requests_run_only_warmed_shapes(tinycoder_path):
+    eng = _engine(tinycoder_path)
+    runner, chunk = eng.runner, eng.prefix.chunk
+    warmed = dict(runner.shapes)
+    rows = min(8, WARM_DECODE_ROWS)
+    assert set(warmed) == set(runner.warm_up_shapes(chunk, rows))
+    assert eng.warm_up.prefill_tokens_per_s > 0
+    assert eng.scheduler.prefill_budget >= chunk  # the auto budget, sized from that rate
+    # covered: prompts whose prefill is whole chunks (one long prompt at a time), decode at the
+    # batch sizes 1..4 they reach together
+    rng = random.Random(0)
+    lens = [chunk + 1, 2 * chunk + 1, 3 * chunk + 1, 2 * chunk + 1]  # one chunk+1: it could group
+    reqs = [greedy(f"r{i}", [rng.randrange(3, 4000) for _ in range(n)], 40)
+            for i, n in enumerate(lens)]
+    outs = [submit(eng, r) for r in reqs]  # all queued before the first step
+    eng.start()
+    try:
+        for out in outs:
+            assert out.done.wait(300)
+            assert len(out.tokens) == 40
+        used = {s for s, n in runner.shapes.items() if n > warmed.get(s, 0)}
+        assert ("prefill", 1, chunk) in used
+        assert {("decode", k, 1) for k in range(1, 5)} <= used
+        assert used <= set(warmed), used - set(warmed)
+        # not covered (no padding): a prompt whose prefill is not whole chunks runs its own width
+        odd = submit(eng, greedy("odd", [rng.randrange(3, 4000) for _ in range(100)], 2))
+        assert odd.done.wait(300)
+        assert ("prefill", 1, 99) in set(runner.shapes) - set(warmed)
+    finally:
+        eng.stop()
+
+
+def test_warm_up_leaves_nothing_behind(tinycoder_path):
+    eng = _engine(tinycoder_path)
+    try:
+        stats = eng.stats()
+        assert stats.num_running == 0 and stats.kv_bytes == 0
+        assert not eng.runner.in_flight
+        assert stats.prefix_cache is not None and stats.prefix_cache.blocks == 0
+    finally:
+        eng.stop()
