@@ -67,7 +67,9 @@ class EngineConfig:
     release_every_s: float = 10.0  # while busy, give idle memory back this often
     idle_release_s: float = 1.0  # and once the engine has been idle this long
     spec: SpecConfig | None = None  # speculative decoding (None: off)
-    warmup: bool = True  # run the first requests' shapes at start-up (Runner.warm_up)
+    # run the first requests' shapes at start-up (Runner.warm_up); `mlxd serve` turns it on
+    # (--no-warmup: off), engines built in code (tests, benchmarks) start without it
+    warmup: bool = False
 
 
 SNAPSHOT_EVERY_S = 0.05

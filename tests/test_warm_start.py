@@ -16,7 +16,7 @@ def _engine(tinycoder_path) -> Engine:
 
     lm = load_model(str(tinycoder_path), dtype="float32")
     lm.eos_token_ids = ()
-    return Engine(lm, EngineConfig(SchedulerConfig(max_num_seqs=8)))
+    return Engine(lm, EngineConfig(SchedulerConfig(max_num_seqs=8), warmup=True))
 
 
 def test_first_requests_run_only_warmed_shapes(tinycoder_path):
