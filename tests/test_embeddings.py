@@ -7,7 +7,6 @@ import asyncio
 import base64
 import json
 import threading
-import time
 
 import httpx
 import mlx.core as mx
@@ -270,18 +269,24 @@ def test_openai_sdk_against_the_real_engine(real):
     assert exc.value.body["code"] == "context_length_exceeded"
 
 
-def test_embeddings_interleave_with_a_running_chat(real):
-    """Embedding requests sent while a chat streams are answered before the chat ends (their
-    batches run between its decode steps), and the chat's greedy tokens are what it gives alone."""
+def test_embeddings_interleave_with_a_running_chat(real, monkeypatch):
+    """Embedding requests sent while a chat streams run between its decode steps (an embedding
+    batch runs while the chat's row is in the running batch), and the chat's greedy tokens are
+    what it gives alone."""
     client, srv = real
+    engine = client.engine
     chat = dict(model=MODEL, messages=[{"role": "user", "content": "write a long function"}],
-                max_tokens=400, temperature=0.0, ignore_eos=True, stream=True)
+                max_tokens=128, temperature=0.0, ignore_eos=True, stream=True)
     alone = httpx.post(srv.url + "/v1/chat/completions", json=dict(chat, stream=False),
                        timeout=300).json()["choices"][0]["message"]["content"]
-    batches_before = client.engine.embedder.num_batches
+    order: list[tuple[str, int]] = []  # engine-thread work in order: (kind, rows decoding)
+    step, embed_step = engine._step, engine._embed_step
+    monkeypatch.setattr(engine, "_step",
+                        lambda: (order.append(("decode", len(engine.scheduler.running))), step()))
+    monkeypatch.setattr(engine, "_embed_step", lambda: (
+        order.append(("embed", len(engine.scheduler.running))), embed_step()))
     first = threading.Event()
     text: list[str] = []
-    chat_end = [0.0]
 
     def stream() -> None:
         with httpx.stream("POST", srv.url + "/v1/chat/completions", json=chat, timeout=300) as r:
@@ -291,18 +296,18 @@ def test_embeddings_interleave_with_a_running_chat(real):
                 for choice in json.loads(line[6:])["choices"]:
                     text.append(choice["delta"].get("content") or "")
                     first.set()
-        chat_end[0] = time.monotonic()
 
     t = threading.Thread(target=stream)
     t.start()
     assert first.wait(120)
-    ends = []
-    for i in range(5):
+    for i in range(3):
         r = _post(srv, model=MODEL, input=[f"input {i} " * (i + 1), "short"])
         assert r.status_code == 200, r.text
-        ends.append(time.monotonic())
     t.join(300)
     assert not t.is_alive()
-    assert client.engine.embedder.num_batches >= batches_before + 5
-    assert max(ends) < chat_end[0], "the embeddings waited for the chat to finish"
+    embeds = [j for j, (kind, _) in enumerate(order) if kind == "embed"]
+    assert len(embeds) == 3
+    for j in embeds:  # each batch ran while the chat row decoded, with decode steps around it
+        assert order[j][1] == 1
+        assert order[j - 1][0] == "decode" and order[j + 1][0] == "decode"
     assert "".join(text) == alone
