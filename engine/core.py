@@ -558,9 +558,9 @@ class AsyncEngine:
         job = self.engine.add_embedding(request, done)  # raises EngineError / EngineOverloaded
         try:
             return await future
-        finally:
-            if not future.done():
-                job.cancelled = True
+        except asyncio.CancelledError:  # the caller left (this also cancels `future`)
+            job.cancelled = True
+            raise
 
 
 def _put_all(queue: asyncio.Queue[TokenEvent], events: list[TokenEvent]) -> None:

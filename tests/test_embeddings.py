@@ -311,3 +311,28 @@ def test_embeddings_interleave_with_a_running_chat(real, monkeypatch):
         assert order[j][1] == 1
         assert order[j - 1][0] == "decode" and order[j + 1][0] == "decode"
     assert "".join(text) == alone
+
+
+def test_a_cancelled_request_drops_its_rows_not_yet_run(real, monkeypatch):
+    """The client leaves (the await is cancelled): its remaining rows never run, nothing stays
+    queued, and the next request is served."""
+    client, _ = real
+    emb = client.engine.embedder
+    monkeypatch.setattr(emb, "max_batch_tokens", 200)  # one 200-token row per batch
+    rows = [[(7 * i + j) % 8000 + 1 for j in range(200)] for i in range(40)]
+    before = emb.num_rows
+
+    async def leave_early() -> None:
+        task = asyncio.ensure_future(client.embed(EmbeddingRequest("gone", rows)))
+        while emb.num_rows == before:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.5)
+
+    asyncio.run(leave_early())
+    ran = emb.num_rows - before
+    assert 1 <= ran < len(rows) and not emb.has_work()
+    assert _engine_vectors(client, rows[:1]).shape == (1, 384)
+    assert emb.num_rows - before <= ran + 1 and not emb.jobs
