@@ -7,6 +7,10 @@ Flow:  server builds `Request(req_id, prompt_ids, SamplingParams)` → `await cl
 returns an async iterator of `TokenEvent`s (one per engine step that produced tokens for the
 row; the last one carries `finish_reason`). Closing the iterator early (client disconnect) or
 calling `client.abort(req_id)` frees the row within one engine step.
+
+Embeddings: `await client.embed(EmbeddingRequest(req_id, inputs))` returns one unit-length
+float32 vector per input (`EmbeddingResult`); cancelling the await drops the request's rows that
+have not run yet.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
 
 # finish reasons, as OpenAI names them where a name exists
 FINISH_STOP = "stop"  # eos / stop token id (the server also uses it for stop strings)
@@ -71,6 +77,23 @@ class TokenEvent:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # with finish_reason == FINISH_ERROR
+
+
+@dataclass(slots=True)
+class EmbeddingRequest:
+    """Token ids to embed: one vector per input, in order (engine.embed)."""
+
+    req_id: str
+    inputs: list[list[int]]
+    dimensions: int | None = None  # truncate (Matryoshka) to this size and renormalise
+    arrival_time: float = 0.0
+
+
+@dataclass(slots=True)
+class EmbeddingResult:
+    req_id: str
+    vectors: np.ndarray  # [len(inputs), dim] float32, each row of unit L2 norm
+    num_prompt_tokens: int  # tokens of all inputs together
 
 
 @dataclass(slots=True)
@@ -198,3 +221,10 @@ class EngineClient(Protocol):
     def abort(self, req_id: str) -> None: ...
 
     def stats(self) -> EngineStats: ...
+
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
+        """The inputs' embeddings. Raises EngineError (an empty input or one longer than the
+        context: 400 context_length_exceeded; `dimensions` the model does not declare: 400; a
+        model with no backbone to pool: 501; more than the memory budget: 413) or
+        EngineOverloaded before anything is queued."""
+        ...

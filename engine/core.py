@@ -8,6 +8,9 @@ or an abort arrives: a new request joins at the next step, with no polling sleep
     result = runner.run(plan)                    # the forwards (engine.runner)
     events = scheduler.update(plan, result)      # finished rows leave the batch at once
 
+Embedding requests (engine.embed) come through the same inbox and run one batch at a time
+between decode steps, so a decoding row waits at most one embedding batch for its next token.
+
 With speculation on (engine.spec), the runner's decode width comes from
 `Speculation.decide`; a width above 1 is one synchronous draft + verify step whose events carry
 several tokens per row. `stats()` reads a snapshot the engine thread publishes (under a lock)
@@ -31,6 +34,8 @@ import mlx.core as mx
 from engine.api import (
     FINISH_ABORT,
     FINISH_ERROR,
+    EmbeddingRequest,
+    EmbeddingResult,
     EngineError,
     EngineOverloaded,
     EngineStats,
@@ -40,6 +45,7 @@ from engine.api import (
     TokenEvent,
 )
 from engine.batch import EventSink, RowMeta
+from engine.embed import Done, Embedder, EmbedJob
 from engine.host_memory import memory_readings, release_idle_memory
 from engine.kv import batch as kvb
 from engine.kv.batch import KVConfig
@@ -70,6 +76,7 @@ class EngineConfig:
     # run the first requests' shapes at start-up (Runner.warm_up); `mlxd serve` turns it on
     # (--no-warmup: off), engines built in code (tests, benchmarks) start without it
     warmup: bool = False
+    embed_batch_tokens: int = 4096  # padded tokens per embedding batch (one longer input: alone)
 
 
 SNAPSHOT_EVERY_S = 0.05
@@ -124,6 +131,7 @@ class Engine:
         # what max_queue bounds: requests admitted and not yet in a prefill group, less those
         # aborted (they stop counting when `abort` is called, not when the engine reaps them)
         self._queued: set[str] = set()
+        self.embedder = Embedder.for_model(loaded, self.budget, cfg.embed_batch_tokens)
         self._snapshot_lock = threading.Lock()
         self._snapshot = EngineStats()
         self._snapshot_at = 0.0
@@ -173,6 +181,20 @@ class Engine:
                     return
             self._inbox.append(("abort", req_id))
             self._wake.notify()
+
+    def add_embedding(self, request: EmbeddingRequest, done: Done) -> EmbedJob:
+        """Queue an embedding request (checked first: EngineError); `done(result, error)` is
+        called once on the engine thread. Set the returned job's `cancelled` to drop it."""
+        self.embedder.check(request)
+        job = EmbedJob(request, done)
+        with self._wake:
+            queued = len(self.embedder.jobs) + sum(1 for k, _ in self._inbox if k == "embed")
+            if queued >= self.config.scheduler.max_queue:
+                raise EngineOverloaded(f"the server is busy: {queued} embedding requests are "
+                                       "already waiting; retry shortly", retry_after=1.0)
+            self._inbox.append(("embed", job))
+            self._wake.notify()
+        return job
 
     def _dequeue(self, rows: list[RowMeta]) -> None:
         """Engine thread: these rows left the waiting queue for a prefill group (`_fail_all`
@@ -368,8 +390,10 @@ class Engine:
                 continue
             try:
                 self._drain_inbox()
-                if self._has_work():
+                if self.runner.in_flight or self.scheduler.has_work():
                     self._step()
+                if self.embedder.has_work():
+                    self._embed_step()
             except Exception as exc:  # a bug must not kill the server: fail the rows, go on
                 log.exception("engine step failed")
                 self._last_error = f"{type(exc).__name__}: {exc}"
@@ -377,10 +401,25 @@ class Engine:
             if not self._has_work() or time.monotonic() - self._snapshot_at >= SNAPSHOT_EVERY_S:
                 self._publish()
         self._fail_all("the engine is shutting down", reason=FINISH_ABORT)
+        self._fail_embeddings("the engine is shutting down")
         self._publish()
 
     def _has_work(self) -> bool:
-        return self.runner.in_flight or self.scheduler.has_work()
+        return self.runner.in_flight or self.scheduler.has_work() or self.embedder.has_work()
+
+    def _fail_embeddings(self, message: str) -> None:
+        with self._wake:
+            queued = [job for kind, job in self._inbox if kind == "embed"]
+            self._inbox = deque(item for item in self._inbox if item[0] != "embed")
+        for job in queued:
+            self.embedder.add(job)
+        self.embedder.fail_all(message)
+
+    def _embed_step(self) -> None:
+        """One embedding batch, under the memory the running rows leave."""
+        decoding = bool(self.runner.in_flight or self.scheduler.has_work())
+        if self.embedder.step(self.scheduler._reserved_bytes(), decoding):
+            self._steps_since_release += 1
 
     def _drain_inbox(self) -> None:
         while True:
@@ -392,6 +431,8 @@ class Engine:
                 row, sink = payload
                 self._sinks[row.req_id] = sink
                 self.scheduler.add(row)
+            elif kind == "embed":
+                self.embedder.add(payload)
             else:
                 row = self.scheduler.abort(payload)
                 if row is not None:
@@ -532,6 +573,35 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
+        """Queue `request` on the engine thread and wait for its vectors; cancelling the wait
+        drops its rows that have not run."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[EmbeddingResult] = loop.create_future()
+
+        def settle(result: EmbeddingResult | None, error: EngineError | None) -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)  # type: ignore[arg-type]
+
+        def done(result: EmbeddingResult | None, error: EngineError | None) -> None:
+            try:  # runs on the engine thread
+                loop.call_soon_threadsafe(settle, result, error)
+            except RuntimeError:  # the event loop is gone: nobody waits for this result
+                pass
+
+        if not request.arrival_time:
+            request.arrival_time = time.time()
+        job = self.engine.add_embedding(request, done)  # raises EngineError / EngineOverloaded
+        try:
+            return await future
+        except asyncio.CancelledError:  # the caller left (this also cancels `future`)
+            job.cancelled = True
+            raise
 
 
 def _put_all(queue: asyncio.Queue[TokenEvent], events: list[TokenEvent]) -> None:

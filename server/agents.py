@@ -4,6 +4,7 @@
 
 Routes: POST /v1/messages, /v1/messages/count_tokens (Anthropic); POST /v1/responses, GET/DELETE
 /v1/responses/{id}, POST /v1/responses/{id}/cancel; POST /tokenize, /detokenize; GET /metrics;
+POST /v1/embeddings (server/embeddings.py);
 GET / and /static/* (the chat page, public). Also: the engine client is wrapped for Prometheus
 metrics, log records get request ids, and each HTTP request is counted and logged with its id.
 Tools and structured output on /v1/chat/completions live in server/agent_chat.py.
@@ -16,7 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from server import anthropic_api, ops, responses_api, ui
+from server import anthropic_api, embeddings, ops, responses_api, ui
 from server.metrics import (
     InstrumentedClient,
     Metrics,
@@ -34,6 +35,7 @@ def install(app: FastAPI, auth: Sequence[Any]) -> None:
     app.include_router(anthropic_api.router, dependencies=list(auth))
     app.include_router(responses_api.router, dependencies=list(auth))
     app.include_router(ops.router, dependencies=list(auth))
+    app.include_router(embeddings.router, dependencies=list(auth))  # POST /v1/embeddings
     app.include_router(ui.router)
     app.mount("/static", ui.static_files(), name="static")
     # inside RequestContextMiddleware (added later, so outer): it sees the request id

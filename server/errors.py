@@ -38,6 +38,7 @@ _TYPE_BY_STATUS = {
 ROUTE_FAMILIES = (
     "/v1/chat/completions",
     "/v1/completions",
+    "/v1/embeddings",
     "/v1/responses",
     "/v1/messages",
     "/v1/models",

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+import numpy as np
 import uvicorn
 
 from engine.api import (
@@ -25,6 +26,8 @@ from engine.api import (
     FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
+    EmbeddingRequest,
+    EmbeddingResult,
     EngineError,
     EngineOverloaded,
     EngineStats,
@@ -62,6 +65,9 @@ class FakeEngine:
     closes: list[tuple[str, float]] = field(default_factory=list)  # streams closed before finishing
     finished: list[str] = field(default_factory=list)  # rows that ran to their end
     tokens_sent: dict[str, int] = field(default_factory=dict)
+    embed_dim: int = 64  # the fake embeddings' size
+    matryoshka: tuple[int, ...] = ()  # `dimensions` the fake accepts (besides embed_dim)
+    embeds: list[EmbeddingRequest] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         tok = load_tokenizer()
@@ -97,10 +103,12 @@ class FakeEngine:
             "fail_after",
             "submit_error",
             "cached_tokens",
+            "embed_dim",
+            "matryoshka",
         ):
             f = defaults[name]
             setattr(self, name, f.default)
-        for name in ("submits", "aborts", "closes", "finished"):
+        for name in ("submits", "aborts", "closes", "finished", "embeds"):
             getattr(self, name).clear()
         self.tokens_sent.clear()
         self._aborted.clear()
@@ -221,6 +229,28 @@ class FakeEngine:
             self._active.discard(req_id)
             if not done:
                 self.closes.append((req_id, time.monotonic()))
+
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
+        """A unit vector per input drawn from a generator seeded by its token ids; refuses
+        what the real engine refuses (empty or over-context inputs, undeclared `dimensions`)."""
+        if self.submit_error is not None:
+            raise self.submit_error
+        for ids in request.inputs:
+            if not ids:
+                raise EngineError("the input is empty", status=400, code="empty_input")
+            if len(ids) > self.context_length:
+                raise EngineError(f"input of {len(ids)} tokens does not fit {self.context_length}",
+                                  status=400, code="context_length_exceeded")
+        dims = request.dimensions
+        if dims is not None and dims != self.embed_dim and dims not in self.matryoshka:
+            raise EngineError("'dimensions' is not supported by this model", status=400,
+                              code="unsupported_parameter")
+        self.embeds.append(request)
+        await asyncio.sleep(self.step_delay)
+        rows = [np.random.default_rng(ids).standard_normal(self.embed_dim) for ids in request.inputs]
+        vecs = np.stack(rows)[:, : dims or self.embed_dim]
+        vecs = (vecs / np.linalg.norm(vecs, axis=1, keepdims=True)).astype(np.float32)
+        return EmbeddingResult(request.req_id, vecs, sum(len(i) for i in request.inputs))
 
     @staticmethod
     def fake_logprob(token: int) -> float:
