@@ -142,6 +142,9 @@ async def embeddings(request: Request) -> Response:
     if body.model not in model.aliases:
         raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
                             f"'{model.name}'.", param="model", code="model_not_found")
+    if model.adapter_for(body.model) is not None:  # adapters change generation, not this
+        raise APIError(400, f"'{body.model}' is a LoRA adapter; embeddings come from the base "
+                            f"model '{model.name}'.", param="model", code="unsupported_model")
     ids = await off_loop(request, input_ids, model, body)
     req = EmbeddingRequest(new_id("embd"), ids, body.dimensions)
     result = await run_until_disconnect(request, lambda: st.client.embed(req))

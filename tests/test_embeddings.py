@@ -336,3 +336,15 @@ def test_a_cancelled_request_drops_its_rows_not_yet_run(real, monkeypatch):
     assert 1 <= ran < len(rows) and not emb.has_work()
     assert _engine_vectors(client, rows[:1]).shape == (1, 384)
     assert emb.num_rows - before <= ran + 1 and not emb.jobs
+
+
+def test_an_adapter_name_is_refused_not_served_base_vectors():
+    """An adapter is a model name for generation; embeddings come from the base model, so a
+    request naming an adapter gets a 400 that says so (not the base's vectors under its name)."""
+    fake = FakeEngine()
+    fake.model.extra["adapters"] = ["my-adapter"]
+    with ServerThread(create_app(fake, ServerConfig())) as srv:
+        r = _post(srv, model="my-adapter", input="x")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_model", r.text
+        assert fake.embeds == []
+        assert _post(srv, model=MODEL, input="x").status_code == 200
