@@ -133,3 +133,56 @@ def test_agent_toy_run_writes_its_json(tmp_path: Path):
     assert 0 <= s["prefix_hit_ratio"] <= 1 and s["ttft_turn2plus_s"]["n"] == 2
     assert s["turns_per_min"] > 0 and s["output_tok_s"] > 0
     assert "| mlxd | 4 |" in (out / "table.md").read_text()
+
+
+def _sse_server(prompt_tokens: list[int], seen: list[dict]):
+    """A chat endpoint that streams one content chunk and a usage block per request."""
+    import httpx
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append(body)
+        n = prompt_tokens[len(seen) - 1]
+        chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant"}}]},
+                  {"choices": [{"index": 0, "delta": {"content": f"answer {len(seen)}"}}]},
+                  {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+                  {"choices": [], "usage": {"prompt_tokens": n, "completion_tokens": 50,
+                                            "prompt_tokens_details": {"cached_tokens": n // 2}}}]
+        text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handler)
+
+
+def test_session_sends_the_whole_history_and_ends_at_the_context(tok):
+    import asyncio
+
+    import httpx
+
+    work = make_workload(tok, sessions=1, turns=4, agents=1, seed=0, tool_tokens=(200, 200),
+                         system_tokens=600)
+    seen: list[dict] = []
+    cfg = agent.RunConfig("http://test", "m", max_tokens=100, context=1600, turns=4)
+
+    async def go():
+        async with httpx.AsyncClient(transport=_sse_server([700, 1000, 1300, 1600], seen)) as c:
+            return await agent.run_session(c, cfg, work, work.sessions[0])
+
+    records, why = asyncio.run(go())
+    # after turn 2: 1000 + 50 + ~210 (tool) + 32 + 100 = ~1392 fits 1600; after turn 3 ~1692 not
+    assert why == "context" and [r.turn for r in records] == [1, 2, 3]
+    assert [r.cached_tokens for r in records] == [350, 500, 650]
+    assert records[1].reusable_tokens == 750 and records[2].reusable_tokens == 1050
+    assert all(r.ok and r.ttft is not None and r.finish_reason == "stop" for r in records)
+    last = seen[-1]["messages"]
+    assert [m["role"] for m in last] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert last[2] == {"role": "assistant", "content": "answer 1"}
+    assert last[3]["content"].endswith(work.sessions[0].tool_results[0].text)
+    assert seen[0]["tools"] == agent.TOOLS and seen[0]["stream"] is True
+
+
+def test_random_model_context_for_the_long_prompt_case(tmp_path: Path):
+    assert main(["random-model", str(tmp_path / "m"), "--shape", "tiny", "--bits", "0",
+                 "--context", "32768"]) == 0
+    assert agent.context_of(str(tmp_path / "m")) == 32768
+    assert agent.context_of(str(default_model())) == 4096
