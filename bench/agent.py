@@ -344,10 +344,11 @@ async def run_sessions(cfg: RunConfig, work: Workload, deadline_s: float,
 
 # -- prefill calibration: the same server, one fresh prompt at a time ---------------------------
 def interp(xs: list[int], ys: list[float], x: float) -> float | None:
-    """Piecewise-linear y(x) through the points (extrapolated along the end segments)."""
+    """Piecewise-linear y(x) through the points; proportional below the first, extrapolated
+    along the last segment above the last."""
     if not xs:
         return None
-    if len(xs) == 1:
+    if len(xs) == 1 or x <= xs[0]:
         return ys[0] * x / xs[0]
     i = 1
     while i < len(xs) - 1 and x > xs[i]:
@@ -388,7 +389,7 @@ def calibrate(srv: ServerProcess, prompts: dict[int, list[str]],
             "prefill_tok_s": [p / t for p, t in zip(seen, ttfts, strict=True)]}
 
 
-def raw_prefill(model: str, prompts: dict[int, list[str]]) -> dict[str, Any]:
+def raw_prefill(model: str, prompts: dict[int, list[str]], chunk: int = RAW_CHUNK) -> dict[str, Any]:
     """mlx-lm's own prefill of the same token ids, in-process (fastest of the repeats)."""
     import engine  # noqa: F401  (the optimised BLAS before mlx)
 
@@ -410,8 +411,8 @@ def raw_prefill(model: str, prompts: dict[int, list[str]]) -> dict[str, Any]:
         cache = make_prompt_cache(lm)
         x = mx.array(ids)[None]
         t0 = time.perf_counter()
-        for a in range(0, len(ids), RAW_CHUNK):
-            logits = lm(x[:, a:a + RAW_CHUNK], cache=cache)
+        for a in range(0, len(ids), chunk):
+            logits = lm(x[:, a:a + chunk], cache=cache)
             mx.eval(logits[:, -1], [c.state for c in cache])
         return time.perf_counter() - t0
 
@@ -424,7 +425,7 @@ def raw_prefill(model: str, prompts: dict[int, list[str]]) -> dict[str, Any]:
         times.append(best)
     return {"sizes": sizes, "prompt_tokens": seen, "prefill_s": times,
             "prefill_tok_s": [p / t for p, t in zip(seen, times, strict=True)],
-            "weights": "float32 copy" if on_cpu else "checkpoint dtype", "chunk": RAW_CHUNK}
+            "weights": "float32 copy" if on_cpu else "checkpoint dtype", "chunk": chunk}
 
 
 # -- per-run summary -----------------------------------------------------------------------------
@@ -476,6 +477,9 @@ def summarize_run(records: list[TurnRecord], ended: Counter[str], wall: float) -
         "prefix_hit_ratio": (cached / prompt) if reported and prompt else None,
         "reprefilled_tokens": (prompt - cached) if reported else None,
         "reusable_tokens_turn2plus": reusable_later,
+        "new_tokens_turn2plus_mean": _mean([r.new_tokens for r in later]),
+        "reprefilled_turn2plus_mean": _mean([(r.prompt_tokens or 0) - r.cached_tokens
+                                             for r in later if r.cached_tokens is not None]),
         "cached_of_reusable_turn2plus": (cached_later / reusable_later
                                          if reported and reusable_later else None),
     }
@@ -532,7 +536,9 @@ def _server_entry(spec: ServerSpec, srv: ServerProcess, model: str) -> dict[str,
             "startup_s": round(srv.startup_s or 0, 2), "model_id": srv.model_id}
 
 
-def run_agent(args: argparse.Namespace, out: Path, log: Any = print) -> dict[str, Any]:
+def run_agent(args: argparse.Namespace, out: Path, log: Any = print,
+              save: Any = None) -> dict[str, Any]:
+    """Raw mlx-lm's calibration, then each server in turn; `save(result)` after each one."""
     from bench.workload import load_tokenizer
 
     model = str((args.model or common.default_model()).resolve())
@@ -558,7 +564,7 @@ def run_agent(args: argparse.Namespace, out: Path, log: Any = print) -> dict[str
         "baseline": specs[0].name, "servers": {}, "loadavg": {}}
     if not args.no_raw:
         log("raw mlx-lm prefill calibration ...")
-        result["raw"] = raw_prefill(model, prompts)
+        result["raw"] = raw_prefill(model, prompts, args.raw_chunk)
     bias = _eos_bias(model)
     for spec in specs:
         srv = _start(spec, models[spec.name], out, log)
@@ -577,6 +583,8 @@ def run_agent(args: argparse.Namespace, out: Path, log: Any = print) -> dict[str
         finally:
             srv.stop()
         result["servers"][spec.name] = entry
+        if save is not None:
+            save(result)
         s = entry["summary"]
         log(f"  {spec.name}: {s['turns_completed']} turns in {s['wall_s']:.1f}s, "
             f"{s['turns_per_min']:.1f} turns/min, {s['output_tok_s']:.1f} tok/s, TTFT turn>=2 "
@@ -603,16 +611,18 @@ def _f(v: float | None, nd: int = 3) -> str:
 def agent_table(result: dict[str, Any]) -> str:
     rows = ["| server | turns | turns/min | output tok/s | TTFT p50 (s) | TTFT p99 (s) | "
             "TTFT p50 turns ≥2 (s) | TTFT p99 turns ≥2 (s) | ideal p50 turns ≥2 (s) | "
-            "cached / prompt | cached / reusable, turns ≥2 |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "prompt tokens | cached / prompt | cached / reusable, turns ≥2 | "
+            "new tokens / turn ≥2 | re-prefilled / turn ≥2 |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for e in result["servers"].values():
         s = e["summary"]
         rows.append(
             f"| {e['label']} | {s['turns_completed']} | {s['turns_per_min']:.1f} | "
             f"{s['output_tok_s']:.1f} | {_f(s['ttft_s']['p50'])} | {_f(s['ttft_s']['p99'])} | "
             f"{_f(s['ttft_turn2plus_s']['p50'])} | {_f(s['ttft_turn2plus_s']['p99'])} | "
-            f"{_f(s['ideal_ttft_turn2plus_s']['p50'])} | {_f(s['prefix_hit_ratio'])} | "
-            f"{_f(s['cached_of_reusable_turn2plus'])} |")
+            f"{_f(s['ideal_ttft_turn2plus_s']['p50'])} | {s['prompt_tokens']} | "
+            f"{_f(s['prefix_hit_ratio'])} | {_f(s['cached_of_reusable_turn2plus'])} | "
+            f"{_f(s['new_tokens_turn2plus_mean'], 0)} | {_f(s['reprefilled_turn2plus_mean'], 0)} |")
     return "\n".join(rows)
 
 
@@ -649,7 +659,7 @@ def run_prefill(args: argparse.Namespace, out: Path, log: Any = print) -> dict[s
         "baseline": specs[0].name, "servers": {}, "loadavg": {}}
     if not args.no_raw:
         log("raw mlx-lm prefill ...")
-        result["raw"] = raw_prefill(model, prompts)
+        result["raw"] = raw_prefill(model, prompts, args.raw_chunk)
     bias = _eos_bias(model)
     for spec in specs:
         srv = _start(spec, models[spec.name], out, log)
@@ -760,6 +770,8 @@ def _server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-blas-dtype", choices=["float32", "checkpoint"], default="float32")
     p.add_argument("--mlxd-args", default="", help="extra arguments for `mlxd serve`, quoted")
     p.add_argument("--no-raw", action="store_true", help="skip raw mlx-lm's in-process prefill")
+    p.add_argument("--raw-chunk", type=int, default=RAW_CHUNK,
+                   help="raw mlx-lm's prefill chunk (default: mlx-lm generate's 2048)")
     p.add_argument("--seed", type=int, default=0)
     common.add_out_arg(p)
 
@@ -794,8 +806,9 @@ def add_parsers(sub: Any) -> None:
 
 def cmd_agent(args: argparse.Namespace) -> int:
     out = common.out_dir(args, "agent")
-    result = run_agent(args, out)
-    path = common.write_json(out / "agent.json", "agent", result, args)
+    path = out / "agent.json"
+    result = run_agent(args, out, save=lambda r: common.write_json(path, "agent", r, args))
+    common.write_json(path, "agent", result, args)
     plot_agent(result, path.with_suffix(".png"))
     md = agent_table(result)
     (out / "table.md").write_text(md + "\n")

@@ -78,6 +78,7 @@ def test_interp_and_summary_arithmetic():
     assert interp([100, 300], [1.0, 3.0], 200) == pytest.approx(2.0)
     assert interp([100, 300], [1.0, 3.0], 600) == pytest.approx(6.0)  # extrapolated
     assert interp([100], [0.5], 300) == pytest.approx(1.5)
+    assert interp([100, 300], [1.0, 5.0], 20) == pytest.approx(0.2)  # proportional below
     recs = [
         TurnRecord(0, 0, 1, 0.0, 2.0, 1.0, 1000, 0, 100, reusable_tokens=500, ok=True),
         TurnRecord(0, 0, 2, 2.0, 4.0, 0.5, 1600, 992, 100, reusable_tokens=1100, ok=True),
@@ -93,6 +94,7 @@ def test_interp_and_summary_arithmetic():
     assert s["reprefilled_tokens"] == 2600 - 992
     assert s["cached_of_reusable_turn2plus"] == pytest.approx(992 / 1100)
     assert s["ttft_over_ideal_turn2plus"]["p50"] == pytest.approx(1.0)
+    assert s["new_tokens_turn2plus_mean"] == 500 and s["reprefilled_turn2plus_mean"] == 608
     assert set(s["ttft_by_turn"]) == {"1", "2"}
 
 
