@@ -49,7 +49,7 @@ import httpx
 from bench import common
 from bench.loadgen import LoadSpec, one_request
 from bench.metrics import percentile, ratio
-from bench.servers import OPENBLAS, ServerProcess, ServerSpec
+from bench.servers import OPENBLAS, ServerProcess, ServerSpec, cpu_seconds
 
 CORPUS_GLOBS = ("docs/*.md", "README.md", "engine/**/*.py", "server/**/*.py", "kernels/**/*.py",
                 "bench/*.py", "reliability/**/*.py")
@@ -377,15 +377,19 @@ def calibrate(srv: ServerProcess, prompts: dict[int, list[str]],
             r = await one_request(client, spec, text)
         return (r.ttft if r.ok else None), r.prompt_tokens
 
-    sizes, ttfts, seen = [], [], []
+    sizes, ttfts, cpus, seen = [], [], [], []
     for n, texts in prompts.items():
+        cpu0 = cpu_seconds(srv.pid)
         got = [asyncio.run(one(t)) for t in texts]
+        cpu = _cpu(cpu0, cpu_seconds(srv.pid))
         times = [t for t, _ in got if t is not None]
         if times:
             sizes.append(n)
             ttfts.append(min(times))
+            cpus.append(cpu / len(texts) if cpu is not None else None)
             seen.append(next((p for _, p in got if p is not None), n))
     return {"sizes": sizes, "prompt_tokens": seen, "ttft_s": ttfts,
+            "cpu_s_per_request": cpus,  # server CPU seconds (prefill + 4 tokens), mean
             "prefill_tok_s": [p / t for p, t in zip(seen, ttfts, strict=True)]}
 
 
@@ -407,23 +411,25 @@ def raw_prefill(model: str, prompts: dict[int, list[str]], chunk: int = RAW_CHUN
     loaded = load(path)
     lm, tok = loaded[0], loaded[1]
 
-    def once(ids: list[int]) -> float:
+    def once(ids: list[int]) -> tuple[float, float]:
+        """(wall, CPU) seconds of one prefill."""
         cache = make_prompt_cache(lm)
         x = mx.array(ids)[None]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for a in range(0, len(ids), chunk):
             logits = lm(x[:, a:a + chunk], cache=cache)
             mx.eval(logits[:, -1], [c.state for c in cache])
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
     once(list(tok.encode(next(iter(prompts.values()))[0]))[:64])  # warm-up
-    sizes, times, seen = [], [], []
+    sizes, times, cpus, seen = [], [], [], []
     for n, texts in prompts.items():
-        best = min(once(list(tok.encode(t))) for t in texts)
+        wall, cpu = min(once(list(tok.encode(t))) for t in texts)
         sizes.append(n)
         seen.append(len(tok.encode(texts[0])))
-        times.append(best)
-    return {"sizes": sizes, "prompt_tokens": seen, "prefill_s": times,
+        times.append(wall)
+        cpus.append(cpu)
+    return {"sizes": sizes, "prompt_tokens": seen, "prefill_s": times, "cpu_s": cpus,
             "prefill_tok_s": [p / t for p, t in zip(seen, times, strict=True)],
             "weights": "float32 copy" if on_cpu else "checkpoint dtype", "chunk": chunk}
 
@@ -505,6 +511,11 @@ def context_of(model: str) -> int:
     return int(cfg.get("max_position_embeddings") or cfg.get("max_seq_len") or 4096)
 
 
+def clip_sizes(sizes: list[int], context: int) -> list[int]:
+    """Prompt sizes that fit the context with the few tokens a calibration request generates."""
+    return sorted({min(n, context - 8) for n in sizes if n > 0})
+
+
 def _specs(args: argparse.Namespace, model: str) -> tuple[list[ServerSpec], dict[str, str]]:
     from bench.sweep import peer_specs
 
@@ -548,7 +559,7 @@ def run_agent(args: argparse.Namespace, out: Path, log: Any = print,
     work = make_workload(tok, sessions=args.sessions, turns=args.turns, agents=args.agents,
                          seed=args.seed, tool_tokens=(lo, hi), system_tokens=args.system_tokens)
     sizes = args.calib_sizes or [s for s in (128, 512, 1024, 2048, 3072) if s < ctx]
-    sizes = sorted({min(s, ctx - 8) for s in sizes})
+    sizes = clip_sizes(sizes, ctx)
     prompts = calib_prompts(model, sizes, args.calib_repeats, args.seed)
     specs, models = _specs(args, model)
     result: dict[str, Any] = {
@@ -574,10 +585,13 @@ def run_agent(args: argparse.Namespace, out: Path, log: Any = print,
             entry["calibration"] = calibrate(srv, prompts, bias)
             cfg = RunConfig(srv.url, srv.model_id or "default", args.max_tokens, ctx, args.turns)
             result["loadavg"][spec.name] = [round(x, 2) for x in os.getloadavg()]
+            cpu0 = cpu_seconds(srv.pid)
             records, ended, wall = asyncio.run(
                 run_sessions(cfg, work, args.deadline, args.request_timeout))
+            cpu1 = cpu_seconds(srv.pid)
             fill_ideal(records, entry["calibration"])
             entry["summary"] = summarize_run(records, ended, wall)
+            entry["summary"]["server_cpu_s"] = _cpu(cpu0, cpu1)
             entry["turns"] = [_turn_dict(r) for r in records]
             entry["exit_code"] = srv.stop()
         finally:
@@ -597,6 +611,11 @@ def run_agent(args: argparse.Namespace, out: Path, log: Any = print,
     return result
 
 
+def _cpu(a: float | None, b: float | None) -> float | None:
+    """CPU seconds the server used in between (steadier than wall time on a shared machine)."""
+    return None if a is None or b is None else round(b - a, 3)
+
+
 def _turn_dict(r: TurnRecord) -> dict[str, Any]:
     d = asdict(r)
     d.pop("message")
@@ -612,8 +631,8 @@ def agent_table(result: dict[str, Any]) -> str:
     rows = ["| server | turns | turns/min | output tok/s | TTFT p50 (s) | TTFT p99 (s) | "
             "TTFT p50 turns ≥2 (s) | TTFT p99 turns ≥2 (s) | ideal p50 turns ≥2 (s) | "
             "prompt tokens | cached / prompt | cached / reusable, turns ≥2 | "
-            "new tokens / turn ≥2 | re-prefilled / turn ≥2 |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "new tokens / turn ≥2 | re-prefilled / turn ≥2 | server CPU-s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for e in result["servers"].values():
         s = e["summary"]
         rows.append(
@@ -622,7 +641,8 @@ def agent_table(result: dict[str, Any]) -> str:
             f"{_f(s['ttft_turn2plus_s']['p50'])} | {_f(s['ttft_turn2plus_s']['p99'])} | "
             f"{_f(s['ideal_ttft_turn2plus_s']['p50'])} | {s['prompt_tokens']} | "
             f"{_f(s['prefix_hit_ratio'])} | {_f(s['cached_of_reusable_turn2plus'])} | "
-            f"{_f(s['new_tokens_turn2plus_mean'], 0)} | {_f(s['reprefilled_turn2plus_mean'], 0)} |")
+            f"{_f(s['new_tokens_turn2plus_mean'], 0)} | {_f(s['reprefilled_turn2plus_mean'], 0)} | "
+            f"{_f(s.get('server_cpu_s'), 1)} |")
     return "\n".join(rows)
 
 
@@ -642,13 +662,25 @@ def prefill_table(result: dict[str, Any]) -> str:
             rats.append(_f(ratio(v, rv), 2))
         rows.append(f"| {raw['prompt_tokens'][i] if raw else n} | " + " | ".join(cells)
                     + f" | {_f(rv, 0)} | " + " | ".join(rats) + " |")
+    rows += ["", "Prompt tokens per CPU-second (server process; raw: this process):", "",
+             "| prompt tokens | " + " | ".join(e["label"] for e in result["servers"].values())
+             + " | raw mlx-lm |", "|" + "---:|" * (2 + len(result["servers"]))]
+    for i, n in enumerate(result["config"]["sizes"]):
+        cells = []
+        for e in result["servers"].values():
+            c = e["calibration"]
+            j = c["sizes"].index(n) if n in c["sizes"] else None
+            cpu = c.get("cpu_s_per_request", [None] * len(c["sizes"]))[j] if j is not None else None
+            cells.append(_f(ratio(c["prompt_tokens"][j], cpu) if j is not None else None, 0))
+        rc = ratio(raw["prompt_tokens"][i], raw["cpu_s"][i]) if raw.get("cpu_s") else None
+        rows.append(f"| {n} | " + " | ".join(cells) + f" | {_f(rc, 0)} |")
     return "\n".join(rows)
 
 
 def run_prefill(args: argparse.Namespace, out: Path, log: Any = print) -> dict[str, Any]:
     model = str((args.model or common.default_model()).resolve())
     ctx = context_of(model)
-    sizes = sorted({min(s, ctx - 8) for s in args.sizes})
+    sizes = clip_sizes(args.sizes, ctx)
     prompts = calib_prompts(model, sizes, args.repeats, args.seed)
     specs, models = _specs(args, model)
     result: dict[str, Any] = {
@@ -667,7 +699,9 @@ def run_prefill(args: argparse.Namespace, out: Path, log: Any = print) -> dict[s
             entry = _server_entry(spec, srv, models[spec.name])
             result["loadavg"][spec.name] = [round(x, 2) for x in os.getloadavg()]
             _warm_up(srv, model, bias, args.seed)
+            cpu0 = cpu_seconds(srv.pid)
             entry["calibration"] = calibrate(srv, prompts, bias)
+            entry["server_cpu_s"] = _cpu(cpu0, cpu_seconds(srv.pid))
             entry["exit_code"] = srv.stop()
         finally:
             srv.stop()

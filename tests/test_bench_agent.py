@@ -133,7 +133,7 @@ def test_agent_toy_run_writes_its_json(tmp_path: Path):
     assert s["turns_completed"] == 4 and s["turns_failed"] == 0 and s["sessions"] == 2
     assert s["ended_by"] == {"turns": 2}
     assert 0 <= s["prefix_hit_ratio"] <= 1 and s["ttft_turn2plus_s"]["n"] == 2
-    assert s["turns_per_min"] > 0 and s["output_tok_s"] > 0
+    assert s["turns_per_min"] > 0 and s["output_tok_s"] > 0 and s["server_cpu_s"] > 0
     assert "| mlxd | 4 |" in (out / "table.md").read_text()
 
 
@@ -188,3 +188,18 @@ def test_random_model_context_for_the_long_prompt_case(tmp_path: Path):
                  "--context", "32768"]) == 0
     assert agent.context_of(str(tmp_path / "m")) == 32768
     assert agent.context_of(str(default_model())) == 4096
+
+
+def test_prefill_toy_run_against_raw(tmp_path: Path):
+    out = tmp_path / "prefill"
+    assert agent.clip_sizes([1024, 8192, 32768], 4096) == [1024, 4088]
+    assert main(["prefill", "--sizes", "200,64", "--repeats", "1", "--peers", "",
+                 "--out", str(out)]) == 0
+    result = json.loads((out / "prefill.json").read_text())
+    assert result["bench"] == "prefill" and (out / "prefill.png").read_bytes()[:8] == PNG_MAGIC
+    c = result["servers"]["mlxd"]["calibration"]
+    assert result["config"]["sizes"] == c["sizes"] == c["prompt_tokens"] == [64, 200]
+    assert all(v > 0 for v in c["prefill_tok_s"] + c["cpu_s_per_request"])
+    raw = result["raw"]
+    assert raw["prompt_tokens"] == [64, 200] and all(v > 0 for v in raw["cpu_s"])
+    assert "| 200 |" in (out / "table.md").read_text()
