@@ -738,6 +738,10 @@ def plot_agent(result: dict[str, Any], path: Path) -> Path:
                  width, color=COLORS[i % len(COLORS)], label=result["servers"][name]["label"])
     ax_b.set_xticks([j + width * (len(names) - 1) / 2 for j in range(2)])
     ax_b.set_xticklabels(["turns / min", "output tok/s"])
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in (ax_t, ax_c):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_t.set_yscale("log")
     ax_t.set(xlabel="turn", ylabel="TTFT (s)", title="TTFT by turn (dotted: ideal, new tokens only)")
     ax_b.set_title("session throughput")
