@@ -290,12 +290,12 @@ class RunConfig:
 
 
 async def run_session(client: httpx.AsyncClient, cfg: RunConfig, work: Workload,
-                      plan: SessionPlan) -> tuple[list[TurnRecord], str]:
-    """One session's turns, and why it ended ("turns", "context" or "error")."""
+                      plan: SessionPlan, records: list[TurnRecord]) -> str:
+    """One session's turns (appended to `records` as they finish, so that a session cut off by
+    the deadline keeps its finished turns), and why it ended ("turns", "context" or "error")."""
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": work.system_prompts[plan.agent]},
         {"role": "user", "content": plan.task}]
-    records: list[TurnRecord] = []
     reusable = work.system_tokens[plan.agent]
     for k in range(cfg.turns):
         body = {"model": cfg.model_id, "messages": messages, "tools": TOOLS,
@@ -303,40 +303,41 @@ async def run_session(client: httpx.AsyncClient, cfg: RunConfig, work: Workload,
                 "stream_options": {"include_usage": True}}
         rec = await chat_turn(client, cfg.url, body,
                               TurnRecord(plan.index, plan.agent, k + 1, reusable_tokens=reusable))
-        records.append(rec)
+        records.append(rec)  # finished: a turn the deadline cancels never gets here
         if not rec.ok or rec.prompt_tokens is None:
-            return records, "error"
+            return "error"
         if k == cfg.turns - 1:
-            return records, "turns"
+            return "turns"
         result = plan.tool_results[k]
         messages = [*messages, rec.message, *_tool_messages(rec.message, result)]
         reusable = rec.prompt_tokens + rec.output_tokens
         if reusable + result.num_tokens + TURN_OVERHEAD + cfg.max_tokens > cfg.context:
-            return records, "context"
-    return records, "turns"
+            return "context"
+    return "turns"
 
 
-async def run_sessions(cfg: RunConfig, work: Workload, deadline_s: float,
-                       timeout_s: float) -> tuple[list[TurnRecord], Counter[str], float]:
+async def run_sessions(cfg: RunConfig, work: Workload, deadline_s: float, timeout_s: float,
+                       transport: httpx.AsyncBaseTransport | None = None,
+                       ) -> tuple[list[TurnRecord], Counter[str], float]:
+    """Every session at once; after `deadline_s` the unfinished ones are cancelled ("deadline")
+    and keep the turns they finished."""
     limits = httpx.Limits(max_connections=len(work.sessions) + 4)
     t0 = time.monotonic()
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30)) as c:
-        tasks = [asyncio.create_task(run_session(c, cfg, work, p)) for p in work.sessions]
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30),
+                                 transport=transport) as c:
+        records: list[TurnRecord] = []
+        tasks = [asyncio.create_task(run_session(c, cfg, work, p, records))
+                 for p in work.sessions]
         done, pending = await asyncio.wait(tasks, timeout=deadline_s)
         for t in pending:
             t.cancel()
         if pending:
             await asyncio.wait(pending, timeout=10)
     wall = time.monotonic() - t0
-    records: list[TurnRecord] = []
     ended: Counter[str] = Counter()
     for t in tasks:
-        if t in done and not t.cancelled() and t.exception() is None:
-            recs, why = t.result()
-            records += recs
-            ended[why] += 1
-        else:
-            ended["deadline"] += 1
+        ok = t in done and not t.cancelled() and t.exception() is None
+        ended[t.result() if ok else "deadline"] += 1
     for r in records:
         r.start, r.end = r.start - t0, r.end - t0
     return records, ended, wall

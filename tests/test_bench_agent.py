@@ -166,11 +166,13 @@ def test_session_sends_the_whole_history_and_ends_at_the_context(tok):
     seen: list[dict] = []
     cfg = agent.RunConfig("http://test", "m", max_tokens=100, context=1600, turns=4)
 
+    records: list[TurnRecord] = []
+
     async def go():
         async with httpx.AsyncClient(transport=_sse_server([700, 1000, 1300, 1600], seen)) as c:
-            return await agent.run_session(c, cfg, work, work.sessions[0])
+            return await agent.run_session(c, cfg, work, work.sessions[0], records)
 
-    records, why = asyncio.run(go())
+    why = asyncio.run(go())
     # after turn 2: 1000 + 50 + ~210 (tool) + 32 + 100 = ~1392 fits 1600; after turn 3 ~1692 not
     assert why == "context" and [r.turn for r in records] == [1, 2, 3]
     assert [r.cached_tokens for r in records] == [350, 500, 650]
@@ -203,3 +205,26 @@ def test_prefill_toy_run_against_raw(tmp_path: Path):
     raw = result["raw"]
     assert raw["prompt_tokens"] == [64, 200] and all(v > 0 for v in raw["cpu_s"])
     assert "| 200 |" in (out / "table.md").read_text()
+
+
+def test_deadline_keeps_the_turns_that_finished(tok):
+    import asyncio
+
+    import httpx
+
+    work = make_workload(tok, sessions=2, turns=3, agents=1, seed=0, tool_tokens=(200, 200),
+                         system_tokens=600)
+    seen: list[dict] = []
+    answer = _sse_server([700] * 8, seen)
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if len(json.loads(request.content)["messages"]) > 2:  # second turns hang
+            await asyncio.sleep(30)
+        return answer.handle_request(request)
+
+    cfg = agent.RunConfig("http://test", "m", max_tokens=100, context=4096, turns=3)
+    records, ended, wall = asyncio.run(agent.run_sessions(
+        cfg, work, deadline_s=1.0, timeout_s=60, transport=httpx.MockTransport(handler)))
+    assert ended == Counter({"deadline": 2}) and wall < 20
+    assert sorted((r.session, r.turn) for r in records) == [(0, 1), (1, 1)]
+    assert all(r.ok and r.start >= 0 and r.end > r.start for r in records)
