@@ -1,6 +1,8 @@
 """`python -m bench` (from a checkout): mlxd's benchmark harness, one subcommand per question.
 
     sweep        start mlxd and the servers users would pick instead, same load, level by level
+    agent        multi-turn agent sessions (tools, growing prompts) against mlxd and its peers
+    prefill      prefill tok/s of one long prompt, servers against raw mlx-lm
     load         drive a server that is already running
     spec         the engine with and without speculative decoding, same prompts
     kv           KV cache memory per row and prefix-cache TTFT (memory); quantized-KV quality
@@ -22,12 +24,23 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from bench import constrained, kv, modelprep, models, plot, spec, sweep, trellis, widetwin
+    from bench import (
+        agent,
+        constrained,
+        kv,
+        modelprep,
+        models,
+        plot,
+        spec,
+        sweep,
+        trellis,
+        widetwin,
+    )
 
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
-    for module in (sweep, spec, kv, constrained, trellis, plot, modelprep, widetwin, models):
+    for module in (sweep, agent, spec, kv, constrained, trellis, plot, modelprep, widetwin, models):
         module.add_parsers(sub)
     return parser
 

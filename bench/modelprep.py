@@ -1,6 +1,6 @@
 """Model preparation for the benchmarks, and the `random-model` subcommand.
 
-    python -m bench random-model OUT_DIR [--shape llama-3.2-1b] [--bits 4]
+    python -m bench random-model OUT_DIR [--shape llama-3.2-1b] [--bits 4] [--context 32768]
 
 `random_model` writes a random-weight model directory of a known shape (for speed benchmarks
 on machines without hub access), with the bundled tinycoder tokenizer (vocabulary 8,192).
@@ -69,7 +69,7 @@ def float32_copy(model_dir: str | Path, cache: Path = CACHE) -> Path:
 
 
 def random_model(shape: str, out: Path, bits: int | None, group_size: int = 64,
-                 seed: int = 0) -> Path:
+                 seed: int = 0, context: int | None = None) -> Path:
     """A random-weight model of a known shape in `out` (bf16, or affine-quantized to `bits`),
     with the bundled tokenizer."""
     import mlx.core as mx
@@ -82,6 +82,8 @@ def random_model(shape: str, out: Path, bits: int | None, group_size: int = 64,
 
     cfg = dict(SHAPES[shape], vocab_size=8192, architectures=["LlamaForCausalLM"],
                eos_token_id=[2, 0], bos_token_id=None)
+    if context:
+        cfg["max_position_embeddings"] = context
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(cfg))
     model.set_dtype(mx.bfloat16)
@@ -105,10 +107,13 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--bits", type=int, default=4, help="affine quantization bits (0 = bf16)")
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--context", type=int, default=None,
+                   help="max_position_embeddings (default: the shape's, 4096)")
     p.set_defaults(func=cmd_random_model)
 
 
 def cmd_random_model(args: argparse.Namespace) -> int:
-    path = random_model(args.shape, args.out, args.bits or None, args.group_size, args.seed)
+    path = random_model(args.shape, args.out, args.bits or None, args.group_size, args.seed,
+                        args.context)
     print(f"wrote {path}")
     return 0

@@ -19,6 +19,8 @@ from bench.common import pyplot
 # "bench" tag of a result JSON -> "module:function(result, png_path)" that draws it
 PLOTTERS = {
     "sweep": "bench.plot:plot_sweep",
+    "agent": "bench.agent:plot_agent",
+    "prefill": "bench.agent:plot_prefill",
     "spec": "bench.spec:plot",
     "kv-memory": "bench.kv_memory:plot",
     "kv-quality": "bench.kv_quality:plot",

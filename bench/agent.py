@@ -1,0 +1,868 @@
+"""agent and prefill: agent-shaped workloads (long, growing prompts) and single long prompts.
+
+    python -m bench agent   [--sessions 4] [--turns 4] [--agents 2] [--peers mlx_lm_blas]
+    python -m bench prefill [--sizes 1024,8192,32768] [--repeats 3]
+
+`agent` runs S concurrent sessions against each server in turn (mlxd, then each peer; one server
+up at a time). A session belongs to one of `--agents` agents; the sessions of an agent share its
+system prompt (tool definitions as JSON, then project notes). Each turn streams a chat completion
+(tools on, `--max-tokens` per answer, temperature 0), appends the answer as returned (content and
+tool calls), then a tool result of 200–4,000 tokens of real text (the checkout's own sources and
+docs), and sends the whole history again. A session ends after `--turns` turns or when the next
+turn would not fit the model's context. The workload (system prompts, tasks, tool results) is a
+pure function of `--seed` and the checkout.
+
+Per turn: TTFT, prompt tokens, `usage.prompt_tokens_details.cached_tokens`, output tokens, wall
+time, and the tokens the server could have reused (the previous turn's prompt and answer; for
+a first turn, its agent's system prompt). Per server: turns per minute, output tok/s, TTFT p50/p99
+by turn index, the prefix-cache hit ratio (cached / prompt tokens), and the ideal TTFT of each
+turn: the server's own TTFT for a fresh prompt as long as the turn's new tokens, interpolated from
+a calibration (fresh random prompts of `--calib-sizes` tokens, one at a time, fastest of
+`--calib-repeats`) run on the same server before the sessions start. The ideal is a single-stream
+figure: under S concurrent sessions a turn also waits for the others.
+
+`prefill` is that calibration alone at the long sizes: prefill tok/s of one prompt at concurrency
+1 (tokens / TTFT) for each size (sizes past the model's context are clipped to it), per server.
+
+Both also time raw mlx-lm in-process on the same token ids (the model's forward in 2,048-token
+chunks into mlx-lm's own KV cache, as mlx-lm's generate prefills; float32 weights and the
+optimised BLAS on a CPU, as mlxd computes there): the physical reference, measured before any
+server starts so that nothing else competes for the cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench import common
+from bench.loadgen import LoadSpec, one_request
+from bench.metrics import percentile, ratio
+from bench.servers import OPENBLAS, ServerProcess, ServerSpec, cpu_seconds
+
+CORPUS_GLOBS = ("docs/*.md", "README.md", "engine/**/*.py", "server/**/*.py", "kernels/**/*.py",
+                "bench/*.py", "reliability/**/*.py")
+TURN_OVERHEAD = 32  # template tokens around an answer and a tool result (headroom)
+RAW_CHUNK = 2048  # mlx-lm generate's prefill step
+
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {
+        "name": "read_file", "description": "Read a file of the repository.",
+        "parameters": {"type": "object", "properties": {
+            "path": {"type": "string", "description": "path relative to the repository root"},
+            "start_line": {"type": "integer"}, "end_line": {"type": "integer"}},
+            "required": ["path"]}}},
+    {"type": "function", "function": {
+        "name": "search", "description": "Search the repository for a regular expression.",
+        "parameters": {"type": "object", "properties": {
+            "pattern": {"type": "string"}, "glob": {"type": "string"}},
+            "required": ["pattern"]}}},
+    {"type": "function", "function": {
+        "name": "run_tests", "description": "Run the test suite, or one test file.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}},
+    {"type": "function", "function": {
+        "name": "edit_file", "description": "Replace a unique string in a file.",
+        "parameters": {"type": "object", "properties": {
+            "path": {"type": "string"}, "old": {"type": "string"}, "new": {"type": "string"}},
+            "required": ["path", "old", "new"]}}},
+    {"type": "function", "function": {
+        "name": "list_dir", "description": "List a directory.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                       "required": ["path"]}}},
+]
+PERSONAS = ("You are a coding agent working in a Python repository. Read before you edit, "
+            "keep changes small, run the tests after each change.",
+            "You are a code reviewer. Find bugs, missing tests and unclear names; cite the "
+            "file and line of each finding.")
+TASKS = ("Find where {name} is defined and explain what it does.",
+         "The tests around {name} fail intermittently. Find out why.",
+         "Add type hints to {name} and keep the behaviour unchanged.",
+         "Write a short summary of {name} for the docs.")
+
+
+# -- the workload: a pure function of the seed, the checkout and the tokenizer -----------------
+@dataclass(slots=True)
+class ToolResult:
+    path: str
+    text: str
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class SessionPlan:
+    index: int
+    agent: int
+    task: str
+    tool_results: list[ToolResult]  # one after each turn but the last
+
+
+@dataclass(slots=True)
+class Workload:
+    system_prompts: list[str]  # one per agent
+    system_tokens: list[int]  # each rendered alone through the chat template
+    sessions: list[SessionPlan]
+
+
+def corpus_files(root: Path = common.REPO) -> list[Path]:
+    """The checkout's own sources and docs, sorted (the tool results' text)."""
+    files = {p for g in CORPUS_GLOBS for p in root.glob(g) if p.is_file()}
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+class _Corpus:
+    def __init__(self, tok: Any, files: list[Path], root: Path) -> None:
+        self.tok, self.files, self.root = tok, files, root
+        self._ids: dict[int, list[int]] = {}
+
+    def ids(self, i: int) -> list[int]:
+        if i not in self._ids:
+            self._ids[i] = list(self.tok.encode(self.files[i].read_text(errors="replace"),
+                                                add_special_tokens=False))
+        return self._ids[i]
+
+    def excerpt(self, start: int, num_tokens: int) -> ToolResult:
+        """`num_tokens` tokens from the start of file `start` on (running into the next files)."""
+        ids: list[int] = []
+        i = start
+        while len(ids) < num_tokens and i < start + len(self.files):
+            ids += self.ids(i % len(self.files))
+            i += 1
+        rel = self.files[start].relative_to(self.root).as_posix()
+        text = f"==> {rel} <==\n" + self.tok.decode(ids[:num_tokens])
+        return ToolResult(rel, text, len(self.tok.encode(text, add_special_tokens=False)))
+
+
+def make_workload(tok: Any, *, sessions: int, turns: int, agents: int, seed: int,
+                  tool_tokens: tuple[int, int], system_tokens: int,
+                  root: Path = common.REPO) -> Workload:
+    """System prompts, tasks and tool results for every session; the same for the same seed."""
+    rng = random.Random(seed)
+    files = corpus_files(root)
+    if not files:
+        raise SystemExit(f"no source or doc files under {root} for the tool results")
+    corpus = _Corpus(tok, files, root)
+    prompts: list[str] = []
+    for a in range(agents):
+        head = (f"{PERSONAS[a % len(PERSONAS)]}\n\nYou can call these tools:\n"
+                f"{json.dumps(TOOLS, indent=1)}\n\nProject notes:\n")
+        room = max(0, system_tokens - len(tok.encode(head, add_special_tokens=False)))
+        prompts.append(head + corpus.excerpt(rng.randrange(len(files)), room).text)
+    lo, hi = tool_tokens
+    plans = []
+    for s in range(sessions):
+        name = files[rng.randrange(len(files))].stem
+        task = TASKS[rng.randrange(len(TASKS))].format(name=name)
+        results = [corpus.excerpt(rng.randrange(len(files)), rng.randint(lo, hi))
+                   for _ in range(turns - 1)]
+        plans.append(SessionPlan(s, s % agents, task, results))
+    sys_tokens = [len(tok.encode(tok.apply_chat_template([{"role": "system", "content": p}],
+                                                         tokenize=False), add_special_tokens=False))
+                  for p in prompts]
+    return Workload(prompts, sys_tokens, plans)
+
+
+# -- one turn over HTTP --------------------------------------------------------------------------
+@dataclass(slots=True)
+class TurnRecord:
+    session: int
+    agent: int
+    turn: int  # 1-based
+    start: float = 0.0
+    end: float = 0.0
+    ttft: float | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # None: the server did not report it
+    output_tokens: int = 0
+    tool_calls: int = 0
+    reusable_tokens: int = 0  # what a cache could hold: last prompt + answer (turn 1: system)
+    new_tokens: int | None = None  # prompt_tokens - reusable_tokens
+    ideal_ttft: float | None = None
+    finish_reason: str | None = None
+    ok: bool = False
+    error: str | None = None
+    message: dict[str, Any] = field(default_factory=dict)  # the answer as returned
+
+    @property
+    def e2e(self) -> float:
+        return self.end - self.start
+
+
+def _merge_delta(msg: dict[str, Any], calls: dict[int, dict[str, Any]],
+                 delta: dict[str, Any]) -> bool:
+    """Fold one streamed delta into the answer; True when it carried generated output."""
+    got = False
+    if delta.get("content"):
+        msg["content"] = msg.get("content", "") + delta["content"]
+        got = True
+    if delta.get("reasoning_content"):
+        got = True
+    for tc in delta.get("tool_calls") or []:
+        call = calls.setdefault(int(tc.get("index", 0)),
+                                {"id": "", "type": "function",
+                                 "function": {"name": "", "arguments": ""}})
+        call["id"] = tc.get("id") or call["id"]
+        fn = tc.get("function") or {}
+        call["function"]["name"] += fn.get("name") or ""
+        call["function"]["arguments"] += fn.get("arguments") or ""
+        got = True
+    return got
+
+
+def _apply_usage(rec: TurnRecord, usage: dict[str, Any]) -> None:
+    rec.prompt_tokens = usage.get("prompt_tokens")
+    rec.output_tokens = int(usage.get("completion_tokens") or 0)
+    details = usage.get("prompt_tokens_details") or {}
+    if details.get("cached_tokens") is not None:
+        rec.cached_tokens = int(details["cached_tokens"])
+
+
+async def chat_turn(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                    rec: TurnRecord) -> TurnRecord:
+    """Stream one chat completion into `rec` (TTFT at the first chunk with generated output)."""
+    msg: dict[str, Any] = {"role": "assistant", "content": ""}
+    calls: dict[int, dict[str, Any]] = {}
+    rec.start = time.monotonic()
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                rec.error = f"http_{resp.status_code}"
+                return rec
+            async for line in resp.aiter_lines():
+                data = line[5:].strip() if line.startswith("data:") else ""
+                if not data:
+                    continue
+                if data == "[DONE]":
+                    rec.ok = True
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    rec.error = "stream_error"
+                    return rec
+                for choice in obj.get("choices") or []:
+                    if _merge_delta(msg, calls, choice.get("delta") or {}) and rec.ttft is None:
+                        rec.ttft = time.monotonic() - rec.start
+                    rec.finish_reason = choice.get("finish_reason") or rec.finish_reason
+                if obj.get("usage"):
+                    _apply_usage(rec, obj["usage"])
+        if not rec.ok:
+            rec.error = "truncated_stream"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        rec.error = type(exc).__name__
+    finally:
+        rec.end = time.monotonic()
+        if calls:
+            msg["tool_calls"] = [calls[i] for i in sorted(calls)]
+        rec.tool_calls = len(calls)
+        rec.message = msg
+    return rec
+
+
+def _tool_messages(answer: dict[str, Any], result: ToolResult) -> list[dict[str, Any]]:
+    """The tool result after an answer: a `tool` message per call (the text goes to the first),
+    or, when the answer called nothing, a user message carrying the output."""
+    calls = answer.get("tool_calls") or []
+    if not calls:
+        return [{"role": "user", "content": f"Output of read_file {result.path}:\n{result.text}"}]
+    out = [{"role": "tool", "tool_call_id": c.get("id") or f"call_{i}",
+            "content": result.text if i == 0 else "(no output)"} for i, c in enumerate(calls)]
+    return out
+
+
+@dataclass(slots=True)
+class RunConfig:
+    url: str
+    model_id: str
+    max_tokens: int
+    context: int
+    turns: int
+
+
+async def run_session(client: httpx.AsyncClient, cfg: RunConfig, work: Workload,
+                      plan: SessionPlan, records: list[TurnRecord]) -> str:
+    """One session's turns (appended to `records` as they finish, so that a session cut off by
+    the deadline keeps its finished turns), and why it ended ("turns", "context" or "error")."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": work.system_prompts[plan.agent]},
+        {"role": "user", "content": plan.task}]
+    reusable = work.system_tokens[plan.agent]
+    for k in range(cfg.turns):
+        body = {"model": cfg.model_id, "messages": messages, "tools": TOOLS,
+                "max_tokens": cfg.max_tokens, "temperature": 0.0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        rec = await chat_turn(client, cfg.url, body,
+                              TurnRecord(plan.index, plan.agent, k + 1, reusable_tokens=reusable))
+        records.append(rec)  # finished: a turn the deadline cancels never gets here
+        if not rec.ok or rec.prompt_tokens is None:
+            return "error"
+        if k == cfg.turns - 1:
+            return "turns"
+        result = plan.tool_results[k]
+        messages = [*messages, rec.message, *_tool_messages(rec.message, result)]
+        reusable = rec.prompt_tokens + rec.output_tokens
+        if reusable + result.num_tokens + TURN_OVERHEAD + cfg.max_tokens > cfg.context:
+            return "context"
+    return "turns"
+
+
+async def run_sessions(cfg: RunConfig, work: Workload, deadline_s: float, timeout_s: float,
+                       transport: httpx.AsyncBaseTransport | None = None,
+                       ) -> tuple[list[TurnRecord], Counter[str], float]:
+    """Every session at once; after `deadline_s` the unfinished ones are cancelled ("deadline")
+    and keep the turns they finished."""
+    limits = httpx.Limits(max_connections=len(work.sessions) + 4)
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30),
+                                 transport=transport) as c:
+        records: list[TurnRecord] = []
+        tasks = [asyncio.create_task(run_session(c, cfg, work, p, records))
+                 for p in work.sessions]
+        done, pending = await asyncio.wait(tasks, timeout=deadline_s)
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=10)
+    wall = time.monotonic() - t0
+    ended: Counter[str] = Counter()
+    for t in tasks:
+        ok = t in done and not t.cancelled() and t.exception() is None
+        ended[t.result() if ok else "deadline"] += 1
+    for r in records:
+        r.start, r.end = r.start - t0, r.end - t0
+    return records, ended, wall
+
+
+# -- prefill calibration: the same server, one fresh prompt at a time ---------------------------
+def interp(xs: list[int], ys: list[float], x: float) -> float | None:
+    """Piecewise-linear y(x) through the points; proportional below the first, extrapolated
+    along the last segment above the last."""
+    if not xs:
+        return None
+    if len(xs) == 1 or x <= xs[0]:
+        return ys[0] * x / xs[0]
+    i = 1
+    while i < len(xs) - 1 and x > xs[i]:
+        i += 1
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def calib_prompts(model: str, sizes: list[int], repeats: int, seed: int) -> dict[int, list[str]]:
+    """Fresh random prompts of each size (distinct, so that no prefix cache hits them)."""
+    from bench.workload import make_prompts
+
+    return {n: [p.text for p in make_prompts(model, repeats, n, seed=seed + 7919 * n)]
+            for n in sizes}
+
+
+def calibrate(srv: ServerProcess, prompts: dict[int, list[str]],
+              eos_bias: dict[str, float] | None) -> dict[str, Any]:
+    """TTFT of each fresh prompt alone (fastest of its repeats) and prefill tok/s = tokens / TTFT."""
+    spec = LoadSpec(srv.url, srv.model_id or "default", [], 1, 4,
+                    ignore_eos=srv.spec.supports_ignore_eos,
+                    eos_bias=None if srv.spec.supports_ignore_eos else eos_bias)
+
+    async def one(text: str) -> tuple[float | None, int | None]:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30)) as client:
+            r = await one_request(client, spec, text)
+        return (r.ttft if r.ok else None), r.prompt_tokens
+
+    sizes, ttfts, cpus, seen = [], [], [], []
+    for n, texts in prompts.items():
+        cpu0 = cpu_seconds(srv.pid)
+        got = [asyncio.run(one(t)) for t in texts]
+        cpu = _cpu(cpu0, cpu_seconds(srv.pid))
+        times = [t for t, _ in got if t is not None]
+        if times:
+            sizes.append(n)
+            ttfts.append(min(times))
+            cpus.append(cpu / len(texts) if cpu is not None else None)
+            seen.append(next((p for _, p in got if p is not None), n))
+    return {"sizes": sizes, "prompt_tokens": seen, "ttft_s": ttfts,
+            "cpu_s_per_request": cpus,  # server CPU seconds (prefill + 4 tokens), mean
+            "prefill_tok_s": [p / t for p, t in zip(seen, ttfts, strict=True)]}
+
+
+def raw_prefill(model: str, prompts: dict[int, list[str]], chunk: int = RAW_CHUNK) -> dict[str, Any]:
+    """mlx-lm's own prefill of the same token ids, in-process (fastest of the repeats)."""
+    import engine  # noqa: F401  (the optimised BLAS before mlx)
+
+    # isort: split
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load
+
+    on_cpu = mx.default_device() == mx.cpu
+    path = model
+    if on_cpu:
+        from bench.modelprep import float32_copy
+
+        path = str(float32_copy(model))
+    loaded = load(path)
+    lm, tok = loaded[0], loaded[1]
+
+    def once(ids: list[int]) -> tuple[float, float]:
+        """(wall, CPU) seconds of one prefill."""
+        cache = make_prompt_cache(lm)
+        x = mx.array(ids)[None]
+        t0, c0 = time.perf_counter(), time.process_time()
+        for a in range(0, len(ids), chunk):
+            logits = lm(x[:, a:a + chunk], cache=cache)
+            mx.eval(logits[:, -1], [c.state for c in cache])
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    once(list(tok.encode(next(iter(prompts.values()))[0]))[:64])  # warm-up
+    sizes, times, cpus, seen = [], [], [], []
+    for n, texts in prompts.items():
+        wall, cpu = min(once(list(tok.encode(t))) for t in texts)
+        sizes.append(n)
+        seen.append(len(tok.encode(texts[0])))
+        times.append(wall)
+        cpus.append(cpu)
+    return {"sizes": sizes, "prompt_tokens": seen, "prefill_s": times, "cpu_s": cpus,
+            "prefill_tok_s": [p / t for p, t in zip(seen, times, strict=True)],
+            "weights": "float32 copy" if on_cpu else "checkpoint dtype", "chunk": chunk}
+
+
+# -- per-run summary -----------------------------------------------------------------------------
+def _pq(values: list[float]) -> dict[str, float | None]:
+    return {"p50": percentile(values, 50), "p99": percentile(values, 99), "n": len(values)}
+
+
+def fill_ideal(records: list[TurnRecord], calib: dict[str, Any]) -> None:
+    for r in records:
+        if r.prompt_tokens is None:
+            continue
+        r.new_tokens = max(0, r.prompt_tokens - r.reusable_tokens)
+        r.ideal_ttft = interp(calib["prompt_tokens"], calib["ttft_s"], r.new_tokens)
+
+
+def summarize_run(records: list[TurnRecord], ended: Counter[str], wall: float) -> dict[str, Any]:
+    ok = [r for r in records if r.ok]
+    later = [r for r in ok if r.turn >= 2]
+    by_turn: dict[str, Any] = {}
+    for t in sorted({r.turn for r in ok}):
+        rs = [r for r in ok if r.turn == t]
+        by_turn[str(t)] = {
+            "ttft_s": _pq([r.ttft for r in rs if r.ttft is not None]),
+            "ideal_ttft_s": _pq([r.ideal_ttft for r in rs if r.ideal_ttft is not None]),
+            "prompt_tokens_mean": sum(r.prompt_tokens or 0 for r in rs) / len(rs),
+            "cached_tokens_mean": _mean([r.cached_tokens for r in rs]),
+            "reusable_tokens_mean": sum(r.reusable_tokens for r in rs) / len(rs)}
+    prompt = sum(r.prompt_tokens or 0 for r in ok)
+    reported = [r for r in ok if r.cached_tokens is not None]
+    cached = sum(r.cached_tokens or 0 for r in reported)
+    reusable_later = sum(r.reusable_tokens for r in later if r.cached_tokens is not None)
+    cached_later = sum(r.cached_tokens or 0 for r in later if r.cached_tokens is not None)
+    out_tokens = sum(r.output_tokens for r in ok)
+    over = [r.ttft / r.ideal_ttft for r in later if r.ttft and r.ideal_ttft]
+    return {
+        "sessions": sum(ended.values()), "ended_by": dict(ended),
+        "turns_completed": len(ok), "turns_failed": len(records) - len(ok),
+        "failures": dict(Counter(r.error or "unknown" for r in records if not r.ok)),
+        "wall_s": wall, "turns_per_min": 60 * len(ok) / max(wall, 1e-9),
+        "output_tokens": out_tokens, "output_tok_s": out_tokens / max(wall, 1e-9),
+        "tool_calls": sum(r.tool_calls for r in ok),
+        "ttft_s": _pq([r.ttft for r in ok if r.ttft is not None]),
+        "ttft_turn2plus_s": _pq([r.ttft for r in later if r.ttft is not None]),
+        "ideal_ttft_turn2plus_s": _pq([r.ideal_ttft for r in later if r.ideal_ttft is not None]),
+        "ttft_over_ideal_turn2plus": _pq(over),
+        "ttft_by_turn": by_turn,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached if reported else None,
+        "prefix_hit_ratio": (cached / prompt) if reported and prompt else None,
+        "reprefilled_tokens": (prompt - cached) if reported else None,
+        "reusable_tokens_turn2plus": reusable_later,
+        "new_tokens_turn2plus_mean": _mean([r.new_tokens for r in later]),
+        "reprefilled_turn2plus_mean": _mean([(r.prompt_tokens or 0) - r.cached_tokens
+                                             for r in later if r.cached_tokens is not None]),
+        "cached_of_reusable_turn2plus": (cached_later / reusable_later
+                                         if reported and reusable_later else None),
+    }
+
+
+def _mean(values: list[int | None]) -> float | None:
+    xs = [v for v in values if v is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def run_ratios(mine: dict[str, Any], peer: dict[str, Any]) -> dict[str, float | None]:
+    return {
+        "turns_per_min": ratio(mine["turns_per_min"], peer["turns_per_min"]),
+        "output_tok_s": ratio(mine["output_tok_s"], peer["output_tok_s"]),
+        "ttft_turn2plus_p50": ratio(mine["ttft_turn2plus_s"]["p50"], peer["ttft_turn2plus_s"]["p50"]),
+        "ttft_turn2plus_p99": ratio(mine["ttft_turn2plus_s"]["p99"], peer["ttft_turn2plus_s"]["p99"]),
+    }
+
+
+# -- driving the servers -------------------------------------------------------------------------
+def context_of(model: str) -> int:
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    return int(cfg.get("max_position_embeddings") or cfg.get("max_seq_len") or 4096)
+
+
+def clip_sizes(sizes: list[int], context: int) -> list[int]:
+    """Prompt sizes that fit the context with the few tokens a calibration request generates."""
+    return sorted({min(n, context - 8) for n in sizes if n > 0})
+
+
+def _specs(args: argparse.Namespace, model: str) -> tuple[list[ServerSpec], dict[str, str]]:
+    from bench.sweep import peer_specs
+
+    if args.peers is None:  # on a CPU the same BLAS and dtype as mlxd; on a GPU as users run it
+        args.peers = "mlx_lm" if common.machine_info().get("gpus") else "mlx_lm_blas"
+    return peer_specs(args, model)
+
+
+def _eos_bias(model: str) -> dict[str, float]:
+    from bench.workload import eos_token_ids
+
+    return {str(i): -100.0 for i in eos_token_ids(model)}
+
+
+def _warm_up(srv: ServerProcess, model: str, bias: dict[str, float], seed: int) -> None:
+    """Two short requests on prompts that are never measured."""
+    calibrate(srv, calib_prompts(model, [64], 2, seed + 1), bias)
+
+
+def _start(spec: ServerSpec, model: str, out: Path, log: Any) -> ServerProcess:
+    log(f"starting {spec.name} ...")
+    srv = ServerProcess(spec, model, out / "logs").start()
+    log(f"  {spec.name} ready on {srv.url} in {srv.startup_s:.1f}s")
+    return srv
+
+
+def _server_entry(spec: ServerSpec, srv: ServerProcess, model: str) -> dict[str, Any]:
+    return {"label": spec.label, "note": spec.note, "argv": spec.build(model, srv.port),
+            "startup_s": round(srv.startup_s or 0, 2), "model_id": srv.model_id}
+
+
+def run_agent(args: argparse.Namespace, out: Path, log: Any = print,
+              save: Any = None) -> dict[str, Any]:
+    """Raw mlx-lm's calibration, then each server in turn; `save(result)` after each one."""
+    from bench.workload import load_tokenizer
+
+    model = str((args.model or common.default_model()).resolve())
+    ctx = args.context or context_of(model)
+    tok = load_tokenizer(model)
+    lo, hi = args.tool_tokens
+    work = make_workload(tok, sessions=args.sessions, turns=args.turns, agents=args.agents,
+                         seed=args.seed, tool_tokens=(lo, hi), system_tokens=args.system_tokens)
+    sizes = args.calib_sizes or [s for s in (128, 512, 1024, 2048, 3072) if s < ctx]
+    sizes = clip_sizes(sizes, ctx)
+    prompts = calib_prompts(model, sizes, args.calib_repeats, args.seed)
+    specs, models = _specs(args, model)
+    result: dict[str, Any] = {
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": common.machine_info(),
+        "config": {"model": model, "model_name": Path(model).name, "context": ctx,
+                   "sessions": args.sessions, "turns": args.turns, "agents": args.agents,
+                   "max_tokens": args.max_tokens, "tool_tokens": [lo, hi],
+                   "system_tokens": work.system_tokens, "seed": args.seed,
+                   "calib_sizes": sizes, "calib_repeats": args.calib_repeats,
+                   "tool_result_tokens": [[t.num_tokens for t in p.tool_results]
+                                          for p in work.sessions]},
+        "baseline": specs[0].name, "servers": {}, "loadavg": {}}
+    if not args.no_raw:
+        log("raw mlx-lm prefill calibration ...")
+        result["raw"] = raw_prefill(model, prompts, args.raw_chunk)
+    bias = _eos_bias(model)
+    for spec in specs:
+        srv = _start(spec, models[spec.name], out, log)
+        try:
+            entry = _server_entry(spec, srv, models[spec.name])
+            _warm_up(srv, model, bias, args.seed)
+            entry["calibration"] = calibrate(srv, prompts, bias)
+            cfg = RunConfig(srv.url, srv.model_id or "default", args.max_tokens, ctx, args.turns)
+            result["loadavg"][spec.name] = [round(x, 2) for x in os.getloadavg()]
+            cpu0 = cpu_seconds(srv.pid)
+            records, ended, wall = asyncio.run(
+                run_sessions(cfg, work, args.deadline, args.request_timeout))
+            cpu1 = cpu_seconds(srv.pid)
+            fill_ideal(records, entry["calibration"])
+            entry["summary"] = summarize_run(records, ended, wall)
+            entry["summary"]["server_cpu_s"] = _cpu(cpu0, cpu1)
+            entry["turns"] = [_turn_dict(r) for r in records]
+            entry["exit_code"] = srv.stop()
+        finally:
+            srv.stop()
+        result["servers"][spec.name] = entry
+        if save is not None:
+            save(result)
+        s = entry["summary"]
+        log(f"  {spec.name}: {s['turns_completed']} turns in {s['wall_s']:.1f}s, "
+            f"{s['turns_per_min']:.1f} turns/min, {s['output_tok_s']:.1f} tok/s, TTFT turn>=2 "
+            f"p50 {_f(s['ttft_turn2plus_s']['p50'])} p99 {_f(s['ttft_turn2plus_s']['p99'])} s, "
+            f"hit ratio {_f(s['prefix_hit_ratio'])}")
+    base = result["servers"][specs[0].name]["summary"]
+    result["ratios"] = {n: run_ratios(base, e["summary"])
+                        for n, e in result["servers"].items() if n != specs[0].name}
+    result["machine"]["loadavg_end"] = list(os.getloadavg())
+    return result
+
+
+def _cpu(a: float | None, b: float | None) -> float | None:
+    """CPU seconds the server used in between (steadier than wall time on a shared machine)."""
+    return None if a is None or b is None else round(b - a, 3)
+
+
+def _turn_dict(r: TurnRecord) -> dict[str, Any]:
+    d = asdict(r)
+    d.pop("message")
+    d["e2e"] = r.e2e
+    return d
+
+
+def _f(v: float | None, nd: int = 3) -> str:
+    return "–" if v is None else f"{v:.{nd}f}"
+
+
+def agent_table(result: dict[str, Any]) -> str:
+    rows = ["| server | turns | turns/min | output tok/s | TTFT p50 (s) | TTFT p99 (s) | "
+            "TTFT p50 turns ≥2 (s) | TTFT p99 turns ≥2 (s) | ideal p50 turns ≥2 (s) | "
+            "prompt tokens | cached / prompt | cached / reusable, turns ≥2 | "
+            "new tokens / turn ≥2 | re-prefilled / turn ≥2 | server CPU-s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for e in result["servers"].values():
+        s = e["summary"]
+        rows.append(
+            f"| {e['label']} | {s['turns_completed']} | {s['turns_per_min']:.1f} | "
+            f"{s['output_tok_s']:.1f} | {_f(s['ttft_s']['p50'])} | {_f(s['ttft_s']['p99'])} | "
+            f"{_f(s['ttft_turn2plus_s']['p50'])} | {_f(s['ttft_turn2plus_s']['p99'])} | "
+            f"{_f(s['ideal_ttft_turn2plus_s']['p50'])} | {s['prompt_tokens']} | "
+            f"{_f(s['prefix_hit_ratio'])} | {_f(s['cached_of_reusable_turn2plus'])} | "
+            f"{_f(s['new_tokens_turn2plus_mean'], 0)} | {_f(s['reprefilled_turn2plus_mean'], 0)} | "
+            f"{_f(s.get('server_cpu_s'), 1)} |")
+    return "\n".join(rows)
+
+
+def prefill_table(result: dict[str, Any]) -> str:
+    rows = ["| prompt tokens | " + " | ".join(
+        f"{e['label']} tok/s" for e in result["servers"].values()) + " | raw mlx-lm tok/s | "
+        + " | ".join(f"{e['label']} / raw" for e in result["servers"].values()) + " |"]
+    rows.append("|" + "---:|" * (2 + 2 * len(result["servers"])))
+    raw = result.get("raw") or {}
+    for i, n in enumerate(result["config"]["sizes"]):
+        cells, rats = [], []
+        rv = raw["prefill_tok_s"][i] if raw else None
+        for e in result["servers"].values():
+            c = e["calibration"]
+            v = c["prefill_tok_s"][c["sizes"].index(n)] if n in c["sizes"] else None
+            cells.append(_f(v, 0))
+            rats.append(_f(ratio(v, rv), 2))
+        rows.append(f"| {raw['prompt_tokens'][i] if raw else n} | " + " | ".join(cells)
+                    + f" | {_f(rv, 0)} | " + " | ".join(rats) + " |")
+    rows += ["", "Prompt tokens per CPU-second (server process; raw: this process):", "",
+             "| prompt tokens | " + " | ".join(e["label"] for e in result["servers"].values())
+             + " | raw mlx-lm |", "|" + "---:|" * (2 + len(result["servers"]))]
+    for i, n in enumerate(result["config"]["sizes"]):
+        cells = []
+        for e in result["servers"].values():
+            c = e["calibration"]
+            j = c["sizes"].index(n) if n in c["sizes"] else None
+            cpu = c.get("cpu_s_per_request", [None] * len(c["sizes"]))[j] if j is not None else None
+            cells.append(_f(ratio(c["prompt_tokens"][j], cpu) if j is not None else None, 0))
+        rc = ratio(raw["prompt_tokens"][i], raw["cpu_s"][i]) if raw.get("cpu_s") else None
+        rows.append(f"| {n} | " + " | ".join(cells) + f" | {_f(rc, 0)} |")
+    return "\n".join(rows)
+
+
+def run_prefill(args: argparse.Namespace, out: Path, log: Any = print) -> dict[str, Any]:
+    model = str((args.model or common.default_model()).resolve())
+    ctx = context_of(model)
+    sizes = clip_sizes(args.sizes, ctx)
+    prompts = calib_prompts(model, sizes, args.repeats, args.seed)
+    specs, models = _specs(args, model)
+    result: dict[str, Any] = {
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": common.machine_info(),
+        "config": {"model": model, "model_name": Path(model).name, "context": ctx,
+                   "sizes": sizes, "repeats": args.repeats, "seed": args.seed},
+        "baseline": specs[0].name, "servers": {}, "loadavg": {}}
+    if not args.no_raw:
+        log("raw mlx-lm prefill ...")
+        result["raw"] = raw_prefill(model, prompts, args.raw_chunk)
+    bias = _eos_bias(model)
+    for spec in specs:
+        srv = _start(spec, models[spec.name], out, log)
+        try:
+            entry = _server_entry(spec, srv, models[spec.name])
+            result["loadavg"][spec.name] = [round(x, 2) for x in os.getloadavg()]
+            _warm_up(srv, model, bias, args.seed)
+            cpu0 = cpu_seconds(srv.pid)
+            entry["calibration"] = calibrate(srv, prompts, bias)
+            entry["server_cpu_s"] = _cpu(cpu0, cpu_seconds(srv.pid))
+            entry["exit_code"] = srv.stop()
+        finally:
+            srv.stop()
+        result["servers"][spec.name] = entry
+    result["machine"]["loadavg_end"] = list(os.getloadavg())
+    return result
+
+
+# -- plots ---------------------------------------------------------------------------------------
+def plot_agent(result: dict[str, Any], path: Path) -> Path:
+    from bench.plot import COLORS
+
+    plt = common.pyplot()
+    fig, (ax_t, ax_b, ax_c) = plt.subplots(1, 3, figsize=(18, 5.5))
+    names = list(result["servers"])
+    for i, name in enumerate(names):
+        e, color = result["servers"][name], COLORS[i % len(COLORS)]
+        by = e["summary"]["ttft_by_turn"]
+        turns = [int(t) for t in by]
+        for q, style in (("p50", "o--"), ("p99", "o-")):
+            ax_t.plot(turns, [by[str(t)]["ttft_s"][q] for t in turns], style, color=color,
+                      label=f"{e['label']} {q}")
+        ax_t.plot(turns, [by[str(t)]["ideal_ttft_s"]["p50"] for t in turns], ":", color=color,
+                  label=f"{e['label']} ideal p50")
+        ax_c.plot(turns, [by[str(t)]["prompt_tokens_mean"] for t in turns], "o-", color=color,
+                  label=f"{e['label']} prompt")
+        cached = [by[str(t)]["cached_tokens_mean"] for t in turns]
+        if any(c is not None for c in cached):
+            ax_c.plot(turns, cached, "s--", color=color, label=f"{e['label']} cached")
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        s = result["servers"][name]["summary"]
+        ax_b.bar([j + i * width for j in range(2)], [s["turns_per_min"], s["output_tok_s"]],
+                 width, color=COLORS[i % len(COLORS)], label=result["servers"][name]["label"])
+    ax_b.set_xticks([j + width * (len(names) - 1) / 2 for j in range(2)])
+    ax_b.set_xticklabels(["turns / min", "output tok/s"])
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in (ax_t, ax_c):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_t.set_yscale("log")
+    ax_t.set(xlabel="turn", ylabel="TTFT (s)", title="TTFT by turn (dotted: ideal, new tokens only)")
+    ax_b.set_title("session throughput")
+    ax_c.set(xlabel="turn", ylabel="tokens (mean per turn)", title="prompt and cached tokens")
+    for ax in (ax_t, ax_b, ax_c):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    cfg = result["config"]
+    fig.suptitle(f"{cfg['model_name']}: {cfg['sessions']} sessions x {cfg['turns']} turns, "
+                 f"{cfg['agents']} agents, context {cfg['context']} — "
+                 f"{result['machine'].get('summary', '')}", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_prefill(result: dict[str, Any], path: Path) -> Path:
+    from bench.plot import COLORS
+
+    plt = common.pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    sizes = result["config"]["sizes"]
+    series = [(e["label"], e["calibration"]) for e in result["servers"].values()]
+    if result.get("raw"):
+        series.append(("raw mlx-lm", result["raw"]))
+    width = 0.8 / max(1, len(series))
+    for i, (label, c) in enumerate(series):
+        ys = [c["prefill_tok_s"][c["sizes"].index(n)] if n in c["sizes"] else 0 for n in sizes]
+        ax.bar([j + i * width for j in range(len(sizes))], ys, width,
+               color=COLORS[i % len(COLORS)], label=label)
+    ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(sizes))])
+    ax.set_xticklabels([str(n) for n in sizes])
+    ax.set(xlabel="prompt tokens", ylabel="prefill tok/s (tokens / TTFT)",
+           title=f"{result['config']['model_name']}: one prompt at concurrency 1")
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# -- the subcommands -----------------------------------------------------------------------------
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(",")
+    a, b = int(lo), int(hi or lo)
+    if not 0 < a <= b:
+        raise argparse.ArgumentTypeError("expected MIN,MAX with 0 < MIN <= MAX")
+    return a, b
+
+
+def _server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=None,
+                   help="model directory (default: the bundled tinycoder-16m)")
+    p.add_argument("--peers", default=None,
+                   help="comma list of mlx_lm, mlx_lm_blas, vllm_mlx; empty: mlxd alone "
+                        "(default: mlx_lm_blas on a CPU, mlx_lm on a GPU)")
+    p.add_argument("--blas-path", default=OPENBLAS, help="the BLAS mlx_lm_blas preloads")
+    p.add_argument("--peer-blas-dtype", choices=["float32", "checkpoint"], default="float32")
+    p.add_argument("--mlxd-args", default="", help="extra arguments for `mlxd serve`, quoted")
+    p.add_argument("--no-raw", action="store_true", help="skip raw mlx-lm's in-process prefill")
+    p.add_argument("--raw-chunk", type=int, default=RAW_CHUNK,
+                   help="raw mlx-lm's prefill chunk (default: mlx-lm generate's 2048)")
+    p.add_argument("--seed", type=int, default=0)
+    common.add_out_arg(p)
+
+
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser("agent", help="multi-turn agent sessions with growing prompts",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _server_args(p)
+    p.add_argument("--sessions", type=int, default=4, help="concurrent sessions")
+    p.add_argument("--turns", type=int, default=4, help="turns per session (at most)")
+    p.add_argument("--agents", type=int, default=2, help="distinct system prompts")
+    p.add_argument("--max-tokens", type=int, default=256, help="answer cap per turn")
+    p.add_argument("--tool-tokens", type=_range, default=(200, 4000),
+                   help="MIN,MAX tokens of each tool result")
+    p.add_argument("--system-tokens", type=int, default=600, help="system prompt size")
+    p.add_argument("--context", type=int, default=None,
+                   help="context limit (default: the model's max_position_embeddings)")
+    p.add_argument("--calib-sizes", type=_ints, default=None,
+                   help="prompt sizes of the ideal-TTFT calibration (default 128..3072)")
+    p.add_argument("--calib-repeats", type=int, default=2)
+    p.add_argument("--deadline", type=float, default=1800.0, help="seconds per server")
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.set_defaults(func=cmd_agent)
+    p = sub.add_parser("prefill", help="prefill tok/s of one long prompt against raw mlx-lm",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _server_args(p)
+    p.add_argument("--sizes", type=_ints, default=[1024, 8192, 32768],
+                   help="prompt tokens (clipped to the model's context)")
+    p.add_argument("--repeats", type=int, default=3, help="fresh prompts per size (fastest kept)")
+    p.set_defaults(func=cmd_prefill)
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    out = common.out_dir(args, "agent")
+    path = out / "agent.json"
+    result = run_agent(args, out, save=lambda r: common.write_json(path, "agent", r, args))
+    common.write_json(path, "agent", result, args)
+    plot_agent(result, path.with_suffix(".png"))
+    md = agent_table(result)
+    (out / "table.md").write_text(md + "\n")
+    print(md)
+    print(f"\nwrote {path}, {path.with_suffix('.png')}")
+    return 1 if any(e["summary"]["turns_failed"] for e in result["servers"].values()) else 0
+
+
+def cmd_prefill(args: argparse.Namespace) -> int:
+    out = common.out_dir(args, "prefill")
+    result = run_prefill(args, out)
+    path = common.write_json(out / "prefill.json", "prefill", result, args)
+    plot_prefill(result, path.with_suffix(".png"))
+    md = prefill_table(result)
+    (out / "table.md").write_text(md + "\n")
+    print(md)
+    print(f"\nwrote {path}, {path.with_suffix('.png')}")
+    return 0
