@@ -20,7 +20,6 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError
-from pydantic_core import PydanticCustomError
 from starlette.responses import JSONResponse, Response
 
 from engine.api import EmbeddingRequest
@@ -28,32 +27,14 @@ from server.errors import APIError, bad_request, from_validation_error
 from server.openai_api import app_state, new_id
 from server.prepare import off_loop
 from server.prompts import ServedModel
+from server.protocol import texts_or_id_lists
 from server.sse import run_until_disconnect
 
 router = APIRouter()
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _input(value: Any) -> list[str] | list[list[int]]:
-    """str | list[str] | list[int] | list[list[int]] -> a list of texts or of id lists."""
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and value:
-        if all(isinstance(p, str) for p in value):
-            return list(value)
-        if all(_is_int(t) for t in value):
-            return [list(value)]
-        if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in value):
-            return [list(p) for p in value]
-    if isinstance(value, list):
-        raise PydanticCustomError("input_empty", "the input must not be empty")
-    raise PydanticCustomError(
-        "input_type",
-        "must be a string, a list of strings, a list of token ids, or a list of lists of token ids",
-    )
+    return texts_or_id_lists(value, "input", empty_rows=True)
 
 
 InputField = Annotated[list[Any], PlainValidator(_input)]

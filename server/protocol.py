@@ -43,8 +43,11 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _prompt(value: Any) -> list[str] | list[list[int]]:
-    """str | list[str] | list[int] | list[list[int]] → list of str prompts or list of id lists."""
+def texts_or_id_lists(value: Any, name: str = "prompt",
+                      empty_rows: bool = False) -> list[str] | list[list[int]]:
+    """str | list[str] | list[int] | list[list[int]] → a list of texts or of id lists (what
+    completions' `prompt` and embeddings' `input` accept; `name` words the errors). With
+    `empty_rows`, an id list may be empty (the caller refuses it with its own message)."""
     if isinstance(value, str):
         return [value]
     if isinstance(value, list) and value:
@@ -52,14 +55,19 @@ def _prompt(value: Any) -> list[str] | list[list[int]]:
             return list(value)
         if all(_is_int(t) for t in value):
             return [list(value)]
-        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in value):
+        if all(isinstance(p, list) and (p or empty_rows) and all(_is_int(t) for t in p)
+               for p in value):
             return [list(p) for p in value]
     if isinstance(value, list) and not value:
-        raise PydanticCustomError("prompt_empty", "the prompt must not be empty")
+        raise PydanticCustomError(f"{name}_empty", f"the {name} must not be empty")
     raise PydanticCustomError(
-        "prompt_type",
+        f"{name}_type",
         "must be a string, a list of strings, a list of token ids, or a list of lists of token ids",
     )
+
+
+def _prompt(value: Any) -> list[str] | list[list[int]]:
+    return texts_or_id_lists(value, "prompt")
 
 
 def _content(value: Any) -> str | list[dict[str, Any]] | None:
