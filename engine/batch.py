@@ -31,6 +31,7 @@ class RowMeta:
     finished: bool = False  # set once its last event is out (in-flight results are then ignored)
     constraint: Any = None  # engine.constrain.Constraint: the row's grammar state, if any
     output_ids: list[int] = field(default_factory=list)  # tokens emitted so far (drafters read)
+    prefix_boundary: int = 0  # the last block boundary the prefix cache captured while decoding
 
     @property
     def req_id(self) -> str:

@@ -252,6 +252,7 @@ class Scheduler:
             row.finished = event.finish_reason is not None
             if event.finish_reason in (FINISH_STOP, FINISH_LENGTH) and event.error is None:
                 self._store_finished(row, result.tokens[i], len(event.token_ids))
+        self.prefix.advance(self.running.rows, self.running.caches)
         self.drop_finished()
         return events
 

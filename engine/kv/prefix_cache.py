@@ -331,9 +331,11 @@ class PrefixCache:
         self._nbytes = 0
 
 
-def _row_view(layer: KVLayout, i: int) -> KVLayout:
+def _row_view(layer: KVLayout | RecurrentLayout, i: int) -> KVLayout | RecurrentLayout:
     """Row `i` of a batch layout as a one-row layout over views of the batch's buffers (no
-    copy: the prefix cache copies only the blocks it stores)."""
+    copy: the prefix cache copies only the blocks it stores; a recurrent state is small)."""
+    if isinstance(layer, RecurrentLayout):
+        return layer.extract(i)
     out = layer.empty_like(1)
     out._n = layer._n[i : i + 1].copy()
     if layer._bufs is not None:
@@ -356,9 +358,15 @@ class PrefixIndex:
         self.chunk = max(block_size, chunk // block_size * block_size)
         self._make_caches = make_caches
         self._hits: dict[str, PrefixHit | None] = {}  # req_id -> hit (None: looked up, missed)
-        # a recurrent state exists only at the row's current length, never at the block
-        # boundaries of its answer: finished rows of such models store nothing more
-        self._store_finished = not any(isinstance(t, RecurrentLayout) for t in template)
+        # Ring and recurrent layers cannot give a finished row's earlier boundaries back (the
+        # ring moved on, the state is at the row's length), so rows capture each boundary while
+        # decoding, at most `_reach` tokens past it (ring: window - keep positions before the
+        # boundary must still be held; recurrent: the state must be exactly at it).
+        recurrent = any(isinstance(t, RecurrentLayout) for t in template)
+        ring_slack = [layer.slack for layer in template if getattr(layer, "ring_size", None)]
+        self._capture = recurrent or bool(ring_slack)
+        self._reach = 0 if recurrent else 1 + min(ring_slack, default=0)
+        self._store_finished = not recurrent  # the recurrent state is past the last boundary
 
     def lookup(self, row: RowMeta) -> None:
         """Find the row's longest cached prefix (at most prompt - 1 tokens); once per row."""
@@ -387,6 +395,30 @@ class PrefixIndex:
             n = int(counts[i])
             if n >= self.block_size:
                 self.cache.insert(row.request.prompt_ids[:n], kvb.extract_row(caches, i))
+
+    def advance(self, rows: Sequence[RowMeta], caches: list[Any] | None) -> None:
+        """While decoding (ring or recurrent layers only): a row whose length has just passed
+        a block boundary stores its blocks up to it, as prompt chunks do ("ring-safe
+        chunking"), so a next turn that diverges inside this answer can restore up to there.
+        The copies are queued, not waited for."""
+        if not self._capture or caches is None:
+            return
+        bs = self.block_size
+        counts = kvb.num_tokens(caches)
+        for i, row in enumerate(rows):
+            n = int(counts[i])
+            boundary = n // bs * bs
+            if row.finished or boundary <= row.prefix_boundary or n - boundary > self._reach:
+                continue
+            row.prefix_boundary = boundary
+            prompt = row.request.prompt_ids
+            if boundary <= (len(prompt) - 1) // bs * bs:
+                continue  # the prefill stored these
+            ids = [*prompt, *row.output_ids]
+            if len(ids) < n:
+                continue  # the row has seen tokens it has not emitted (cannot happen mid-answer)
+            views = [_row_view(layer, i) for layer in caches]
+            self.cache.insert(ids, views, limit=n, wait=False)
 
     def finish(self, row: RowMeta, caches: list[Any], i: int, tail: Sequence[int] = ()) -> None:
         """Insert the whole sequence of row `i` of the running batch, which has just finished:
@@ -429,6 +461,9 @@ class NoPrefix:
         return self._make_caches(len(rows))
 
     def store(self, rows: list[RowMeta], caches: list[Any]) -> None:
+        del rows, caches
+
+    def advance(self, rows: Sequence[RowMeta], caches: list[Any] | None) -> None:
         del rows, caches
 
     def finish(self, row: RowMeta, caches: list[Any], i: int, tail: Sequence[int] = ()) -> None:
