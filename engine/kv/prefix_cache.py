@@ -13,7 +13,9 @@ and holds, per layer, what restoring a row at or after that block needs:
 * full-attention layers: the block's K/V columns (encoded: quantized layouts store codes);
 * ring layers: the block's K/V columns too, but only while the row's ring still held them
   when it was inserted: a restore at boundary b needs the sinks and the last window - keep
-  positions before b, so deep in a long prompt only the recent blocks carry ring data;
+  positions before b, so deep in a long prompt only the recent blocks carry ring data; a
+  block whose oldest positions had already left the ring is kept from its first held position
+  (`starts`), which is all a restore just past it needs;
 * recurrent layers: a state snapshot, only on the node whose boundary equals the row's length
   at insertion time (these are the "checkpoints at block boundaries": call `insert` after
   every block-aligned prefill chunk, `chunk_ends` makes the chunks line up).
@@ -28,6 +30,15 @@ The scheduler's side is `PrefixIndex` (`NoPrefix` when the cache is off):
     kv = prefix.group_caches(rows)            # restored rows + empty rows, one batch
     ... prefill prompt[cached:-1] in chunks of at most prefix.chunk tokens ...
     prefix.store(rows, kv)                    # after every chunk: insert each row's blocks
+    prefix.advance(running.rows, running.caches)  # decoding rows passing a block boundary
+    prefix.finish(row, running.caches, i, tail)   # a row that ended: prompt + answer + stop
+
+Across turns: a finished row's whole sequence goes in (`finish`), so a next turn that re-sends
+the answer restores through it. Ring and recurrent layers cannot give back boundaries the row
+has moved past, so while decoding, rows of such models insert each block boundary they pass
+(`advance`: rings within 1 + slack tokens of it, recurrent layers exactly at it). Those
+inserts view the batch's buffers (no row copy) and queue their block copies (`wait=False`), so
+they never wait for the step in flight.
 
 Sliding-window (ring) layers only hold the last `window` positions, so a block can be stored
 only while it is still in the ring. Chunks are therefore at most `ring - block_size` tokens and
@@ -288,16 +299,15 @@ class PrefixCache:
         """(buffers, first position) of what `r` holds of positions [lo, hi): the whole block,
         or for a ring layer whose ring has moved past `lo`, the block's newest positions (the
         restore of a boundary just past the block needs only those)."""
-        pos, cols = positions
-        sel = (pos >= lo) & (pos < hi)
-        count = int(sel.sum())
+        pos, cols = positions  # sorted by position
+        a, b = int(np.searchsorted(pos, lo)), int(np.searchsorted(pos, hi))
+        count = b - a
         if r._bufs is None or count == 0 or (count != hi - lo and r.window is None):
             return None
-        held = pos[sel]
-        start = int(held[0])
-        if int(held[-1]) != hi - 1 or count != hi - start:
+        start = int(pos[a])
+        if int(pos[b - 1]) != hi - 1 or count != hi - start:
             return None
-        idx = cols[sel]
+        idx = cols[a:b]
         if int(idx[-1] - idx[0]) == count - 1:
             first = int(idx[0])
             return [mx.contiguous(b[:, :, first : first + count]) for b in r._bufs], start
