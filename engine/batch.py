@@ -32,6 +32,7 @@ class RowMeta:
     constraint: Any = None  # engine.constrain.Constraint: the row's grammar state, if any
     output_ids: list[int] = field(default_factory=list)  # tokens emitted so far (drafters read)
     adapter: int = 0  # the row's LoRA adapter (engine.lora index; 0 = none)
+    prefix_boundary: int = 0  # the last block boundary the prefix cache captured while decoding
 
     @property
     def req_id(self) -> str:

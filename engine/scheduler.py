@@ -355,8 +355,23 @@ class Scheduler:
                 event = self.abort_event(row, FINISH_ERROR, f"constrained decoding failed: {error}")
             events.append(event)
             row.finished = event.finish_reason is not None
+            if event.finish_reason in (FINISH_STOP, FINISH_LENGTH) and event.error is None:
+                self._store_finished(row, result.tokens[i], len(event.token_ids))
+        self.prefix.advance(self.running.rows, self.running.caches)
         self.drop_finished()
         return events
+
+    def _store_finished(self, row: RowMeta, step_tokens: list[int], emitted: int) -> None:
+        """A row that ended normally leaves its whole sequence in the prefix cache (the next
+        turn of a conversation re-sends it), including the stop token it ended on. Aborted and
+        failed rows store nothing beyond their prompt."""
+        at = self.running.index_of(row.req_id)
+        if at is None or self.running.caches is None:
+            return
+        tail = step_tokens[emitted : emitted + 1]
+        if not tail or tail[0] not in row.stop_ids:
+            tail = []
+        self.prefix.finish(row, self.running.caches, at, tail)
 
     def _row_event(self, row: RowMeta, result: StepResult, i: int) -> TokenEvent:
         params = row.request.params

@@ -369,3 +369,29 @@ def test_quantized_base_takes_adapters_batched_equals_alone(tmp_path):
                 assert base != alone, r.req_id
     finally:
         eng.stop()
+
+
+def test_a_finished_adapter_answer_is_cached_under_its_adapter(tmp_path):
+    """A finished row inserts its answer too (the next turn hits through it): an adapter row's
+    answer goes under the adapter's key, so the base model never reuses that KV, and the same
+    adapter's next turn does."""
+    model, cfg = tiny_model("llama")
+    path = write_adapter(tmp_path / "a", model, rank=4, scale=2.0, num_layers=-1, keys=None, seed=4)
+    lm = loaded(model, cfg)
+    lora.load(model, [("a", str(path))])
+    rng = random.Random(1)
+    prompt = [rng.randrange(3, cfg["vocab_size"]) for _ in range(20)]
+    eng = make_engine(lm, prefill_chunk=32)
+    try:
+        turn1 = greedy("t1", prompt, 30)
+        turn1.adapter = "a"
+        answer = run_alone(eng, turn1).tokens
+        history = prompt + answer + [7]
+        base = run_alone(eng, greedy("base", history, 2))
+        turn2 = greedy("t2", history, 2)
+        turn2.adapter = "a"
+        hit = run_alone(eng, turn2)
+    finally:
+        eng.stop()
+    assert base.events[-1].num_cached_tokens == 0  # nothing of the adapter's KV
+    assert hit.events[-1].num_cached_tokens >= (len(prompt) + len(answer) - 1) // 16 * 16 > 16

@@ -13,7 +13,9 @@ and holds, per layer, what restoring a row at or after that block needs:
 * full-attention layers: the block's K/V columns (encoded: quantized layouts store codes);
 * ring layers: the block's K/V columns too, but only while the row's ring still held them
   when it was inserted: a restore at boundary b needs the sinks and the last window - keep
-  positions before b, so deep in a long prompt only the recent blocks carry ring data;
+  positions before b, so deep in a long prompt only the recent blocks carry ring data; a
+  block whose oldest positions had already left the ring is kept from its first held position
+  (`starts`), which is all a restore just past it needs;
 * recurrent layers: a state snapshot, only on the node whose boundary equals the row's length
   at insertion time (these are the "checkpoints at block boundaries": call `insert` after
   every block-aligned prefill chunk, `chunk_ends` makes the chunks line up).
@@ -28,6 +30,15 @@ The scheduler's side is `PrefixIndex` (`NoPrefix` when the cache is off):
     kv = prefix.group_caches(rows)            # restored rows + empty rows, one batch
     ... prefill prompt[cached:-1] in chunks of at most prefix.chunk tokens ...
     prefix.store(rows, kv)                    # after every chunk: insert each row's blocks
+    prefix.advance(running.rows, running.caches)  # decoding rows passing a block boundary
+    prefix.finish(row, running.caches, i, tail)   # a row that ended: prompt + answer + stop
+
+Across turns: a finished row's whole sequence goes in (`finish`), so a next turn that re-sends
+the answer restores through it. Ring and recurrent layers cannot give back boundaries the row
+has moved past, so while decoding, rows of such models insert each block boundary they pass
+(`advance`: rings within 1 + slack tokens of it, recurrent layers exactly at it). Those
+inserts view the batch's buffers (no row copy) and queue their block copies (`wait=False`), so
+they never wait for the step in flight.
 
 Sliding-window (ring) layers only hold the last `window` positions, so a block can be stored
 only while it is still in the ring. Chunks are therefore at most `ring - block_size` tokens and
@@ -69,6 +80,7 @@ class _Node:
     depth: int  # blocks from the root; boundary = depth * block_size
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
     data: list[Any] = field(default_factory=list)  # per layer: None or a list of arrays
+    starts: list[int] = field(default_factory=list)  # per layer: first position `data` holds
     nbytes: int = 0
 
 
@@ -177,9 +189,20 @@ class PrefixCache:
             if isinstance(layer, RecurrentLayout):
                 if path[-1].data[li] is None:
                     return False
-            elif any(path[j].data[li] is None for j in self._blocks_needed(layer, boundary)):
+            elif any(
+                path[j].data[li] is None or path[j].starts[li] > self._need_from(layer, boundary, j)
+                for j in self._blocks_needed(layer, boundary)
+            ):
                 return False
         return True
+
+    def _need_from(self, layer: KVLayout, boundary: int, j: int) -> int:
+        """The first position of block `j` a restore at `boundary` needs: the whole block, except
+        the oldest recent block of a ring layer, whose positions before the window are unused."""
+        lo = j * self.block_size
+        if layer.window is None or lo < layer.keep:
+            return lo
+        return max(lo, boundary - (layer.window - layer.keep) + 1)
 
     def _blocks_needed(self, layer: KVLayout, boundary: int) -> list[int]:
         bs = self.block_size
@@ -209,40 +232,50 @@ class PrefixCache:
                 for b in range(len(path[blocks[0]].data[li]))
             ]
             positions = np.concatenate(
-                [np.arange(j * self.block_size, (j + 1) * self.block_size) for j in blocks]
+                [np.arange(path[j].starts[li], (j + 1) * self.block_size) for j in blocks]
             )
             out.append(place(layer, RowKV(boundary, positions, bufs, layer.codec)))
         return out
 
     # ---------------------------------------------------------------- insert
 
-    def insert(self, token_ids: Sequence[int], row: Sequence[Any], key: int = 0) -> int:
-        """Store the complete blocks of a one-row cache that has seen `token_ids` (its length
-        is the row's token count) under `key` (see `lookup`). Returns the number of new trie
-        nodes."""
+    def insert(
+        self, token_ids: Sequence[int], row: Sequence[Any], key: int = 0, *,
+        limit: int | None = None, wait: bool = True,
+    ) -> int:
+        """Store the complete blocks of a one-row cache that has seen `token_ids` (the row's
+        token count of them, or only the first `limit`) under `key` (see `lookup`). Returns the
+        number of new trie nodes.
+
+        `wait=False` queues the block copies (`mx.async_eval`) instead of waiting for them:
+        for a row whose last column is still being computed by a step in flight."""
         rows = [
             r if isinstance(r, RecurrentLayout) else adopt(t, r)
             for t, r in zip(self.template, row, strict=True)
         ]
         n = rows[0].num_tokens[0]
-        if n > len(token_ids):
-            raise ValueError(f"row has {n} tokens but only {len(token_ids)} ids were given")
+        upto = n if limit is None else min(n, limit)
+        if upto > len(token_ids):
+            raise ValueError(f"row has {upto} tokens but only {len(token_ids)} ids were given")
         positions = [None if isinstance(r, RecurrentLayout) else r.row_positions(0) for r in rows]
         node, created = self._root(key), 0
         filled: list[mx.array] = []
-        for block in self._blocks(token_ids, n):
+        for block in self._blocks(token_ids, upto):
             child = node.children.get(block)
             if child is None:
-                child = _Node(block, node, node.depth + 1, data=[None] * len(rows))
+                child = _Node(
+                    block, node, node.depth + 1, data=[None] * len(rows),
+                    starts=[node.depth * self.block_size] * len(rows),
+                )
                 node.children[block] = child
                 self._lru[id(child)] = child
                 created += 1
             filled += self._fill(child, rows, positions, n)
             node = child
-        # Evaluate the stored blocks now: an unevaluated slice would keep its whole source
-        # buffer (the batch's KV) alive while the LRU counts only the block's bytes.
+        # Evaluate the stored blocks now (or queue them): an unevaluated slice would keep its
+        # whole source buffer (the batch's KV) alive while the LRU counts only the block's bytes.
         if filled:
-            mx.eval(filled)
+            (mx.eval if wait else mx.async_eval)(filled)
         if node.parent is not None:
             self._touch(node)
         self.stats.inserted_blocks += created
@@ -255,30 +288,46 @@ class PrefixCache:
         new: list[mx.array] = []
         lo, hi = (node.depth - 1) * bs, node.depth * bs
         for li, r in enumerate(rows):
-            if node.data[li] is not None:
-                continue
+            if node.data[li] is not None and node.starts[li] == lo:
+                continue  # a whole block is stored already
+            data: tuple[list[Any], int] | None = None
             if isinstance(r, RecurrentLayout):
                 if hi == n and not r.empty():
-                    node.data[li] = [mx.contiguous(c) if c is not None else None for c in r.cache]
+                    data = [mx.contiguous(c) if c is not None else None for c in r.cache], lo
             else:
-                pos, cols = positions[li]
-                sel = (pos >= lo) & (pos < hi)
-                if int(sel.sum()) != bs or r._bufs is None:
-                    continue
-                idx = cols[sel]
-                if int(idx[-1] - idx[0]) == bs - 1:
-                    node.data[li] = [
-                        mx.contiguous(b[:, :, int(idx[0]) : int(idx[0]) + bs]) for b in r._bufs
-                    ]
-                else:
-                    idx_mx = mx.array(idx, dtype=mx.int32)
-                    node.data[li] = [mx.contiguous(b[:, :, idx_mx]) for b in r._bufs]
-            if node.data[li] is not None:
-                new += [a for a in node.data[li] if a is not None]
-                added = _arrays_nbytes(node.data[li])
-                node.nbytes += added
-                self._nbytes += added
+                data = self._block_columns(r, positions[li], lo, hi)
+            if data is not None and (node.data[li] is None or data[1] < node.starts[li]):
+                self._store(node, li, *data)
+                new += [a for a in data[0] if a is not None]
         return new
+
+    def _block_columns(
+        self, r: KVLayout, positions: tuple[np.ndarray, np.ndarray], lo: int, hi: int
+    ) -> tuple[list[mx.array], int] | None:
+        """(buffers, first position) of what `r` holds of positions [lo, hi): the whole block,
+        or for a ring layer whose ring has moved past `lo`, the block's newest positions (the
+        restore of a boundary just past the block needs only those)."""
+        pos, cols = positions  # sorted by position
+        a, b = int(np.searchsorted(pos, lo)), int(np.searchsorted(pos, hi))
+        count = b - a
+        if r._bufs is None or count == 0 or (count != hi - lo and r.window is None):
+            return None
+        start = int(pos[a])
+        if int(pos[b - 1]) != hi - 1 or count != hi - start:
+            return None
+        idx = cols[a:b]
+        if int(idx[-1] - idx[0]) == count - 1:
+            first = int(idx[0])
+            return [mx.contiguous(b[:, :, first : first + count]) for b in r._bufs], start
+        idx_mx = mx.array(idx, dtype=mx.int32)
+        return [mx.contiguous(b[:, :, idx_mx]) for b in r._bufs], start
+
+    def _store(self, node: _Node, li: int, arrays: list[Any], start: int) -> None:
+        old = _arrays_nbytes(node.data[li]) if node.data[li] is not None else 0
+        added = _arrays_nbytes(arrays) - old
+        node.data[li], node.starts[li] = arrays, start
+        node.nbytes += added
+        self._nbytes += added
 
     def _evict(self) -> None:
         while self._nbytes > self.max_bytes and self._lru:
@@ -300,6 +349,18 @@ class PrefixCache:
         self._nbytes = 0
 
 
+def _row_view(layer: KVLayout | RecurrentLayout, i: int) -> KVLayout | RecurrentLayout:
+    """Row `i` of a batch layout as a one-row layout over views of the batch's buffers (no
+    copy: the prefix cache copies only the blocks it stores; a recurrent state is small)."""
+    if isinstance(layer, RecurrentLayout):
+        return layer.extract(i)
+    out = layer.empty_like(1)
+    out._n = layer._n[i : i + 1].copy()
+    if layer._bufs is not None:
+        out._bufs = [b[i : i + 1] for b in layer._bufs]
+    return out
+
+
 class PrefixIndex:
     """The scheduler's prefix-cache policy over a `PrefixCache` (see the module docstring)."""
 
@@ -315,6 +376,15 @@ class PrefixIndex:
         self.chunk = max(block_size, chunk // block_size * block_size)
         self._make_caches = make_caches
         self._hits: dict[str, PrefixHit | None] = {}  # req_id -> hit (None: looked up, missed)
+        # Ring and recurrent layers cannot give a finished row's earlier boundaries back (the
+        # ring moved on, the state is at the row's length), so rows capture each boundary while
+        # decoding, at most `_reach` tokens past it (ring: window - keep positions before the
+        # boundary must still be held; recurrent: the state must be exactly at it).
+        recurrent = any(isinstance(t, RecurrentLayout) for t in template)
+        ring_slack = [layer.slack for layer in template if getattr(layer, "ring_size", None)]
+        self._capture = recurrent or bool(ring_slack)
+        self._reach = 0 if recurrent else 1 + min(ring_slack, default=0)
+        self._store_finished = not recurrent  # the recurrent state is past the last boundary
 
     def lookup(self, row: RowMeta) -> None:
         """Find the row's longest cached prefix (at most prompt - 1 tokens); once per row."""
@@ -345,6 +415,47 @@ class PrefixIndex:
                 self.cache.insert(row.request.prompt_ids[:n], kvb.extract_row(caches, i),
                                   key=row.adapter)
 
+    def advance(self, rows: Sequence[RowMeta], caches: list[Any] | None) -> None:
+        """While decoding (ring or recurrent layers only): a row whose length has just passed
+        a block boundary stores its blocks up to it, as prompt chunks do ("ring-safe
+        chunking"), so a next turn that diverges inside this answer can restore up to there.
+        The copies are queued, not waited for."""
+        if not self._capture or caches is None:
+            return
+        bs = self.block_size
+        counts = kvb.num_tokens(caches)
+        for i, row in enumerate(rows):
+            n = int(counts[i])
+            boundary = n // bs * bs
+            if row.finished or boundary <= row.prefix_boundary or n - boundary > self._reach:
+                continue
+            row.prefix_boundary = boundary
+            prompt = row.request.prompt_ids
+            if boundary <= (len(prompt) - 1) // bs * bs:
+                continue  # the prefill stored these
+            ids = [*prompt, *row.output_ids]
+            if len(ids) < n:
+                continue  # the row has seen tokens it has not emitted (cannot happen mid-answer)
+            views = [_row_view(layer, i) for layer in caches]
+            self.cache.insert(ids, views, row.adapter, limit=n, wait=False)
+
+    def finish(self, row: RowMeta, caches: list[Any], i: int, tail: Sequence[int] = ()) -> None:
+        """Insert the whole sequence of row `i` of the running batch, which has just finished:
+        its prompt, its output and `tail` (the stop token it ended on, which the next turn's
+        template usually renders). Only positions whose KV the row holds are stored: not the
+        last sampled token (never fed back), not a ring layer's positions that left its ring.
+        The copies are queued, not waited for: the row's newest column may belong to the step
+        still in flight."""
+        if not self._store_finished:
+            return
+        prompt = row.request.prompt_ids
+        ids = [*prompt, *row.output_ids, *tail]
+        n = min(int(kvb.num_tokens(caches)[i]), len(ids))
+        if n // self.block_size <= (len(prompt) - 1) // self.block_size:
+            return  # no complete block beyond those the prefill stored
+        self.cache.insert(ids, [_row_view(layer, i) for layer in caches], row.adapter, limit=n,
+                          wait=False)
+
     def stats(self) -> PrefixCacheStats:
         s, c = self.cache.stats, self.cache
         return PrefixCacheStats(
@@ -371,6 +482,12 @@ class NoPrefix:
 
     def store(self, rows: list[RowMeta], caches: list[Any]) -> None:
         del rows, caches
+
+    def advance(self, rows: Sequence[RowMeta], caches: list[Any] | None) -> None:
+        del rows, caches
+
+    def finish(self, row: RowMeta, caches: list[Any], i: int, tail: Sequence[int] = ()) -> None:
+        del row, caches, i, tail
 
     def stats(self) -> None:
         return None
