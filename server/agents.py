@@ -1,4 +1,4 @@
-"""Everything issue 7 adds to the app, installed by `create_app` with one call:
+"""The agent-facing routes and the app-wide plumbing, installed by `create_app` with one call:
 
     install(app, auth)   # auth: the key-check dependencies of the protected routes
 

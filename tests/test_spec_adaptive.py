@@ -231,7 +231,7 @@ def _simulate_lookup(cost, alpha_true: float, steps: int, B: int = 1, jump: bool
 
 
 def _flat_gpu_cost(B, W):
-    """MLX-CUDA pattern (session 6): any verify width costs about two plain steps."""
+    """MLX-CUDA pattern (H200): any verify width costs about two plain steps."""
     return 0.0015 if W == 1 else 0.0030 * (1 + 0.01 * (W - 2))
 
 

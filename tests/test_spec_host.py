@@ -1,4 +1,4 @@
-"""Session 4: the cheaper host paths of a speculative round give the same state and verdicts.
+"""The cheaper host paths of a speculative round give the same state and verdicts.
 
 * `KVLayout.append_columns` (the ring commit of a verify round) leaves every layout kind
   (plain / rotating / quantized / rotating quantized, sink columns, rings that wrap, ragged
