@@ -23,6 +23,7 @@ from server.openai_api import (
     AppState,
     abort_all,
     chat_logprobs,
+    chunk_writer,
     make_specs,
     new_id,
     sampling_params,
@@ -152,14 +153,10 @@ async def _stream(
     k: int,
 ) -> AsyncIterator[bytes]:
     include_usage = body.include_usage
-    head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model.name,
-            "system_fingerprint": SYSTEM_FINGERPRINT}
+    write = chunk_writer(gens, body, cid, created, model, "chat.completion.chunk")
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, lps: Any = None) -> bytes:
-        out = dict(head, choices=[{"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}])
-        if include_usage:
-            out["usage"] = None
-        return sse_event(out)
+        return write([{"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}])
 
     for g in gens:
         yield chunk(g.spec.index, {"role": "assistant", "content": ""})
@@ -189,5 +186,5 @@ async def _stream(
         yield sse_event(DONE)
         return
     if include_usage:
-        yield sse_event(dict(head, choices=[], usage=usage_numbers(gens)))
+        yield write([], usage_numbers(gens))
     yield sse_event(DONE)

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -282,6 +282,25 @@ async def chat_completions(request: Request) -> Response:
     )
 
 
+def chunk_writer(
+    gens: list[Generation], body: Any, cid: str, created: int, model: ServedModel, obj: str
+) -> Callable[..., bytes]:
+    """`chunk(choices, usage=None)` → one SSE event of a streamed completion (`obj`: its object
+    name); with `stream_options.include_usage` every chunk carries `usage` (null, or the running
+    totals with `continuous_usage_stats`), the last one the whole answer's."""
+    head = {"id": cid, "object": obj, "created": created, "model": model.name,
+            "system_fingerprint": SYSTEM_FINGERPRINT}
+    include_usage, continuous = body.include_usage, body.continuous_usage
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+        out = dict(head, choices=choices)
+        if include_usage:
+            out["usage"] = usage if usage is not None or not continuous else usage_numbers(gens)
+        return sse_event(out)
+
+    return chunk
+
+
 async def _chat_stream(
     gens: list[Generation],
     model: ServedModel,
@@ -292,21 +311,7 @@ async def _chat_stream(
     k: int,
 ) -> AsyncIterator[bytes]:
     include_usage = body.include_usage
-    head = {
-        "id": cid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model.name,
-        "system_fingerprint": SYSTEM_FINGERPRINT,
-    }
-
-    continuous = body.continuous_usage
-
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-        out = dict(head, choices=choices)
-        if include_usage:
-            out["usage"] = usage if usage is not None or not continuous else usage_numbers(gens)
-        return sse_event(out)
+    chunk = chunk_writer(gens, body, cid, created, model, "chat.completion.chunk")
 
     for g in gens:
         yield chunk(
@@ -499,21 +504,7 @@ async def _completion_stream(
 ) -> AsyncIterator[bytes]:
     include_usage = body.include_usage
     want_lp = body.logprobs is not None
-    head = {
-        "id": cid,
-        "object": "text_completion",
-        "created": created,
-        "model": model.name,
-        "system_fingerprint": SYSTEM_FINGERPRINT,
-    }
-
-    continuous = body.continuous_usage
-
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-        out = dict(head, choices=choices)
-        if include_usage:
-            out["usage"] = usage if usage is not None or not continuous else usage_numbers(gens)
-        return sse_event(out)
+    chunk = chunk_writer(gens, body, cid, created, model, "text_completion")
 
     for index, echo in echo_of.items():
         if echo:
