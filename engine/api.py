@@ -113,7 +113,6 @@ class SpecStats:
     overhead_ms_per_spec_step: float = 0.0  # drafter work outside the measured steps
     explore_ms: float = 0.0  # time spent trying widths that did not pay
     busy_s: float = 0.0
-    jumps: int = 0  # flat-cost jumps (lookup drafters)
     speculating_by_bucket: dict[str, bool] = field(default_factory=dict)  # batch-size bucket
     step_ms: dict[str, float] = field(default_factory=dict)  # "BxW" -> mean step ms
     drafter: dict[str, float] = field(default_factory=dict)  # the drafter's own figures

@@ -134,7 +134,6 @@ _SPEC_DOCS = {
     "pooled_acceptance": "The controller's acceptance estimate",
     "overhead_ms_per_spec_step": "Drafter milliseconds outside the measured steps, per step",
     "explore_ms": "Milliseconds spent trying widths that did not pay",
-    "jumps": "Flat-cost jumps (lookup drafters)",
 }
 
 

@@ -20,7 +20,6 @@ same counter RNG). `NoSpec` stands in when speculation is off.
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,22 +37,17 @@ NOT_FOUND_HOLD = 3  # ... and every NOT_FOUND_HOLD + 1 steps when a lookup draft
 class SpecRows:
     """Per-row speculation state (struct of arrays), carried by `RunningBatch.spec`."""
 
-    __slots__ = ("accepted", "judged", "drafter_state")
+    __slots__ = ("drafter_state",)
 
     def __init__(self, num_rows: int, drafter_state: Any) -> None:
-        self.accepted = np.zeros(num_rows)  # decayed count of accepted drafts
-        self.judged = np.zeros(num_rows)  # decayed count of drafts judged
+        del num_rows  # the rows' state is the drafter's (acceptance is pooled: adaptive.py)
         self.drafter_state = drafter_state
 
     def take(self, keep: list[int]) -> None:
-        idx = np.asarray(keep, dtype=np.int64)
-        self.accepted, self.judged = self.accepted[idx], self.judged[idx]
         if self.drafter_state is not None:
             self.drafter_state.take(keep)
 
     def concat(self, other: SpecRows) -> None:
-        self.accepted = np.concatenate([self.accepted, other.accepted])
-        self.judged = np.concatenate([self.judged, other.judged])
         if self.drafter_state is not None:
             self.drafter_state.concat(other.drafter_state)
 
@@ -92,28 +86,19 @@ class _Totals:
 
 class Speculation:
     """The drafter and the controller that picks each step's verify width (`model`: the
-    target, only to remember an exploration's cost for the next engine on it)."""
+    target; not needed by the choice, kept for the drafters' construction signature)."""
 
     def __init__(self, model: Any, drafter: Drafter, config: ControllerConfig) -> None:
+        del model
         self.drafter = drafter
-        self.controller = Controller(config)
-        # what an engine's first exploration cost, remembered for the next engine on this model
-        self.controller.memory_key = (drafter.name, id(model))
-        try:
-            self.controller.memory_ref = weakref.ref(model)
-        except TypeError:
-            self.controller.memory_key = None
-        if drafter.point_mass:
-            self.controller.pooled_alpha = min(self.controller.pooled_alpha, 0.5)
-            self.controller.lookup_evidence = True  # caps carry the lookup's offer
-        if getattr(drafter, "catches_up", False):  # a probe first catches rows up: probe rarely
-            config.probe_every = max(config.probe_every, 256)
+        # a lookup's drafts are a point mass, often wrong off its matches: a lower prior
+        self.controller = Controller(config, prior=0.5 if drafter.point_mass else 0.6)
         self.totals = _Totals()
         self._catch_up = False
         self._emitted = 1.0  # tokens per row of the last speculative step
+        self._verified = 0  # columns of the last verify (0: it had no drafts)
         self._overhead_seen = 0.0  # drafter seconds outside the measured steps, already counted
         self._plain_hold = 0  # further decide() calls answered "plain" without re-deciding
-        self._jump: tuple[Any, np.ndarray] | None = None  # (rows, caps) of a flat-cost jump
         self._plain_rows: list[Any] | None = None  # the batch's row list when it was decided
         self._contexts: tuple[Any, list[int], list[list[int]]] | None = None  # see _context
         self.warmup_seconds = 0.0  # warm_up(): the speculative shapes built at engine start
@@ -137,8 +122,8 @@ class Speculation:
         behind sit out (bar one) until speculation is known to pay at this batch size."""
         rows = batch.rows
         spec: SpecRows = batch.spec
-        alpha = self.controller.alpha(spec.accepted, spec.judged)
-        caps = self.controller.caps(alpha, _room(rows))
+        alpha = self.controller.alpha(len(rows))
+        caps = self.controller.caps(_room(rows))
         for i, r in enumerate(rows):
             if r.constraint is not None:  # a grammar mask needs each token consumed first
                 caps[i] = 0
@@ -171,16 +156,9 @@ class Speculation:
             self._plain_hold -= 1
             return 1
         alpha, caps = self._caps(batch, explore=False)  # what the batch would gain when warm
-        offer = None
         if self.drafter.point_mass and caps.max(initial=0) > 0:
-            # the lookup's own offer up to the ceiling and the row's room (a long match is
-            # evidence, long_match; the flat-cost jump drafts this much)
-            ask = np.where(caps > 0, np.minimum(self.max_draft, _room(rows)), 0)
-            offer = self._available(batch, ask)
-            caps = np.minimum(caps, offer)
-        decision = ctl.decide(alpha, caps, offer)
-        # the flat-cost jump drafts the lookup's whole offer, beyond the rows' usual caps
-        self._jump = (rows, decision.caps) if decision.jump else None
+            caps = np.minimum(caps, self._available(batch, caps))  # the lookup's own offer
+        decision = ctl.decide(alpha, caps)
         # hold a choice made on costs; a lookup drafter that found nothing looks again soon
         found = not self.drafter.point_mass or caps.max(initial=0) > 0
         hold = decision.width == 1 and not decision.probe and ctl.config.adaptive
@@ -216,9 +194,6 @@ class Speculation:
         padded; their padding is never accepted)."""
         t0 = time.perf_counter()
         _, caps = self._caps(batch)
-        jump = self._jump
-        if jump is not None and jump[0] is batch.rows and width > 1:
-            caps = jump[1]  # decided this step for these rows (ControllerConfig.jump)
         ctx = self._context(batch, np.minimum(caps, width - 1))
         return Round(ctx, self._propose(ctx), batch.spec, t0)
 
@@ -230,6 +205,7 @@ class Speculation:
             self.drafter.observe(rnd.ctx, proposal, accepted)
         self._learn(rnd.rows, proposal.num_drafts, accepted)
         self._emitted = float(accepted.mean()) + 1.0 if len(accepted) else 1.0
+        self._verified = K + 1 if K else 0
         self._catch_up = bool(getattr(self.drafter, "caught_up", False)) and K > 0
         tot = self.totals
         tot.spec_steps += 1
@@ -255,10 +231,7 @@ class Speculation:
         return _empty(B)
 
     def _learn(self, spec: SpecRows, num_drafts: np.ndarray, accepted: np.ndarray) -> None:
-        cfg = self.controller.config
-        judged = accepted + (accepted < num_drafts)
-        spec.accepted = cfg.decay * spec.accepted + accepted
-        spec.judged = cfg.decay * spec.judged + judged
+        del spec
         self.controller.learn(num_drafts, accepted)
         tot = self.totals
         tot.drafted += int(num_drafts.sum())
@@ -279,9 +252,10 @@ class Speculation:
         from engine.sampling import SamplerState
 
         t0 = time.perf_counter()
+        ctl = self.controller
         saved = (
-            self.totals, self.controller.pooled_alpha, dict(vars(self.drafter)), self._emitted,
-            self._catch_up,
+            self.totals, (ctl.pool_accepted, ctl.pool_judged), dict(vars(self.drafter)),
+            self._emitted, self._catch_up,
         )
         drafter = self.drafter
         self.totals = _Totals()
@@ -291,14 +265,14 @@ class Speculation:
             period = max(1, min(16, vocab_size - 1))
             prompt = [1 + i % period for i in range(max(prompt_len, 2 * period))]
             K = self.max_draft
-            max_new = 4 * (K + 2) * (K + 1)
-            params = SamplingParams(temperature=0.0, max_tokens=max_new)
-            row = RowMeta(Request("spec-warmup", prompt, params), len(prompt), max_new, frozenset())
+            max_tokens = 4 * (K + 2) * (K + 1)
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+            row = RowMeta(Request("spec-warmup", prompt, params), len(prompt), max_tokens,
+                          frozenset())
             caches = executor.new_caches(1)
             executor.prefill_row(caches, prompt[:-1])
             sampler = SamplerState.from_params([params], [prompt], vocab_size, [0])
             spec = SpecRows(1, drafter.admit([prompt], True))
-            spec.accepted[:] = spec.judged[:] = 1e3  # high acceptance: the ceiling's drafts
             batch = RunningBatch([row], mx.array([prompt[-1]], dtype=mx.int32), sampler, caches,
                                  spec)
             if drafter.point_mass:  # a lookup drafter: exactly W - 1 drafts whatever it finds
@@ -312,7 +286,7 @@ class Speculation:
                 row.num_generated += len(result.tokens[0])
         finally:
             self.drafter = drafter
-            (self.totals, self.controller.pooled_alpha, state, self._emitted,
+            (self.totals, (ctl.pool_accepted, ctl.pool_judged), state, self._emitted,
              self._catch_up) = saved
             vars(drafter).update(state)
         self.warmup_ms = ms
@@ -321,17 +295,22 @@ class Speculation:
 
     # -- timing and stats ------------------------------------------------------------------
     def record(self, num_rows: int, width: int, seconds: float, typical: bool) -> None:
+        """The step just run, for the controller: a verify is recorded at the columns it
+        verified (a lookup may have filled fewer than decided), with the drafter's work outside
+        the step since the last speculative one (a draft model's prefill and catch-up)."""
         if width <= 1:
             self.totals.plain_steps += 1
-        typical = typical and not (width > 1 and self._catch_up)
-        self._catch_up = False
-        self.controller.record(num_rows, width, seconds, typical, self._emitted if width > 1 else 1.0)
-        if width > 1:  # draft prefill / catch-up since the last speculative step
+        extra = 0.0
+        if width > 1:
+            typical = typical and not self._catch_up and self._verified > 1
+            width = max(self._verified, 2)
             overhead = float(getattr(self.drafter, "prefill_seconds", 0.0)) + float(
                 getattr(self.drafter, "catch_up_seconds", 0.0)
             )
-            self.controller.add_overhead(overhead - self._overhead_seen)
-            self._overhead_seen = overhead
+            extra, self._overhead_seen = overhead - self._overhead_seen, overhead
+        self._catch_up = False
+        emitted = self._emitted if width > 1 else 1.0
+        self.controller.record(num_rows, width, seconds, typical, emitted, extra)
 
     def stats(self) -> SpecStats:
         tot = self.totals
@@ -352,7 +331,6 @@ class Speculation:
             overhead_ms_per_spec_step=round(ctl.overhead * 1e3, 3),
             explore_ms=round(ctl.explore_excess * 1e3, 3),
             busy_s=round(ctl.busy, 3),
-            jumps=ctl.jumps,
             speculating_by_bucket={str(b): v for b, v in sorted(ctl.speculating.items())},
             step_ms={f"{b}x{w}": round(c.seconds * 1e3, 3) for (b, w), c in sorted(cells.items())},
             drafter=drafter,
