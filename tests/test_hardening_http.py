@@ -264,18 +264,34 @@ def test_client_leaving_mid_body_is_499_not_500(open_server, fake, caplog, path)
 # -- 19. one access line per request; scrapes quiet at INFO -------------------------------------
 
 
+def _wait_for_record(caplog, match, timeout: float = 10.0) -> None:
+    """The server thread writes its access line after the response is sent: wait for it."""
+    deadline = time.monotonic() + timeout
+    while not any(match(r) for r in caplog.records):
+        assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+        time.sleep(0.02)
+
+
 def test_one_access_line_per_request_and_quiet_scrapes(open_server, caplog):
     caplog.set_level(logging.INFO)
+    caplog.set_level(logging.INFO, logger="mlxd.access")
     r = httpx.post(open_server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
                    headers={"X-Request-ID": "req-one-line"})
     assert r.status_code == 200
     httpx.get(open_server.url + "/metrics")
     httpx.get(open_server.url + "/health")
-    time.sleep(0.1)
+    _wait_for_record(caplog, lambda r: r.name == "mlxd.access" and "/v1/completions" in r.getMessage())
+    # a scrape's line (if one were written at INFO) comes after the completion's
+    httpx.post(open_server.url + "/v1/completions", json={"prompt": "y", "max_tokens": 1},
+               headers={"X-Request-ID": "req-after"})
+    _wait_for_record(caplog, lambda r: getattr(r, "request_id", "") == "req-after"
+                     and r.name == "mlxd.access")
     server_side = [rec for rec in caplog.records if rec.name != "httpx"]  # not the client's log
     lines = [rec for rec in server_side if "/v1/completions" in rec.getMessage()]
-    assert len(lines) == 1 and lines[0].name == "mlxd.access", [x.getMessage() for x in lines]
-    assert lines[0].request_id == "req-one-line" and " 200 " in lines[0].getMessage()
+    # one line per request (two requests), each mlxd's own with its request id
+    assert [x.name for x in lines] == ["mlxd.access"] * 2, [x.getMessage() for x in lines]
+    assert [x.request_id for x in lines] == ["req-one-line", "req-after"]
+    assert " 200 " in lines[0].getMessage()
     scrapes = [rec for rec in server_side
                if rec.name.endswith("access") and ("/metrics" in rec.getMessage()
                                                    or "/health" in rec.getMessage())]
@@ -284,7 +300,8 @@ def test_one_access_line_per_request_and_quiet_scrapes(open_server, caplog):
 
 def test_failed_scrape_is_logged_at_info(keyed_server, caplog):
     caplog.set_level(logging.INFO)
+    caplog.set_level(logging.INFO, logger="mlxd.access")
     assert httpx.get(keyed_server.url + "/metrics").status_code == 401
-    time.sleep(0.05)
+    _wait_for_record(caplog, lambda r: r.name == "mlxd.access" and "/metrics" in r.getMessage())
     assert [rec for rec in caplog.records if rec.name == "mlxd.access"
             and "/metrics" in rec.getMessage() and " 401 " in rec.getMessage()]

@@ -167,8 +167,8 @@ def test_recurrent_hybrid_restores_at_a_boundary_captured_while_decoding():
     """qwen3_next (gated-DeltaNet + full attention): the recurrent state exists only at the
     row's current length, so the answer's boundaries are captured as the row passes them; the
     next turn restores at the last one and decodes exactly as a fresh prefill."""
-    from engine.models.tiny import TINY_CONFIGS as REGISTRY_TINY
-    from engine.models.tiny import tiny_model as registry_tiny
+    from tests.tiny_archs import TINY_CONFIGS as REGISTRY_TINY
+    from tests.tiny_archs import tiny_model as registry_tiny
 
     mx.disable_compile()  # compiled helpers JIT per shape on CPU (slow); same answers
     try:
