@@ -298,17 +298,7 @@ _ROW_FIELDS = (
     "row_top_logprobs",
 )
 # [B] fields mirrored on the host, so that flags never wait on the device
-_HOST_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "has_bias",
-    "row_top_logprobs",
-)
+_HOST_FIELDS = tuple(f for f in _ROW_FIELDS if f not in ("seeds", "steps"))
 
 
 def _fill_missing(state: SamplerState) -> None:
