@@ -79,8 +79,8 @@ class EngineConfig:
     embed_batch_tokens: int = 4096  # padded tokens per embedding batch (one longer input: alone)
 
 
-SNAPSHOT_EVERY_S = 0.05
-WARM_DECODE_ROWS = 16  # the warm-up runs the decode batch at 1..this many rows  # while busy, stats() sees the engine's state at most this old
+SNAPSHOT_EVERY_S = 0.05  # while busy, stats() sees the engine's state at most this old
+WARM_DECODE_ROWS = 16  # the warm-up runs the decode batch at 1..this many rows
 
 
 class Engine:
@@ -418,7 +418,7 @@ class Engine:
     def _embed_step(self) -> None:
         """One embedding batch, under the memory the running rows leave."""
         decoding = bool(self.runner.in_flight or self.scheduler.has_work())
-        if self.embedder.step(self.scheduler._reserved_bytes(), decoding):
+        if self.embedder.step(self.scheduler.reserved_bytes(), decoding):
             self._steps_since_release += 1
 
     def _drain_inbox(self) -> None:

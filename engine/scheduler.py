@@ -236,7 +236,7 @@ class Scheduler:
             return self.prefill_budget
         return self.prefill_budget * self.config.idle_budget_factor
 
-    def _reserved_bytes(self) -> int:
+    def reserved_bytes(self) -> int:
         rows = self.running.rows + (self.prefill.rows if self.prefill is not None else [])
         return sum(self.budget.row_bytes(r.num_prompt_tokens, r.max_new_tokens) for r in rows)
 
@@ -251,7 +251,7 @@ class Scheduler:
         chunk, budget = self.prefix.chunk, self._group_budget()
         rows: list[RowMeta] = []
         width = 0
-        reserved = self._reserved_bytes()
+        reserved = self.reserved_bytes()
         for row in self._order():
             if len(rows) >= room:
                 break
