@@ -26,7 +26,7 @@ from engine.api import EmbeddingRequest
 from server.errors import APIError, bad_request, from_validation_error
 from server.openai_api import app_state, new_id
 from server.prepare import off_loop
-from server.prompts import ServedModel
+from server.prompts import ServedModel, check_vocab
 from server.protocol import texts_or_id_lists
 from server.sse import run_until_disconnect
 
@@ -64,10 +64,7 @@ def _check(model: ServedModel, ids: list[int], param: str) -> None:
             f"{len(ids)} tokens in the input. Please reduce your input.",
             param, code="context_length_exceeded",
         )
-    for t in ids:
-        if not 0 <= t < model.vocab_size:
-            raise bad_request(
-                f"token id {t} is outside the vocabulary (0..{model.vocab_size - 1})", param)
+    check_vocab(model, ids, param)
 
 
 def input_ids(model: ServedModel, body: EmbeddingsBody) -> list[list[int]]:

@@ -201,6 +201,11 @@ def check_prompt_ids(model: ServedModel, ids: Sequence[int], param: str = "promp
         raise bad_request("The prompt is empty.", param, code="empty_prompt")
     if len(ids) >= model.context_length:
         raise context_error(model, len(ids), param)
+    check_vocab(model, ids, param)
+
+
+def check_vocab(model: ServedModel, ids: Sequence[int], param: str) -> None:
+    """Every id inside the model's vocabulary (a 400 naming the first that is not)."""
     for t in ids:
         if not 0 <= t < model.vocab_size:
             raise bad_request(
