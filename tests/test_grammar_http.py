@@ -147,10 +147,11 @@ def test_anthropic_any_with_pydantic_defs(url):
     msg = client.messages.create(
         model=MODEL, max_tokens=300, messages=[{"role": "user", "content": "Save Ada from Oslo."}],
         tools=[{"name": fn["name"], "description": fn["description"], "input_schema": fn["parameters"]}],
-        tool_choice={"type": "any"}, extra_body={"temperature": 1.0})
+        tool_choice={"type": "any"}, extra_body={"temperature": 0.0})  # greedy: Anthropic's
+    # API has no seed, and an unseeded sample can run past max_tokens inside a long string
     assert msg.stop_reason == "tool_use"
     uses = [b for b in msg.content if b.type == "tool_use"]
-    assert uses and {u.name for u in uses} == {"save_person"}  # sampled: maybe more than one call
+    assert uses and {u.name for u in uses} == {"save_person"}
     for u in uses:
         Person.model_validate(u.input)
 
