@@ -1,9 +1,13 @@
 """Model preparation for the benchmarks, and the `random-model` subcommand.
 
     python -m bench random-model OUT_DIR [--shape llama-3.2-1b] [--bits 4] [--context 32768]
+                                 [--vocab 128256]
 
 `random_model` writes a random-weight model directory of a known shape (for speed benchmarks
-on machines without hub access), with the bundled tinycoder tokenizer (vocabulary 8,192).
+on machines without hub access), with the bundled tinycoder tokenizer (vocabulary 8,192). With
+`--vocab N` above 8,192 the tokenizer gets N - 8,192 more entries (`<x8192>`, ...: plain
+byte-level strings no merge produces, so text still encodes with the bundled ids while the
+model's embedding, lm_head and sampling are the size of a real model's, e.g. Llama 3's 128,256).
 
 `float32_copy`: mlxd computes in float32 on a CPU (bfloat16 matmuls do not go through BLAS there). mlx_lm.server
 computes in the checkpoint's dtype (bfloat16 for tinycoder-16m), so preloading OpenBLAS alone
@@ -28,6 +32,12 @@ SHAPES = {
         model_type="llama", hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
         num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
         rope_theta=500000.0, tie_word_embeddings=True, max_position_embeddings=4096,
+    ),
+    # Llama-3-8B's dimensions (hidden 4096, 32 layers, 32/8 heads of 128, MLP 14336), untied head.
+    "llama-3-8b": dict(
+        model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        rope_theta=500000.0, tie_word_embeddings=False, max_position_embeddings=8192,
     ),
     "tiny": dict(
         model_type="llama", hidden_size=256, num_hidden_layers=4, intermediate_size=512,
@@ -68,8 +78,21 @@ def float32_copy(model_dir: str | Path, cache: Path = CACHE) -> Path:
     return dst
 
 
+BUNDLED_VOCAB = 8192
+
+
+def padded_tokenizer(src: Path, vocab: int) -> dict[str, Any]:
+    """The bundled tokenizer.json with entries up to `vocab` ids (see the module doc)."""
+    tok = json.loads((src / "tokenizer.json").read_text())
+    table = tok["model"]["vocab"]
+    for i in range(len(table), vocab):
+        table[f"<x{i}>"] = i
+    return dict(tok)
+
+
 def random_model(shape: str, out: Path, bits: int | None, group_size: int = 64,
-                 seed: int = 0, context: int | None = None) -> Path:
+                 seed: int = 0, context: int | None = None,
+                 vocab: int = BUNDLED_VOCAB) -> Path:
     """A random-weight model of a known shape in `out` (bf16, or affine-quantized to `bits`),
     with the bundled tokenizer."""
     import mlx.core as mx
@@ -80,7 +103,9 @@ def random_model(shape: str, out: Path, bits: int | None, group_size: int = 64,
     import engine  # noqa: F401  (BLAS before mlx)
     from mlxd import DEFAULT_MODEL_DIR
 
-    cfg = dict(SHAPES[shape], vocab_size=8192, architectures=["LlamaForCausalLM"],
+    if vocab < BUNDLED_VOCAB:
+        raise ValueError(f"--vocab must be at least the bundled tokenizer's {BUNDLED_VOCAB}")
+    cfg = dict(SHAPES[shape], vocab_size=vocab, architectures=["LlamaForCausalLM"],
                eos_token_id=[2, 0], bos_token_id=None)
     if context:
         cfg["max_position_embeddings"] = context
@@ -94,8 +119,10 @@ def random_model(shape: str, out: Path, bits: int | None, group_size: int = 64,
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    for name in ("tokenizer_config.json", "generation_config.json"):
         shutil.copy(DEFAULT_MODEL_DIR / name, out / name)
+    tok = padded_tokenizer(DEFAULT_MODEL_DIR, vocab)
+    (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
     return out
 
 
@@ -108,12 +135,15 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--context", type=int, default=None,
-                   help="max_position_embeddings (default: the shape's, 4096)")
+                   help="max_position_embeddings (default: the shape's)")
+    p.add_argument("--vocab", type=int, default=BUNDLED_VOCAB,
+                   help="vocabulary size (default: the bundled tokenizer's 8,192; "
+                        "Llama 3's is 128,256)")
     p.set_defaults(func=cmd_random_model)
 
 
 def cmd_random_model(args: argparse.Namespace) -> int:
     path = random_model(args.shape, args.out, args.bits or None, args.group_size, args.seed,
-                        args.context)
+                        args.context, args.vocab)
     print(f"wrote {path}")
     return 0

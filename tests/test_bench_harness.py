@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.__main__ import build_parser, main
+from mlxd import DEFAULT_MODEL_DIR
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -243,6 +244,22 @@ def test_random_model(tmp_path: Path):
     assert cfg["hidden_size"] == 256 and cfg["num_hidden_layers"] == 4
     lm = load_model(str(out), dtype="float32")
     assert lm.vocab_size == 8192 and len(lm.model.layers) == 4
+
+
+def test_random_model_large_vocabulary(tmp_path: Path):
+    """--vocab pads the tokenizer: the text's ids stay the bundled ones, every id decodes."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "wide-vocab"
+    assert main(["random-model", str(out), "--shape", "tiny", "--bits", "0",
+                 "--vocab", "9000"]) == 0
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 9000
+    tok = AutoTokenizer.from_pretrained(str(out))
+    bundled = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
+    assert len(tok) == 9000
+    text = "def add(a, b):\n    return a + b\n"
+    assert tok.encode(text) == bundled.encode(text)
+    assert tok.decode([8191 + 1, 8999]) == "<x8192><x8999>"
 
 
 def test_trellis_quality_toy(tmp_path: Path):
