@@ -3,6 +3,7 @@
     sweep        start mlxd and the servers users would pick instead, same load, level by level
     agent        multi-turn agent sessions (tools, growing prompts) against mlxd and its peers
     prefill      prefill tok/s of one long prompt, servers against raw mlx-lm
+    coldstart    TTFT of the first requests on a freshly started server (kernel compilation)
     load         drive a server that is already running
     spec         the engine with and without speculative decoding, same prompts
     kv           KV cache memory per row and prefix-cache TTFT (memory); quantized-KV quality
@@ -26,6 +27,7 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     from bench import (
         agent,
+        coldstart,
         constrained,
         kv,
         modelprep,
@@ -40,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
-    for module in (sweep, agent, spec, kv, constrained, trellis, plot, modelprep, widetwin, models):
+    for module in (sweep, agent, coldstart, spec, kv, constrained, trellis, plot, modelprep,
+                   widetwin, models):
         module.add_parsers(sub)
     return parser
 

@@ -21,6 +21,7 @@ PLOTTERS = {
     "sweep": "bench.plot:plot_sweep",
     "agent": "bench.agent:plot_agent",
     "prefill": "bench.agent:plot_prefill",
+    "coldstart": "bench.coldstart:plot",
     "spec": "bench.spec:plot",
     "kv-memory": "bench.kv_memory:plot",
     "kv-quality": "bench.kv_quality:plot",

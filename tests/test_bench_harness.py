@@ -284,3 +284,22 @@ def test_trellis_quality_toy(tmp_path: Path):
     assert 2.0 < rows["trellis 2-bit L=8 plain"]["bits_per_weight"] < 2.2
     assert all(r["perplexity"] > 1.0 for r in rows.values())
     _png(out / "trellis_quality.png")
+
+
+def test_coldstart_toy(tmp_path: Path):
+    """The cold-start bench against mlxd alone: every phase answered, its JSON and PNG written."""
+    from bench.coldstart import PHASES, burst_lengths
+
+    assert burst_lengths(64, 3) == [16, 40, 64]
+    out = tmp_path / "cs"
+    assert main(["coldstart", "--prompt-tokens", "64", "--burst", "2", "--output-tokens", "4",
+                 "--mlxd-args=--no-warmup", "--out", str(out)]) == 0
+    result = _result(out / "coldstart.json", "coldstart")
+    entry = result["servers"]["mlxd"]
+    assert entry["startup_s"] > 0
+    for phase in PHASES:
+        recs = entry["phases"][phase]["requests"]
+        assert len(recs) == (2 if "burst" in phase else 1)
+        assert all(r["ok"] and r["ttft_s"] > 0 for r in recs)
+    assert [r["prompt_tokens"] for r in entry["phases"]["warm_burst"]["requests"]] == [16, 64]
+    _png(out / "coldstart.png")
