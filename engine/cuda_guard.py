@@ -110,3 +110,91 @@ def install(model: nn.Module | None = None, force: bool = False) -> int:
         return 0
     classes = {type(m) for _, m in model.named_modules()}
     return swap_classes(model, {cls: guarded_class(cls) for cls in classes if is_rope_module(cls)})
+
+
+# -- few-query attention -----------------------------------------------------------------------
+# A second MLX-CUDA failure: with cuDNN attention on (MLX's default), a speculative run aborts the
+# process in `std::terminate` ("cudaStreamEndCapture ... operation failed due to a previous error
+# during capture"): on the H200, `bench spec` with forced n-gram verify steps of 5 queries died
+# within seconds, every time, while plain decoding, long prefills and synthetic cuDNN calls of the
+# same shapes outside the engine ran. The verify forwards (2..16 queries a row) are what a plain
+# run does not have. They gain nothing from cuDNN (plain-op attention measured 0.85-1.11x of it
+# there), while prefill gains a lot (flash attention never materialises the chunk x context
+# scores: with plain ops an 8k-token prompt ran out of the H200's memory). So cuDNN stays on and
+# few-query calls of the model's attention take plain ops: `install_attention(model)` points the
+# `scaled_dot_product_attention` of the model's mlx-lm modules at `few_query_sdpa`, which sends
+# 2..`FEW_QUERIES` queries through `plain_attention` (what MLX's own fallback computes) and
+# everything else to mlx-lm's function unchanged.
+
+FEW_QUERIES = 16  # query lengths 2..16 (verify widths, short last chunks) take plain ops
+
+
+def _mask_5d(mask: mx.array, heads: int, kv_heads: int) -> mx.array:
+    """A mask of `[L, K]`, `[B, 1|H, L, K]` as `[B|1, kv_heads, 1|rep, L, K]`."""
+    if mask.ndim == 2:
+        return mask[None, None, None]
+    if mask.shape[1] == heads and heads != 1:
+        return mask.reshape(mask.shape[0], kv_heads, heads // kv_heads, *mask.shape[2:])
+    return mask[:, :, None]
+
+
+def plain_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
+                    mask: mx.array | str | None) -> mx.array:
+    """softmax(q k^T * scale + mask) v with grouped-query heads, in plain MLX ops: `q`
+    `[B, H, L, D]`, `k`/`v` `[B, Hkv, K, D]`; `mask` None, "causal" (the last L of K positions)
+    or an array, boolean (True = attend) or additive, broadcastable to `[B, H, L, K]`."""
+    B, H, L, D = q.shape
+    Hkv, K = k.shape[1], k.shape[2]
+    rep = H // Hkv
+    q5 = (q * scale).reshape(B, Hkv, rep, L, D)
+    scores = q5 @ k[:, :, None].swapaxes(-1, -2)  # [B, Hkv, rep, L, K]
+    if isinstance(mask, str):
+        rows = mx.arange(K - L, K)[:, None]
+        mask = rows >= mx.arange(K)[None]
+    if mask is not None:
+        m = _mask_5d(mask, H, Hkv)
+        if m.dtype == mx.bool_:
+            scores = mx.where(m, scores, mx.array(-mx.inf, scores.dtype))
+        else:
+            scores = scores + m.astype(scores.dtype)
+    probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)
+    return (probs @ v[:, :, None]).reshape(B, H, L, v.shape[-1])
+
+
+def few_query_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    """mlx-lm's `scaled_dot_product_attention` with 2..`FEW_QUERIES` queries on plain ops."""
+    if getattr(original, "_mlxd_few_query", False):
+        return original
+
+    def sdpa(queries: mx.array, keys: Any, values: Any, cache: Any, scale: float,
+             mask: Any, sinks: Any = None) -> mx.array:
+        if (sinks is None and not hasattr(cache, "bits") and isinstance(keys, mx.array)
+                and 2 <= queries.shape[2] <= FEW_QUERIES):
+            return plain_attention(queries, keys, values, scale, mask)
+        return original(queries, keys, values, cache, scale, mask, sinks)
+
+    sdpa._mlxd_few_query = True  # type: ignore[attr-defined]
+    return sdpa
+
+
+def install_attention(model: nn.Module | None = None, force: bool = False) -> int:
+    """Point the `scaled_dot_product_attention` of every mlx-lm module that defines one of
+    `model`'s layers at `few_query_sdpa` (MLX-CUDA only, or `force`); returns how many modules
+    changed. Idempotent."""
+    import sys
+
+    from mlx_lm.models import base
+
+    if model is None or not (force or applies()):
+        return 0
+    names = {type(m).__module__ for _, m in model.named_modules()}
+    count = 0
+    for name in sorted(names):
+        module = sys.modules.get(name)
+        fn = getattr(module, "scaled_dot_product_attention", None)
+        if module is None or fn is None or getattr(fn, "_mlxd_few_query", False):
+            continue
+        if fn is base.scaled_dot_product_attention:
+            module.scaled_dot_product_attention = few_query_sdpa(fn)  # type: ignore[attr-defined]
+            count += 1
+    return count

@@ -114,6 +114,7 @@ def load_model(
         net.set_dtype(want)
     fewrow.install(net)  # CUDA only: 3..16-row matmuls as one gathered gemv, engine/fewrow.py
     cuda_guard.install(net)  # CUDA only: RoPE modules that slice inputs MLX-CUDA cannot launch
+    cuda_guard.install_attention(net)  # CUDA only: 2..16-query attention (verify) on plain ops
     served = lora.load(net, adapters)  # after the dtype and the swaps: wraps the final classes
     wrapper = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     hf_tok = wrapper._tokenizer

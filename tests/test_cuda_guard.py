@@ -27,6 +27,21 @@ SCALINGS = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _restore_attention():
+    """Tests that force the guards on (or load a model with them forced) patch mlx-lm's model
+    modules for the process: give every patched module mlx-lm's own function back afterwards."""
+    import sys
+
+    yield
+    from mlx_lm.models import base
+
+    for name, mod in list(sys.modules.items()):
+        fn = getattr(mod, "scaled_dot_product_attention", None)
+        if name.startswith("mlx_lm.models.") and getattr(fn, "_mlxd_few_query", False):
+            mod.scaled_dot_product_attention = base.scaled_dot_product_attention
+
+
 def _rope(scaling: dict | None, dims: int = 16, traditional: bool = False) -> nn.Module:
     return initialize_rope(dims, 10000.0, traditional, scaling, max_position_embeddings=256)
 
@@ -155,3 +170,163 @@ def test_cuda_rope_many_rows_evaluates():
     with mx.stream(mx.cpu):
         want = nn.RoPE(16)(x, offset=off)
     assert float(mx.abs(got - want).max()) < 1e-4
+
+
+# -- few-query attention -----------------------------------------------------------------------
+
+ATTENTION_CASES = [  # (B, H, Hkv, L, K, D)
+    (1, 4, 4, 2, 9, 16), (3, 8, 2, 5, 40, 32), (2, 6, 2, 16, 300, 64), (4, 4, 1, 3, 3, 16),
+]
+
+
+def _qkv(B, H, Hkv, L, K, D, seed=0):
+    rng = np.random.default_rng(seed)
+    q, k, v = (mx.array(rng.normal(size=s).astype(np.float32))
+               for s in ((B, H, L, D), (B, Hkv, K, D), (B, Hkv, K, D)))
+    return q, k, v
+
+
+def _masks(B, H, L, K):
+    rng = np.random.default_rng(7)
+    causal = mx.arange(K - L, K)[:, None] >= mx.arange(K)[None]
+    rows = mx.array(rng.random((B, 1, L, K)) < 0.8) & causal
+    rows = rows | (mx.arange(K)[None, None, None] == 0)  # every query sees one key at least
+    heads = mx.broadcast_to(rows, (B, H, L, K))
+    additive = mx.where(rows, 0.0, -1e9).astype(mx.float32)
+    return {"none": None, "causal": "causal", "LK": causal, "rows": rows, "heads": heads,
+            "additive": additive}
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_plain_attention_equals_mlx_attention(case):
+    """Every mask form mlx-lm and the engine's layouts pass, grouped-query heads, float32."""
+    B, H, Hkv, L, K, D = case
+    q, k, v = _qkv(*case)
+    for name, mask in _masks(B, H, L, K).items():
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5, mask=mask)
+        got = cuda_guard.plain_attention(q, k, v, D ** -0.5, mask)
+        assert got.shape == want.shape
+        assert float(mx.abs(got - want).max()) < 1e-5, name
+
+
+def test_few_query_attention_routes_by_query_length(monkeypatch):
+    """2..16 queries go to plain ops; one query, a prefill chunk, a quantized cache and
+    attention sinks go to mlx-lm's function unchanged."""
+    calls: list[str] = []
+
+    def original(q, k, v, cache, scale, mask, sinks=None):
+        calls.append("mlx")
+        return q
+
+    monkeypatch.setattr(cuda_guard, "plain_attention",
+                        lambda q, k, v, scale, mask: calls.append("plain") or q)
+    sdpa = cuda_guard.few_query_sdpa(original)
+    assert cuda_guard.few_query_sdpa(sdpa) is sdpa
+    k = mx.zeros((1, 2, 8, 16))
+
+    class Quantized:
+        bits = 8
+
+    for L, cache, sinks in [(1, None, None), (2, None, None), (16, None, None), (17, None, None),
+                            (4, Quantized(), None), (4, None, mx.zeros((4,)))]:
+        calls.clear()
+        sdpa(mx.zeros((1, 4, L, 16)), k, k, cache, 0.25, None, sinks)
+        want = "plain" if 2 <= L <= 16 and cache is None and sinks is None else "mlx"
+        assert calls == [want], (L, cache, sinks)
+
+
+def test_install_attention_patches_the_model_module_and_stays_exact(monkeypatch):
+    """Forced on (as on CUDA), a tiny llama's verify-shaped forward (4 queries a row after a
+    right-padded 24-column prefill on the engine's layouts) takes plain ops and gives mlx-lm's logits."""
+    import mlx_lm.models.llama as llama_module
+    from mlx_lm.models import base
+
+    from engine.kv import batch as kvb
+    from engine.models import make_batch_layouts
+    from tests.tiny_models import tiny_model
+
+    monkeypatch.setattr(llama_module, "scaled_dot_product_attention",
+                        base.scaled_dot_product_attention)
+    model, _ = tiny_model("llama")
+    B = 3
+    rng = np.random.default_rng(4)
+    prompt = mx.array(rng.integers(1, 200, (B, 24)), dtype=mx.int32)
+    verify = mx.array(rng.integers(1, 200, (B, 4)), dtype=mx.int32)
+
+    def run():
+        layouts = make_batch_layouts(model, B)
+        kvb.prepare(layouts, lengths=[24, 17, 20])
+        model(prompt, cache=layouts)
+        kvb.finalize(layouts)
+        return model(verify, cache=layouts)
+
+    want = run()
+    seen: list[int] = []
+    plain = cuda_guard.plain_attention
+    monkeypatch.setattr(cuda_guard, "plain_attention",
+                        lambda q, *a: seen.append(q.shape[2]) or plain(q, *a))
+    assert cuda_guard.install_attention(model, force=True) == 1
+    assert cuda_guard.install_attention(model, force=True) == 0  # idempotent
+    got = run()
+    assert seen and set(seen) == {4}  # the verify forward only; the 24-token prefill did not
+    assert float(mx.abs(got - want).max()) < 1e-4
+
+
+def test_loader_leaves_attention_alone_off_cuda():
+    """On a CPU the loader patches nothing: mlx-lm's function stays in place."""
+    import mlx_lm.models.llama as llama_module
+    from mlx_lm.models import base
+
+    from engine.loader import load_model
+
+    load_model(str(DEFAULT_MODEL_DIR))
+    if not cuda_guard.applies():
+        assert llama_module.scaled_dot_product_attention is base.scaled_dot_product_attention
+
+
+SPEC_BF16_SCRIPT = r"""
+import sys
+from engine.api import SamplingParams
+from engine.core import Engine, EngineConfig
+from engine.loader import load_model
+from engine.scheduler import SchedulerConfig
+from engine.spec import SpecConfig
+from tests.tiny_models import greedy, submit
+
+lm = load_model(sys.argv[1], dtype="bfloat16")
+lm.eos_token_ids = ()
+tok = lm.tokenizer
+texts = ["def add(a, b):\n    return a + b\n\n" * 6, "class Stack:\n    def push(self, x):",
+         "import os\n\ndef walk(root):", "x = [1, 2, 3]\n" * 20]
+spec = SpecConfig("ngram", num_draft_tokens=4, adaptive=False)
+eng = Engine(lm, EngineConfig(SchedulerConfig(prefill_chunk=512), spec=spec))
+eng.start()
+try:
+    reqs = [greedy(f"r{i}", tok.encode(t), 160) for i, t in enumerate(texts)]
+    reqs.append(greedy("long", tok.encode("def f(x):\n    return x\n" * 200)[:3000], 32))
+    outs = [submit(eng, r) for r in reqs]
+    for r, o in zip(reqs, outs):
+        assert o.done.wait(300), r.req_id
+        assert len(o.tokens) == r.params.max_tokens, (r.req_id, len(o.tokens))
+    assert eng.stats().spec.spec_steps > 20, eng.stats().spec
+finally:
+    eng.stop()
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+def test_cuda_speculative_bf16_with_cudnn_attention_runs():
+    """The abort: a bf16 model with cuDNN attention on (MLX's default), verify steps of 5
+    queries every step, four rows and a 3,000-token prefill, in a child process (an abort fails
+    the test instead of killing the run)."""
+    import os
+    import subprocess
+    import sys
+
+    if not cuda_guard.applies():
+        pytest.skip("MLX-CUDA only")
+    env = dict(os.environ, MLX_CUDA_USE_CUDNN_SDPA="1")
+    out = subprocess.run([sys.executable, "-c", SPEC_BF16_SCRIPT, str(DEFAULT_MODEL_DIR)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
