@@ -29,6 +29,12 @@ SHAPES = {
         num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
         rope_theta=500000.0, tie_word_embeddings=True, max_position_embeddings=4096,
     ),
+    # Llama-3-8B's dimensions (hidden 4096, 32 layers, 32/8 heads, MLP 14336), our vocabulary.
+    "llama-3-8b": dict(
+        model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        rope_theta=500000.0, tie_word_embeddings=False, max_position_embeddings=8192,
+    ),
     "tiny": dict(
         model_type="llama", hidden_size=256, num_hidden_layers=4, intermediate_size=512,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,

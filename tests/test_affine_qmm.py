@@ -290,3 +290,18 @@ def test_cuda_linear_and_fusion_match_mlx():
     got = model(tokens).astype(mx.float32)
     linear.uninstall(model)
     assert float(mx.abs(got - want).max()) <= 0.05 * float(mx.abs(want).max())
+
+
+@pytest.mark.gpu
+def test_cuda_kernel_reads_x_views_at_any_offset():
+    """x a view 3 elements into a buffer (not 8- or 16-byte aligned): the vector loads step aside."""
+    _needs_cuda()
+    wq, scales, biases = _quantized(72, 256, 4, 64, mx.bfloat16)
+    for dtype in (mx.bfloat16, mx.float32):
+        s, b = scales.astype(dtype), biases.astype(dtype)
+        for rows in (1, 12):
+            buf = mx.random.normal((rows * 256 + 3,)).astype(dtype)
+            x = buf[3:].reshape(rows, 256)
+            got = qmm.affine_qmm(x, wq, s, b, bits=4, group=64).astype(mx.float32)
+            want = qmm.twin(x.astype(mx.float32), wq, s.astype(mx.float32), b.astype(mx.float32), bits=4, group=64)
+            assert float(mx.abs(got - want).max()) <= _TOL[dtype] * float(mx.abs(want).max())

@@ -9,7 +9,13 @@ See docs/kernels.md. Public entry points:
 
 from __future__ import annotations
 
-from .linear import FewRowQuantizedEmbedding, FewRowQuantizedLinear, fuse_siblings, install, uninstall
+from .linear import (
+    FewRowQuantizedEmbedding,
+    FewRowQuantizedLinear,
+    fuse_siblings,
+    install,
+    uninstall,
+)
 from .qmm import MAX_ROWS, LaunchConfig, affine_qmm, pick_config, quantized_matmul, takes, twin
 
 __all__ = [

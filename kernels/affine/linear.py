@@ -25,10 +25,21 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.modswap import swap_classes
 from kernels.common import gpu_backend
 
 from . import qmm
+
+
+def swap_classes(model: Any, mapping: dict[type, type]) -> int:
+    """Give every module whose exact type is a key of `mapping` the mapped class (in place, as
+    engine/modswap.py does; kernels/ does not import the engine); returns how many."""
+    count = 0
+    for _, module in model.named_modules():
+        new = mapping.get(type(module))
+        if new is not None:
+            module.__class__ = new
+            count += 1
+    return count
 
 
 def enabled() -> bool:
@@ -165,8 +176,9 @@ def fuse_siblings(model: Any) -> int:
     count = 0
     for _, module in model.named_modules():
         for names in SIBLINGS:
-            members = [getattr(module, n, None) for n in names]
-            if all(m is not None for m in members) and _fusable(members):
+            found = [getattr(module, n, None) for n in names]
+            members = [m for m in found if m is not None]
+            if len(members) == len(names) and _fusable(members):
                 group = FusedGroup(members)
                 for m in members:
                     # in the instance __dict__, not the Module's items: not a parameter or child

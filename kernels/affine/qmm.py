@@ -61,9 +61,9 @@ def candidates(dtype: mx.Dtype, rows: int) -> list[LaunchConfig]:
     """The layouts a sweep tries for this activation dtype and row count."""
     if dtype == mx.float32:
         return [FLOAT32]
-    out = [LaunchConfig("mma", t, w, u) for t in (1, 2, 4) for w in (1, 2, 4, 8) for u in (1, 2)]
+    out = [LaunchConfig("mma", t, w, u) for t in (1, 2, 4) for w in (2, 4, 8) for u in (1, 2)]
     if rows <= 2:  # the float32 body: at one or two rows the tensor cores are mostly idle padding
-        out += [LaunchConfig("simt", r, w, u) for r in (1, 2, 4) for w in (1, 4) for u in (1, 2)]
+        out += [LaunchConfig("simt", r, w, 2) for r, w in ((1, 4), (2, 4), (4, 2), (2, 8))]
     return out
 
 

@@ -76,6 +76,29 @@ QMM_FN void qmm_load16(const H* p, float* v, int n) {
 QMM_FN void qmm_load(const __nv_bfloat16* p, float* v, int n) { qmm_load16(p, v, n); }
 QMM_FN void qmm_load(const __half* p, float* v, int n) { qmm_load16(p, v, n); }
 
+QMM_FN uint4 qmm_zero4() {
+    uint4 z;
+    z.x = 0u; z.y = 0u; z.z = 0u; z.w = 0u;
+    return z;
+}
+
+// four 16-bit activations as two mma registers (low element first); 8-byte loads when aligned
+template <class H>
+QMM_FN void qmm_pairs16(const H* p, u32& lo, u32& hi) {
+    if ((reinterpret_cast<unsigned long long>(p) & 7ull) == 0ull) {
+        const uint2 q = *reinterpret_cast<const uint2*>(p);
+        lo = q.x;
+        hi = q.y;
+    } else {
+        const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
+        lo = (u32)h[0] | ((u32)h[1] << 16);
+        hi = (u32)h[2] | ((u32)h[3] << 16);
+    }
+}
+QMM_FN void qmm_pairs(const __nv_bfloat16* p, u32& lo, u32& hi) { qmm_pairs16(p, lo, hi); }
+QMM_FN void qmm_pairs(const __half* p, u32& lo, u32& hi) { qmm_pairs16(p, lo, hi); }
+QMM_FN void qmm_pairs(const float*, u32& lo, u32& hi) { lo = 0u; hi = 0u; }  // never runs
+
 QMM_FN u32 qmm_word(const uint4& v, int i) { return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w)); }
 
 // two floats as the activation dtype, packed low element first (an mma operand register)
@@ -134,7 +157,7 @@ SIMT = r"""
                 const int row = row0 + r;
                 const bool on = wi < KW && row < N;
                 const size_t off = (size_t)row * KW + (size_t)wi;
-                wv[u][r] = on ? *reinterpret_cast<const uint4*>(w + off) : make_uint4(0u, 0u, 0u, 0u);
+                wv[u][r] = on ? *reinterpret_cast<const uint4*>(w + off) : qmm_zero4();
                 const size_t gi = (size_t)row * KG + (size_t)(wi * EPW / G);
                 sc[u][r] = on ? (float)scales[gi] : 0.0f;
                 bi[u][r] = on ? (float)biases[gi] : 0.0f;
@@ -237,7 +260,7 @@ MMA = r"""
                 const int row = n0 + 8 * j + g;
                 const bool on = kb < K && row < N;
                 wv[u][j] = on ? *reinterpret_cast<const uint4*>(w + (size_t)row * KW + kb / EPW)
-                              : make_uint4(0u, 0u, 0u, 0u);
+                              : qmm_zero4();
                 const size_t gi = (size_t)row * KG + (size_t)(kb / G);
                 sc[u][j] = on ? (float)scales[gi] : 0.0f;
                 bi[u][j] = on ? (float)biases[gi] : 0.0f;
@@ -253,14 +276,10 @@ MMA = r"""
                     // A: rows g and g + 8 of x at columns kb + 4s .. kb + 4s + 3 (8 bytes each)
                     u32 a0 = 0u, a1 = 0u, a2 = 0u, a3 = 0u;
                     if (kon && g < M) {
-                        const uint2 p = *reinterpret_cast<const uint2*>(x + (size_t)g * K + kb + 4 * s);
-                        a0 = p.x;
-                        a2 = p.y;
+                        qmm_pairs(x + (size_t)g * K + kb + 4 * s, a0, a2);
                     }
                     if (M > 8 && kon && g + 8 < M) {
-                        const uint2 p = *reinterpret_cast<const uint2*>(x + (size_t)(g + 8) * K + kb + 4 * s);
-                        a1 = p.x;
-                        a3 = p.y;
+                        qmm_pairs(x + (size_t)(g + 8) * K + kb + 4 * s, a1, a3);
                     }
                     QMM_UNROLL
                     for (int j = 0; j < NT; ++j) {
