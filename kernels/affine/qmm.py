@@ -118,14 +118,15 @@ def launch_dims(config: LaunchConfig, n: int) -> tuple[tuple[int, int, int], tup
 
 @lru_cache(maxsize=8)
 def _kernel(body: str) -> Any:
-    text = src.BODIES[body]
-    name = f"affine_qmm_{body}_" + hashlib.sha1((text + src.HEADER).encode()).hexdigest()[:12]
+    text, header = src.compact(src.BODIES[body]), src.compact(src.HEADERS[body])
+    # the name carries a hash of the text: MLX caches compiled kernels by name (in memory)
+    name = f"affine_qmm_{body}_" + hashlib.sha1((text + header).encode()).hexdigest()[:12]
     return mx.fast.cuda_kernel(
         name=name,
         input_names=list(src.INPUT_NAMES),
         output_names=list(src.OUTPUT_NAMES),
         source=text,
-        header=src.HEADER,
+        header=header,
     )
 
 

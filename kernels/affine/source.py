@@ -27,16 +27,16 @@ kernels do before their matmuls). C slots: (row g, cols 2t, 2t+1) and (row g + 8
 The wrapper MLX builds around a body (mlx/backend/cuda/custom_kernel.cpp): ``__global__ void
 name(const uint32_t* w, const T* scales, const T* biases, const T* x, T* y)`` after its own
 header (mlx/backend/cuda/device/utils.cuh: cuda_bf16.h, cuda_fp16.h), with the template arguments
-as ``constexpr int`` / ``using T = ...`` lines at the top of the body. ``harness_source`` writes
-the same translation unit for compiling a body with nvcc outside MLX.
+as ``constexpr int`` / ``using T = ...`` lines at the top of the body. Each body has its own
+header (HEADERS) and both are sent ``compact``: a custom-kernel call's cost grows with its text.
+``harness_source`` writes the same translation unit for compiling a body with nvcc outside MLX.
 """
 
 from __future__ import annotations
 
 from kernels.common import warp_reduce_source
 
-HEADER = (
-    r"""
+COMMON = r"""
 typedef unsigned int u32;
 #define QMM_FN __device__ __forceinline__
 #define QMM_UNROLL _Pragma("unroll")
@@ -44,6 +44,16 @@ typedef unsigned int u32;
 // q (an integer below 2^23) as float: its bits below the exponent of 2^23, minus 2^23 (exact)
 QMM_FN float qmm_q(u32 q) { return __uint_as_float(0x4B000000u | q) - 8388608.0f; }
 
+QMM_FN uint4 qmm_zero4() {
+    uint4 z;
+    z.x = 0u; z.y = 0u; z.z = 0u; z.w = 0u;
+    return z;
+}
+
+QMM_FN u32 qmm_word(const uint4& v, int i) { return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w)); }
+"""
+
+SIMT_HELPERS = r"""
 QMM_FN bool qmm_aligned16(const void* p) { return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull; }
 
 // four or eight activations as float (16-byte loads when aligned: x may be a view at any offset)
@@ -76,12 +86,9 @@ QMM_FN void qmm_load16(const H* p, float* v, int n) {
 QMM_FN void qmm_load(const __nv_bfloat16* p, float* v, int n) { qmm_load16(p, v, n); }
 QMM_FN void qmm_load(const __half* p, float* v, int n) { qmm_load16(p, v, n); }
 
-QMM_FN uint4 qmm_zero4() {
-    uint4 z;
-    z.x = 0u; z.y = 0u; z.z = 0u; z.w = 0u;
-    return z;
-}
+"""
 
+MMA_HELPERS = r"""
 // four 16-bit activations as two mma registers (low element first); 8-byte loads when aligned
 template <class H>
 QMM_FN void qmm_pairs16(const H* p, u32& lo, u32& hi) {
@@ -99,7 +106,6 @@ QMM_FN void qmm_pairs(const __nv_bfloat16* p, u32& lo, u32& hi) { qmm_pairs16(p,
 QMM_FN void qmm_pairs(const __half* p, u32& lo, u32& hi) { qmm_pairs16(p, lo, hi); }
 QMM_FN void qmm_pairs(const float*, u32& lo, u32& hi) { lo = 0u; hi = 0u; }  // never runs
 
-QMM_FN u32 qmm_word(const uint4& v, int i) { return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w)); }
 
 // two floats as the activation dtype, packed low element first (an mma operand register)
 QMM_FN u32 qmm_pack(float lo, float hi, const __nv_bfloat16*) {
@@ -126,8 +132,12 @@ QMM_FN void qmm_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, co
 }
 QMM_FN void qmm_mma(float*, u32, u32, u32, u32, u32, u32, const float*) {}
 """
-    + warp_reduce_source("qmm_lane_reduce", "QMM_FN", "QMM_UNROLL", "__shfl_xor_sync(0xffffffffu, {v}, o)")
-)
+
+HEADERS = {
+    "simt": COMMON + SIMT_HELPERS
+    + warp_reduce_source("qmm_lane_reduce", "QMM_FN", "QMM_UNROLL", "__shfl_xor_sync(0xffffffffu, {v}, o)"),
+    "mma": COMMON + MMA_HELPERS,
+}
 
 # Template constants: T, M, G, BITS, RPW, WPB, U, NV (= M * RPW), NP (NV rounded up to a
 # power of two, at most 32).
@@ -330,6 +340,17 @@ MMA = r"""
 
 BODIES = {"simt": SIMT, "mma": MMA}
 
+
+def compact(text: str) -> str:
+    """The text without comment lines, trailing comments, indentation or blank lines: MLX
+    rebuilds and carries the whole source on every call, and a call's cost grows with it."""
+    out = []
+    for line in text.splitlines():
+        code = line.split("//", 1)[0].strip() if "//" in line and '"' not in line.split("//", 1)[0] else line.strip()
+        if code:
+            out.append(code)
+    return "\n".join(out) + "\n"
+
 INPUT_NAMES = ("w", "scales", "biases", "x")
 OUTPUT_NAMES = ("y",)
 
@@ -346,18 +367,18 @@ MLX_PRELUDE = '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperati
 
 def harness_source(body: str, consts: dict[str, int], dtype: str, name: str = "affine_qmm", mlx_header: bool = False) -> str:
     """The translation unit MLX's cuda_kernel builds around `body` (its wrapper, written out):
-    MLX's device header (or MINIMAL_PRELUDE), HEADER, then the kernel with the template constants
+    MLX's device header (or MINIMAL_PRELUDE), the body's header, then the kernel with the template constants
     as its first lines. For compiling with nvcc outside MLX (`-I` a checkout of MLX's source for
     its header)."""
     cu = _CUDA_TYPES[dtype]
     lines = "".join(f"  constexpr int {k} = {v};\n" for k, v in consts.items())
     return (
         (MLX_PRELUDE if mlx_header else MINIMAL_PRELUDE)
-        + HEADER
+        + compact(HEADERS[body])
         + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
         + f"__global__ void {name}(const uint32_t* w, const __grid_constant__ Shape w_shape, const {cu}* scales, const {cu}* biases, const {cu}* x, {cu}* y) {{\n"
         + f"  using T = {cu};\n"
         + lines
-        + BODIES[body]
+        + compact(BODIES[body])
         + "\n}\n} // namespace mlx::core::cu\n"
     )
