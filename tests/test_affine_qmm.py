@@ -51,10 +51,11 @@ def test_mma_fragment_layout_computes_x_times_w_transposed(bits, k, rows):
 
 def test_launch_constants_and_dims():
     cfg = qmm.LaunchConfig("simt", 4, 2, 1)
-    assert qmm.constants(cfg, 3, 4, 64) == {"M": 3, "G": 64, "BITS": 4, "WPB": 2, "U": 1, "RPW": 4, "NV": 12, "NP": 16}
+    assert qmm.constants(cfg, 3, 4) == {"M": 3, "BITS": 4, "WPB": 2, "U": 1, "RPW": 4, "NV": 12, "NP": 16}
     assert qmm.launch_dims(cfg, 10) == ((3 * 64, 1, 1), (64, 1, 1))
     mma = qmm.LaunchConfig("mma", 2, 4, 2)
-    assert qmm.constants(mma, 16, 8, 32)["NT"] == 2
+    assert qmm.constants(mma, 16, 8) == {"BITS": 8, "WPB": 4, "U": 2, "M16": 1, "NT": 2}
+    assert qmm.constants(mma, 8, 4)["M16"] == 0
     assert qmm.launch_dims(mma, 17) == ((2 * 128, 1, 1), (128, 1, 1))
     assert qmm.LaunchConfig.parse(mma.key()) == mma
 
@@ -208,7 +209,7 @@ _NVCC = shutil.which("nvcc") or ("/usr/local/cuda-13.0/bin/nvcc" if shutil.os.pa
 def test_cuda_source_compiles_for_sm90_without_spills(tmp_path, body, dtype, rows, bits, group, cfg):
     """The translation unit MLX builds (its wrapper written out, MLX's header replaced by the
     CUDA headers it includes), built by nvcc for sm_90: no errors, no register spills."""
-    text = src.harness_source(body, qmm.constants(cfg, rows, bits, group), dtype)
+    text = src.harness_source(body, qmm.constants(cfg, rows, bits), dtype)
     cu = tmp_path / "k.cu"
     cu.write_text(text)
     proc = subprocess.run(

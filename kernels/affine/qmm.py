@@ -98,14 +98,15 @@ def _pow2(n: int) -> int:
     return 1 << (max(1, n) - 1).bit_length()
 
 
-def constants(config: LaunchConfig, rows: int, bits: int, group: int) -> dict[str, int]:
-    """The body's template constants (besides T) for one call."""
-    consts = {"M": rows, "G": group, "BITS": bits, "WPB": config.wpb, "U": config.unroll}
+def constants(config: LaunchConfig, rows: int, bits: int) -> dict[str, int]:
+    """The body's template constants (besides T) for one call. Shapes and the group are read at
+    run time; the mma body compiles once for 1..8 rows and once for 9..16."""
+    consts = {"BITS": bits, "WPB": config.wpb, "U": config.unroll}
     if config.body == "mma":
-        consts["NT"] = config.tile
+        consts.update(M16=int(rows > 8), NT=config.tile)
     else:
         nv = rows * config.tile
-        consts.update(RPW=config.tile, NV=nv, NP=min(32, _pow2(nv)))
+        consts.update(M=rows, RPW=config.tile, NV=nv, NP=min(32, _pow2(nv)))
     return consts
 
 
@@ -174,7 +175,7 @@ def affine_qmm(
             raise ValueError("the mma body takes 16-bit activations only")
         grid, threadgroup = launch_dims(cfg, n)
         args = {
-            "template": [("T", x.dtype), *constants(cfg, rows, bits, group).items()],
+            "template": [("T", x.dtype), *constants(cfg, rows, bits).items()],
             "grid": grid,
             "threadgroup": threadgroup,
             "output_shapes": [(*x.shape[:-1], n)],

@@ -139,14 +139,16 @@ HEADERS = {
     "mma": COMMON + MMA_HELPERS,
 }
 
-# Template constants: T, M, G, BITS, RPW, WPB, U, NV (= M * RPW), NP (NV rounded up to a
-# power of two, at most 32).
+# Template constants: T, M, BITS, RPW, WPB, U, NV (= M * RPW), NP (NV rounded up to a power of
+# two, at most 32). N, K and the group come from the shapes of w and scales at run time (MLX passes
+# w_shape and scales_shape because the body names them): one compiled kernel serves every shape.
 SIMT = r"""
     constexpr int EPW = 32 / BITS;            // elements a word
     const int N = w_shape[0];
     const int KW = w_shape[1];                // words a row
     const int K = KW * EPW;
-    const int KG = K / G;                     // groups a row
+    const int KG = scales_shape[1];           // groups a row
+    const int G = K / KG;
     const int ITERS = (KW + 127) / 128;       // a warp's uint4 loads cover 128 words a row
     constexpr u32 MASK = (1u << BITS) - 1u;
     const u32 lane = threadIdx.x & 31u;
@@ -235,8 +237,8 @@ SIMT = r"""
     }
 """
 
-# Template constants: T, M, G, BITS, NT, WPB, U. N and K come from w's shape at run time
-# (w_shape: MLX passes it because the body names it), so one compiled kernel serves every shape.
+# Template constants: T, BITS, M16 (1: more than 8 rows, the mma's rows 8..15 are loaded), NT,
+# WPB, U. N, K, the group and the row count M come from the shapes of w, scales and x at run time.
 MMA = r"""
     constexpr int EPW = 32 / BITS;            // elements a word
     constexpr int EPL = 4 * EPW;              // columns of one lane's uint4
@@ -244,8 +246,11 @@ MMA = r"""
     const int N = w_shape[0];
     const int KW = w_shape[1];
     const int K = KW * EPW;
-    const int KG = K / G;
+    const int KG = scales_shape[1];
+    const int G = K / KG;
     const int ITERS = (K + KSTEP - 1) / KSTEP;
+    int M = 1;                                // rows of x: its leading dims
+    for (int d = 0; d + 1 < x_ndim; ++d) M *= x_shape[d];
     constexpr u32 MASK = (1u << BITS) - 1u;
     const u32 lane = threadIdx.x & 31u;
     const int g = (int)(lane >> 2);
@@ -288,7 +293,7 @@ MMA = r"""
                     if (kon && g < M) {
                         qmm_pairs(x + (size_t)g * K + kb + 4 * s, a0, a2);
                     }
-                    if (M > 8 && kon && g + 8 < M) {
+                    if (M16 && kon && g + 8 < M) {
                         qmm_pairs(x + (size_t)(g + 8) * K + kb + 4 * s, a1, a3);
                     }
                     QMM_UNROLL
@@ -360,24 +365,44 @@ _CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat
 # what MLX's device header brings that the bodies use, for a build without MLX's source tree
 MINIMAL_PRELUDE = (
     "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n#include <cstddef>\n#include <cuda/std/array>\n#include <cooperative_groups.h>\n"
-    "namespace mlx::core::cu { using Shape = cuda::std::array<int32_t, 10>; }\n"
+    "namespace mlx::core::cu { using Shape = cuda::std::array<int32_t, 10>; "
+    "using Strides = cuda::std::array<int64_t, 10>; }\n"
 )
 MLX_PRELUDE = '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
 
 
+def kernel_signature(body: str, dtype: str, name: str) -> str:
+    """The kernel's parameter list as MLX writes it: each input's pointer, then its shape,
+    strides and ndim where the body names them, then the outputs."""
+    cu = _CUDA_TYPES[dtype]
+    types = {"w": "uint32_t", "scales": cu, "biases": cu, "x": cu}
+    text = BODIES[body]
+    params = []
+    for n in INPUT_NAMES:
+        params.append(f"const {types[n]}* {n}")
+        if f"{n}_shape" in text:
+            params.append(f"const __grid_constant__ Shape {n}_shape")
+        if f"{n}_strides" in text:
+            params.append(f"const __grid_constant__ Strides {n}_strides")
+        if f"{n}_ndim" in text:
+            params.append(f"const __grid_constant__ int {n}_ndim")
+    params += [f"{cu}* {n}" for n in OUTPUT_NAMES]
+    return f"__global__ void {name}(" + ", ".join(params) + ")"
+
+
 def harness_source(body: str, consts: dict[str, int], dtype: str, name: str = "affine_qmm", mlx_header: bool = False) -> str:
     """The translation unit MLX's cuda_kernel builds around `body` (its wrapper, written out):
-    MLX's device header (or MINIMAL_PRELUDE), the body's header, then the kernel with the template constants
-    as its first lines. For compiling with nvcc outside MLX (`-I` a checkout of MLX's source for
-    its header)."""
-    cu = _CUDA_TYPES[dtype]
+    MLX's device header (or MINIMAL_PRELUDE), the body's header, then the kernel with the
+    template constants as its first lines. For compiling with nvcc outside MLX (`-I` a checkout
+    of MLX's source for its header)."""
     lines = "".join(f"  constexpr int {k} = {v};\n" for k, v in consts.items())
     return (
         (MLX_PRELUDE if mlx_header else MINIMAL_PRELUDE)
         + compact(HEADERS[body])
         + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
-        + f"__global__ void {name}(const uint32_t* w, const __grid_constant__ Shape w_shape, const {cu}* scales, const {cu}* biases, const {cu}* x, {cu}* y) {{\n"
-        + f"  using T = {cu};\n"
+        + kernel_signature(body, dtype, name)
+        + " {\n"
+        + f"  using T = {_CUDA_TYPES[dtype]};\n"
         + lines
         + compact(BODIES[body])
         + "\n}\n} // namespace mlx::core::cu\n"
