@@ -64,7 +64,10 @@ def test_pick_config_reads_the_table(monkeypatch):
     cfg = qmm.LaunchConfig("mma", 4, 8, 1)
     monkeypatch.setattr(qmm, "TUNED", {qmm.shape_key(4, 64, mx.bfloat16, 4096, 4096, 8): cfg})
     assert qmm.pick_config(4, 64, mx.bfloat16, 4096, 4096, 5) == cfg  # the next swept row count up
-    assert qmm.pick_config(4, 64, mx.bfloat16, 4096, 4096, 9) == qmm.DEFAULT_16BIT
+    assert qmm.pick_config(4, 64, mx.bfloat16, 4096, 4096, 9) == qmm.default_config(4096, 4096, 4)
+    assert qmm.default_config(4096, 4096, 4) == qmm.LaunchConfig("mma", 1, 8, 2)  # 4096 warps
+    assert qmm.default_config(28672, 4096, 4).wpb == 2
+    assert qmm.default_config(64, 128, 4).wpb == 1  # one iteration a row: no split
     assert qmm.pick_config(4, 64, mx.float32, 4096, 4096, 5) == qmm.FLOAT32  # one layout for float32
 
 
@@ -198,7 +201,7 @@ _NVCC = shutil.which("nvcc") or ("/usr/local/cuda-13.0/bin/nvcc" if shutil.os.pa
 @pytest.mark.parametrize(
     "body,dtype,rows,bits,group,cfg",
     [
-        ("mma", "bfloat16", 1, 4, 64, qmm.DEFAULT_16BIT),
+        ("mma", "bfloat16", 1, 4, 64, qmm.default_config(4096, 4096, 4)),
         ("mma", "float16", 16, 8, 32, qmm.LaunchConfig("mma", 4, 8, 2)),
         ("mma", "bfloat16", 9, 4, 128, qmm.LaunchConfig("mma", 1, 1, 1)),
         ("simt", "float32", 16, 4, 64, qmm.FLOAT32),

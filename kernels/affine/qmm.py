@@ -53,7 +53,6 @@ class LaunchConfig:
         return LaunchConfig(body, int(t[1:]), int(w[1:]), int(u[1:]))
 
 
-DEFAULT_16BIT = LaunchConfig("mma", 2, 4, 2)
 FLOAT32 = LaunchConfig("simt", 2, 4, 2)
 
 
@@ -91,7 +90,22 @@ def pick_config(bits: int, group: int, dtype: mx.Dtype, n: int, k: int, rows: in
         hit = TUNED.get(shape_key(bits, group, dtype, n, k, m))
         if hit is not None:
             return hit
-    return DEFAULT_16BIT
+    return default_config(n, k, bits)
+
+
+TARGET_WARPS = 4096  # ~half the H200's resident warps (132 SMs x 64): enough loads in flight
+
+
+def default_config(n: int, k: int, bits: int) -> LaunchConfig:
+    """The mma layout for a shape never swept: one tile of 8 rows a warp, loads two iterations
+    deep, and as many warps splitting K as bring the grid to ~TARGET_WARPS warps (at most 8, and
+    no more than leave each warp two iterations)."""
+    blocks = -(-n // 8)
+    iters = -(-k // (16 * (32 // bits)))  # an iteration: 4 lanes x one uint4 of a row
+    wpb = 1
+    while wpb < 8 and blocks * wpb < TARGET_WARPS and iters >= 4 * (2 * wpb):
+        wpb *= 2
+    return LaunchConfig("mma", 1, wpb, 2)
 
 
 def _pow2(n: int) -> int:
