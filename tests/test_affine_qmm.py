@@ -226,7 +226,9 @@ def test_cuda_source_compiles_for_sm90_without_spills(tmp_path, body, dtype, row
 
 # ---- on the GPU (MLX-CUDA) ------------------------------------------------------------------
 
-_TOL = {mx.float32: 2e-5, mx.float16: 4e-3, mx.bfloat16: 2e-2}
+# of max |y|: an indexing error is O(1). float32 allows for MLX's reference itself taking TF32 tensor
+# cores in some kernels; the 16-bit dtypes for the output rounding and the weights dequantized to them.
+_TOL = {mx.float32: 1e-3, mx.float16: 4e-3, mx.bfloat16: 2e-2}
 
 
 def _needs_cuda():
