@@ -162,7 +162,7 @@ def bench_kernels(args: argparse.Namespace, result: dict[str, Any], save: Callab
                 print(f"budget spent: {n}x{k} rows {m} not swept (the table's or default layout)", flush=True)
             if sweeping:
                 sweep: dict[str, float] = {}
-                for cfg in qmm.candidates(DTYPE, m):
+                for cfg in qmm.candidates(DTYPE, m, BITS):
                     why = check(ours_call(cfg), x, copies[0])
                     if why is not None:
                         failures.append(f"{n}x{k} rows {m} layout {cfg.key()}: {why}")

@@ -47,6 +47,22 @@ def test_mma_fragment_layout_computes_x_times_w_transposed(bits, k, rows):
     w_hat = rng.normal(size=(13, k))
     x = rng.normal(size=(rows, k))
     np.testing.assert_allclose(qmm.mma_emulate_np(x, w_hat, bits), x @ w_hat.T, rtol=1e-10, atol=1e-10)
+    if bits == 4:
+        np.testing.assert_allclose(qmm.mma_emulate_np(x, w_hat, bits, "mma4"), x @ w_hat.T, rtol=1e-10, atol=1e-10)
+
+
+def test_mma4_nibble_pairs_and_magic_exponents():
+    """mma4's bit tricks: (v >> 4i) & 0x000F000F holds nibbles i and i + 4 of v in its two halves;
+    0x4300 | q is bfloat16 128 + q and 0x6400 | q float16 1024 + q, for every q < 16."""
+    v = np.uint32(0xFEDCBA98)
+    for i in range(4):
+        pair = (v >> np.uint32(4 * i)) & np.uint32(0x000F000F)
+        assert int(pair) & 0xFFFF == (int(v) >> (4 * i)) & 15
+        assert int(pair) >> 16 == (int(v) >> (4 * (i + 4))) & 15
+    q = np.arange(16, dtype=np.uint32)
+    bf16 = ((q | 0x4300) << 16).view(np.float32)  # bfloat16 bits are a float32's top half
+    np.testing.assert_array_equal(bf16 - 128, q.astype(np.float32))
+    np.testing.assert_array_equal((q | 0x6400).astype(np.uint16).view(np.float16).astype(np.float32) - 1024, q)
 
 
 def test_launch_constants_and_dims():
@@ -207,6 +223,8 @@ _NVCC = shutil.which("nvcc") or ("/usr/local/cuda-13.0/bin/nvcc" if shutil.os.pa
         ("simt", "float32", 16, 4, 64, qmm.FLOAT32),
         ("simt", "float32", 1, 8, 128, qmm.FLOAT32),
         ("simt", "bfloat16", 2, 4, 64, qmm.LaunchConfig("simt", 4, 4, 2)),
+        ("mma4", "bfloat16", 16, 4, 64, qmm.LaunchConfig("mma4", 4, 8, 2)),
+        ("mma4", "float16", 3, 4, 32, qmm.LaunchConfig("mma4", 1, 2, 1)),
     ],
 )
 def test_cuda_source_compiles_for_sm90_without_spills(tmp_path, body, dtype, rows, bits, group, cfg):
@@ -261,8 +279,10 @@ def test_cuda_kernel_equals_quantized_matmul_every_row_count(bits, group, dtype)
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 16])
 def test_cuda_every_candidate_layout(rows):
     _needs_cuda()
-    for cfg in qmm.candidates(mx.bfloat16, rows):
+    for cfg in qmm.candidates(mx.bfloat16, rows, 4):
         _compare(200, 4096 + 128, rows, 4, 64, mx.bfloat16, cfg)  # K not a multiple of 1024
+    for cfg in qmm.candidates(mx.float16, rows, 4)[::5]:
+        _compare(77, 512 + 32, rows, 4, 32, mx.float16, cfg)
 
 
 @pytest.mark.gpu

@@ -35,8 +35,9 @@ TUNED_PATH = Path(__file__).with_name("tuned_cuda.json")
 
 @dataclass(frozen=True, slots=True)
 class LaunchConfig:
-    """How a call is laid out. body "mma" (16-bit activations; tensor cores): ``tile`` tiles of 8
-    output rows a warp; body "simt" (any dtype): ``tile`` output rows a warp. ``wpb`` warps a
+    """How a call is laid out. body "mma" (16-bit activations; tensor cores) or "mma4" (the same,
+    4 bits, weights dequantized in 16-bit pairs): ``tile`` tiles of 8 output rows a warp; body
+    "simt" (any dtype): ``tile`` output rows a warp. ``wpb`` warps a
     block split K; ``unroll`` iterations of 16-byte weight loads are issued before any is used."""
 
     body: str = "mma"
@@ -56,11 +57,12 @@ class LaunchConfig:
 FLOAT32 = LaunchConfig("simt", 2, 4, 2)
 
 
-def candidates(dtype: mx.Dtype, rows: int) -> list[LaunchConfig]:
-    """The layouts a sweep tries for this activation dtype and row count."""
+def candidates(dtype: mx.Dtype, rows: int, bits: int = 4) -> list[LaunchConfig]:
+    """The layouts a sweep tries for this activation dtype, row count and bits."""
     if dtype == mx.float32:
         return [FLOAT32]
-    out = [LaunchConfig("mma", t, w, u) for t in (1, 2, 4) for w in (2, 4, 8) for u in (1, 2)]
+    bodies = ("mma", "mma4") if bits == 4 else ("mma",)
+    out = [LaunchConfig(b, t, w, u) for b in bodies for t in (1, 2, 4) for w in (2, 4, 8) for u in (1, 2)]
     if rows <= 2:  # the float32 body: at one or two rows the tensor cores are mostly idle padding
         out += [LaunchConfig("simt", r, w, 2) for r, w in ((1, 4), (2, 4), (4, 2), (2, 8))]
     return out
@@ -116,7 +118,7 @@ def constants(config: LaunchConfig, rows: int, bits: int) -> dict[str, int]:
     """The body's template constants (besides T) for one call. Shapes and the group are read at
     run time; the mma body compiles once for 1..8 rows and once for 9..16."""
     consts = {"BITS": bits, "WPB": config.wpb, "U": config.unroll}
-    if config.body == "mma":
+    if config.body in ("mma", "mma4"):
         consts.update(M16=int(rows > 8), NT=config.tile)
     else:
         nv = rows * config.tile
@@ -126,7 +128,7 @@ def constants(config: LaunchConfig, rows: int, bits: int) -> dict[str, int]:
 
 def launch_dims(config: LaunchConfig, n: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """(grid in threads, threadgroup) for n output rows."""
-    per_block = 8 * config.tile if config.body == "mma" else config.tile
+    per_block = config.tile if config.body == "simt" else 8 * config.tile
     threads = 32 * config.wpb
     return (-(-n // per_block) * threads, 1, 1), (threads, 1, 1)
 
@@ -185,8 +187,10 @@ def affine_qmm(
         n = int(w.shape[0])
         rows = x.size // k
         cfg = config or pick_config(bits, group, x.dtype, n, k, rows)
-        if cfg.body == "mma" and x.dtype == mx.float32:
-            raise ValueError("the mma body takes 16-bit activations only")
+        if cfg.body != "simt" and x.dtype == mx.float32:
+            raise ValueError(f"the {cfg.body} body takes 16-bit activations only")
+        if cfg.body == "mma4" and bits != 4:
+            raise ValueError("the mma4 body takes 4-bit weights only")
         grid, threadgroup = launch_dims(cfg, n)
         args = {
             "template": [("T", x.dtype), *constants(cfg, rows, bits).items()],
@@ -245,7 +249,17 @@ def dequantize_np(w: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: i
     return np.asarray(scales, np.float32)[:, g] * q + np.asarray(biases, np.float32)[:, g]
 
 
-def mma_emulate_np(x: np.ndarray, w_hat: np.ndarray, bits: int) -> np.ndarray:
+def _step_columns(body: str, kb: int, s: int) -> np.ndarray:
+    """Columns of lane's k-slots (2t, 2t+1, 2t+8, 2t+9) at step s: the mma body takes kb + 4s ..
+    kb + 4s + 3 in order; mma4 takes pairs (i, i + 4) of word s // 2's eight columns."""
+    if body == "mma":
+        return kb + 4 * s + np.arange(4)
+    c0 = kb + 8 * (s // 2)
+    i = 2 * (s % 2)
+    return np.array([c0 + i, c0 + i + 4, c0 + i + 1, c0 + i + 5])
+
+
+def mma_emulate_np(x: np.ndarray, w_hat: np.ndarray, bits: int, body: str = "mma") -> np.ndarray:
     """The mma body's data movement, lane by lane, with the PTX fragment layouts of
     mma.m16n8k16 (A row-major 16x16: a0 (g, 2t..), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8,
     2t+8..); B col-major 16x8: b0 (k 2t.., n g), b1 (k 2t+8.., n g); C: c0,c1 (g, 2t..), c2,c3
@@ -266,7 +280,7 @@ def mma_emulate_np(x: np.ndarray, w_hat: np.ndarray, bits: int) -> np.ndarray:
                     kb = it * kstep + t * epl
                     if kb >= k:
                         continue
-                    cols = kb + 4 * s + np.arange(4)
+                    cols = _step_columns(body, kb, s)
                     if g < m_rows:
                         a[lane, 0], a[lane, 2] = x[g, cols[:2]], x[g, cols[2:]]
                     if g + 8 < m_rows:

@@ -131,12 +131,59 @@ QMM_FN void qmm_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, co
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 QMM_FN void qmm_mma(float*, u32, u32, u32, u32, u32, u32, const float*) {}
+
+"""
+
+MMA4_HELPERS = r"""
+// a scale or bias broadcast to both halves of a 16-bit pair
+QMM_FN u32 qmm_bcast(__nv_bfloat16 v) {
+    const __nv_bfloat162 p = __bfloat162bfloat162(v);
+    return *reinterpret_cast<const u32*>(&p);
+}
+QMM_FN u32 qmm_bcast(__half v) {
+    const __half2 p = __half2half2(v);
+    return *reinterpret_cast<const u32*>(&p);
+}
+QMM_FN u32 qmm_bcast(float) { return 0u; }
+
+// two 4-bit values at bits 0..3 and 16..19 of nib -> scale * q + bias as a 16-bit pair: the magic
+// exponent makes each half 128 + q (bfloat16) or 1024 + q (float16), exact; subtract it, one fma
+QMM_FN u32 qmm_dq2(u32 nib, u32 s2, u32 b2, const __nv_bfloat16*) {
+    const u32 raw = nib | 0x43004300u;
+    const u32 magic = 0x43004300u;
+    const __nv_bfloat162 q = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&raw), *reinterpret_cast<const __nv_bfloat162*>(&magic));
+    const __nv_bfloat162 r = __hfma2(q, *reinterpret_cast<const __nv_bfloat162*>(&s2), *reinterpret_cast<const __nv_bfloat162*>(&b2));
+    return *reinterpret_cast<const u32*>(&r);
+}
+QMM_FN u32 qmm_dq2(u32 nib, u32 s2, u32 b2, const __half*) {
+    const u32 raw = nib | 0x64006400u;
+    const u32 magic = 0x64006400u;
+    const __half2 q = __hsub2(*reinterpret_cast<const __half2*>(&raw), *reinterpret_cast<const __half2*>(&magic));
+    const __half2 r = __hfma2(q, *reinterpret_cast<const __half2*>(&s2), *reinterpret_cast<const __half2*>(&b2));
+    return *reinterpret_cast<const u32*>(&r);
+}
+QMM_FN u32 qmm_dq2(u32, u32, u32, const float*) { return 0u; }
+
+// eight 16-bit activations (16-byte load when aligned)
+template <class H>
+QMM_FN void qmm_x8(const H* p, uint4& v) {
+    if ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull) {
+        v = *reinterpret_cast<const uint4*>(p);
+    } else {
+        const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
+        v.x = (u32)h[0] | ((u32)h[1] << 16);
+        v.y = (u32)h[2] | ((u32)h[3] << 16);
+        v.z = (u32)h[4] | ((u32)h[5] << 16);
+        v.w = (u32)h[6] | ((u32)h[7] << 16);
+    }
+}
 """
 
 HEADERS = {
     "simt": COMMON + SIMT_HELPERS
     + warp_reduce_source("qmm_lane_reduce", "QMM_FN", "QMM_UNROLL", "__shfl_xor_sync(0xffffffffu, {v}, o)"),
     "mma": COMMON + MMA_HELPERS,
+    "mma4": COMMON + MMA_HELPERS + MMA4_HELPERS,
 }
 
 # Template constants: T, M, BITS, RPW, WPB, U, NV (= M * RPW), NP (NV rounded up to a power of
@@ -311,6 +358,85 @@ MMA = r"""
             }
         }
     }
+"""
+
+# The mma body for 4 bits with the dequantization in 16-bit pairs: nibbles i and i + 4 of a word
+# (v >> 4i & 0x000F000F) become one register of two weights in one LOP3, one subtract and one fma
+# (two weights each), instead of a float32 fma and a convert per weight. The pair holds columns
+# c0 + i and c0 + i + 4 of the word's eight, so the x pairs are gathered the same way from the
+# eight activations (byte_perm). Template constants as MMA (BITS is 4).
+MMA4 = r"""
+    static_assert(BITS == 4, "the mma4 body takes 4-bit weights");
+    const int N = w_shape[0];
+    const int KW = w_shape[1];
+    const int K = KW * 8;
+    const int KG = scales_shape[1];
+    const int G = K / KG;
+    const int ITERS = (K + 127) / 128;        // an iteration: 4 lanes x 32 columns of a row
+    int M = 1;
+    for (int d = 0; d + 1 < x_ndim; ++d) M *= x_shape[d];
+    const u32 lane = threadIdx.x & 31u;
+    const int g = (int)(lane >> 2);
+    const int t = (int)(lane & 3u);
+    const int warp = (int)(threadIdx.x >> 5);
+    const int n0 = (int)blockIdx.x * (8 * NT);
+    const T* tag = nullptr;
+    float c[NT][4];
+    QMM_UNROLL
+    for (int j = 0; j < NT; ++j) {
+        c[j][0] = 0.0f; c[j][1] = 0.0f; c[j][2] = 0.0f; c[j][3] = 0.0f;
+    }
+    for (int it0 = warp; it0 < ITERS; it0 += WPB * U) {
+        uint4 wv[U][NT];
+        u32 sc[U][NT];
+        u32 bi[U][NT];
+        QMM_UNROLL
+        for (int u = 0; u < U; ++u) {
+            const int kb = (it0 + u * WPB) * 128 + t * 32;
+            QMM_UNROLL
+            for (int j = 0; j < NT; ++j) {
+                const int row = n0 + 8 * j + g;
+                const bool on = kb < K && row < N;
+                wv[u][j] = on ? *reinterpret_cast<const uint4*>(w + (size_t)row * KW + kb / 8) : qmm_zero4();
+                const size_t gi = (size_t)row * KG + (size_t)(kb / G);
+                sc[u][j] = on ? qmm_bcast(scales[gi]) : 0u;
+                bi[u][j] = on ? qmm_bcast(biases[gi]) : 0u;
+            }
+        }
+        QMM_UNROLL
+        for (int u = 0; u < U; ++u) {
+            if (it0 + u * WPB < ITERS) {
+                const int kb = (it0 + u * WPB) * 128 + t * 32;
+                const bool kon = kb < K;
+                QMM_UNROLL
+                for (int wd = 0; wd < 4; ++wd) {
+                    uint4 x0 = qmm_zero4();
+                    uint4 x1 = qmm_zero4();
+                    if (kon && g < M) qmm_x8(x + (size_t)g * K + kb + 8 * wd, x0);
+                    if (M16 && kon && g + 8 < M) qmm_x8(x + (size_t)(g + 8) * K + kb + 8 * wd, x1);
+                    // pair i = (column i, column i + 4) of the eight
+                    const u32 p0 = __byte_perm(x0.x, x0.z, 0x5410u), p1 = __byte_perm(x0.x, x0.z, 0x7632u);
+                    const u32 p2 = __byte_perm(x0.y, x0.w, 0x5410u), p3 = __byte_perm(x0.y, x0.w, 0x7632u);
+                    const u32 r0 = __byte_perm(x1.x, x1.z, 0x5410u), r1 = __byte_perm(x1.x, x1.z, 0x7632u);
+                    const u32 r2 = __byte_perm(x1.y, x1.w, 0x5410u), r3 = __byte_perm(x1.y, x1.w, 0x7632u);
+                    QMM_UNROLL
+                    for (int j = 0; j < NT; ++j) {
+                        const u32 v = qmm_word(wv[u][j], wd);
+                        const u32 w0 = qmm_dq2(v & 0x000F000Fu, sc[u][j], bi[u][j], tag);
+                        const u32 w1 = qmm_dq2((v >> 4) & 0x000F000Fu, sc[u][j], bi[u][j], tag);
+                        const u32 w2 = qmm_dq2((v >> 8) & 0x000F000Fu, sc[u][j], bi[u][j], tag);
+                        const u32 w3 = qmm_dq2((v >> 12) & 0x000F000Fu, sc[u][j], bi[u][j], tag);
+                        qmm_mma(c[j], p0, r0, p1, r1, w0, w1, tag);
+                        qmm_mma(c[j], p2, r2, p3, r3, w2, w3, tag);
+                    }
+                }
+            }
+        }
+    }
+"""
+
+# the C slots to y (and the sum over the warps of a block), shared by MMA and MMA4
+MMA_EPILOGUE = r"""
     // C slots of lane (g, t): i = 0, 1 -> (row g, col 2t + i); i = 2, 3 -> (row g + 8, col 2t + i - 2)
     if (WPB == 1) {
         QMM_UNROLL
@@ -343,7 +469,7 @@ MMA = r"""
     }
 """
 
-BODIES = {"simt": SIMT, "mma": MMA}
+BODIES = {"simt": SIMT, "mma": MMA + MMA_EPILOGUE, "mma4": MMA4 + MMA_EPILOGUE}
 
 
 def compact(text: str) -> str:
