@@ -7,7 +7,8 @@ Kernel mode, for 4-bit group-64 bfloat16 weights of an 8B llama (4096x4096, 1433
 4096x14336, and the fused q/k/v 6144x4096 and gate/up 28672x4096) and 1, 2, 3, 4, 5, 8, 16 rows:
 
 - "mlx": ``mx.quantized_matmul``; "pad8" (2..7 rows): the rows padded to 8 (MLX's multi-row
-  kernel) and sliced back; "ours": kernels.affine's kernel with the layout ``pick_config`` gives.
+  kernel) and sliced back; "ours": kernels.affine's kernel with the layout ``pick_config`` gives;
+  "compiled": the same through ``mx.compile``, as FewRowQuantizedLinear calls it.
 - Timing: CALLS calls in one graph, each on a different copy of the weight (the copies together
   over 512 MiB, so the 50 MB L2 holds none of them), one warm-up, the median of REPEATS evals.
   µs per call include MLX's dispatch, as a model pays it; GB/s = packed weight, scales and
@@ -116,6 +117,11 @@ def ours_call(config: qmm.LaunchConfig | None) -> Callable[[mx.array, tuple], mx
     return call
 
 
+def compiled_call(x: mx.array, w: tuple[mx.array, mx.array, mx.array]) -> mx.array:
+    """What FewRowQuantizedLinear runs: the kernel call inside mx.compile."""
+    return linear._compiled(BITS, GROUP, False)(x, *w)
+
+
 def time_calls(call: Callable[[mx.array, tuple], mx.array], x: mx.array, copies: list, calls: int = CALLS) -> float:
     """µs per call: `calls` calls in one graph, call i on copy i % len(copies)."""
 
@@ -183,6 +189,7 @@ def bench_kernels(args: argparse.Namespace, result: dict[str, Any], save: Callab
                 row["ours_us"] = round(time_calls(ours_call(None), x, copies), 2)
                 row["ours_layout"] = cfg.key()
                 row["ours_GBps"] = round(wb / row["ours_us"] / 1e3, 1)
+                row["ours_compiled_us"] = round(time_calls(compiled_call, x, copies), 2)
             row["mlx_GBps"] = round(wb / row["mlx_us"] / 1e3, 1)
             result["kernels"].append(row)
             print(json.dumps(row), flush=True)
@@ -196,7 +203,7 @@ def bench_kernels(args: argparse.Namespace, result: dict[str, Any], save: Callab
 
 
 def kernel_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["shape        rows   mlx µs  pad8 µs  ours µs  ours/mlx  ours/1row  ours GB/s  layout"]
+    lines = ["shape        rows   mlx µs  pad8 µs  ours µs  compiled  ours/mlx  ours/1row  ours GB/s  layout"]
     one: dict[tuple[int, int], float] = {}
     for r in rows:
         shape = tuple(r["shape"])
@@ -207,7 +214,8 @@ def kernel_table(rows: list[dict[str, Any]]) -> str:
         rel = f"{ours / one[shape]:9.2f}" if ours and shape in one else "        -"
         lines.append(
             f"{shape[0]:>5}x{shape[1]:<6} {r['rows']:>4} {r['mlx_us']:>8.1f} {r.get('pad8_us', float('nan')):>8.1f} "
-            f"{ours if ours else float('nan'):>8.1f} {speed} {rel} {r.get('ours_GBps', float('nan')):>10.1f}  {r.get('ours_layout', 'FAILED')}"
+            f"{ours if ours else float('nan'):>8.1f} {r.get('ours_compiled_us', float('nan')):>9.1f} {speed} {rel} "
+            f"{r.get('ours_GBps', float('nan')):>10.1f}  {r.get('ours_layout', 'FAILED')}"
         )
     return "\n".join(lines)
 
