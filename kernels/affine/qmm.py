@@ -179,7 +179,7 @@ def affine_qmm(
 ) -> mx.array:
     """y (..., N) = x (..., K) @ dequantize(w, scales, biases).T in one CUDA launch, y in x's dtype.
     At most MAX_ROWS rows of x in all (leading dims flattened)."""
-    key = (x.shape, x.dtype, w.shape, bits, group, config)
+    key = (x.shape, x.dtype, w.shape, scales.dtype, biases.dtype, bits, group, config)
     hit = _CALLS.get(key)
     if hit is None:
         check_shapes(x, w, scales, biases, bits, group)
