@@ -9,6 +9,7 @@
     kv           KV cache memory per row and prefix-cache TTFT (memory); quantized-KV quality
     constrained  the cost of grammar-constrained decoding in the engine
     trellis      trellis weights: mat-vec speed (GPU), layout sweep (GPU), perplexity
+    qmm          few-row affine 4-bit matmul on CUDA: kernel speed, layout sweep, model steps
     plot         redraw the PNG of any result JSON
     random-model write a random-weight model directory of a known shape
     wide-twin    a wider, deeper llama checkpoint that computes its source's logits
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         modelprep,
         models,
         plot,
+        qmm,
         spec,
         sweep,
         trellis,
@@ -42,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
-    for module in (sweep, agent, coldstart, spec, kv, constrained, trellis, plot, modelprep,
+    for module in (sweep, agent, coldstart, spec, kv, constrained, trellis, qmm, plot, modelprep,
                    widetwin, models):
         module.add_parsers(sub)
     return parser

@@ -20,6 +20,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from engine import cuda_guard, fewrow, lora
+from kernels.affine import linear as affine_linear
 
 _ALLOW_PATTERNS = [
     "*.json",
@@ -115,6 +116,7 @@ def load_model(
     fewrow.install(net)  # CUDA only: 3..16-row matmuls as one gathered gemv, engine/fewrow.py
     cuda_guard.install(net)  # CUDA only: RoPE modules that slice inputs MLX-CUDA cannot launch
     cuda_guard.install_attention(net)  # CUDA only: 2..16-query attention (verify) on plain ops
+    affine_linear.install(net)  # CUDA only: 1..16-row quantized matmuls, one kernel (kernels/affine)
     served = lora.load(net, adapters)  # after the dtype and the swaps: wraps the final classes
     wrapper = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     hf_tok = wrapper._tokenizer
