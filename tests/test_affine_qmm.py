@@ -350,3 +350,19 @@ def test_bench_pad_to_8_and_table():
     ]
     table = bench_qmm.kernel_table(rows).splitlines()
     assert "2.00x" in table[1] and table[2].endswith("FAILED")
+
+
+@pytest.mark.parametrize("rows", [2, 5, 7])
+def test_padded_matmul_equals_quantized_matmul(rows):
+    """The pad-to-8 route: x's rows (leading dims too) padded to 8 and sliced back."""
+    from kernels.affine import linear
+
+    rng = np.random.default_rng(rows)
+    w = mx.array(rng.normal(size=(96, 128)).astype(np.float32))
+    wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    x = mx.array(rng.normal(size=(1, rows, 128)).astype(np.float32))
+    want = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=64, bits=4)
+    got = linear.padded_matmul(x, wq, scales, biases, 4, 64)
+    assert got.shape == want.shape == (1, rows, 96)
+    assert float(mx.abs(got - want).max()) < 1e-5
+    assert set(linear.ROUTE) == set(range(1, 17)) and set(linear.ROUTE.values()) <= {"ours", "pad8", "mlx"}

@@ -130,3 +130,24 @@ def test_cuda_gathered_rows_equal_one_row_gemvs():
         got = fewrow.gather_matmul(x, w)
         rows = mx.concatenate([x[i : i + 1] @ w.T for i in range(m)], axis=0)
         assert mx.array_equal(got, rows), (n, k, m)
+
+
+@pytest.mark.parametrize("preset", [None, "/tmp/somewhere"])
+def test_engine_import_keeps_cuda_kernels_in_a_persistent_cache(preset, tmp_path):
+    """engine/__init__.py points MLX_PTX_CACHE_DIR under XDG_CACHE_HOME (per MLX version) and
+    keeps a user's value."""
+    import os
+    import subprocess
+    import sys
+    from importlib import metadata
+
+    env = {k: v for k, v in os.environ.items() if k != "MLX_PTX_CACHE_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+    if preset is not None:
+        env["MLX_PTX_CACHE_DIR"] = preset
+    out = subprocess.run(
+        [sys.executable, "-c", "import engine, os; print(os.environ['MLX_PTX_CACHE_DIR'])"],
+        env=env, capture_output=True, text=True, check=True, timeout=120,
+    )
+    want = preset or str(tmp_path / "mlxd" / "ptx" / metadata.version("mlx"))
+    assert out.stdout.strip() == want

@@ -57,12 +57,37 @@ def _compiled(bits: int, group: int, with_bias: bool) -> Any:
     return mx.compile(call_bias if with_bias else call)
 
 
+# Which path x with this many rows in all takes on CUDA where the kernel applies: "ours" (the
+# fused kernel), "pad8" (rows padded to 8: MLX-CUDA runs its one-row kernel once per row from 2
+# to 7 rows and a multi-row kernel from 8 on, which costs about one one-row call) or "mlx".
+ROUTE: dict[int, str] = dict.fromkeys(range(1, qmm.MAX_ROWS + 1), "ours")
+PAD_ROWS = 8
+
+
+def padded_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, bits: int,
+                  group: int) -> mx.array:
+    """mx.quantized_matmul with x's rows (leading dims flattened) padded to `PAD_ROWS`."""
+    k = x.shape[-1]
+    rows = x.size // k
+    flat = x.reshape(rows, k)
+    padded = mx.concatenate([flat, mx.zeros((PAD_ROWS - rows, k), x.dtype)])
+    y = mx.quantized_matmul(padded, w, scales=scales, biases=biases, transpose=True,
+                            group_size=group, bits=bits)
+    return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
+
+
 def affine_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, bits: int, group: int,
                   bias: mx.array | None = None) -> mx.array:
-    """x @ W.T (+ bias): the fused kernel (compiled) where it takes the call, else MLX's."""
+    """x @ W.T (+ bias): the fused kernel (compiled) or MLX's padded to 8 rows where `ROUTE`
+    says so and the kernel takes the call, else MLX's."""
     if biases is not None and qmm.takes(x, w, scales, bits, group) and gpu_backend() == "cuda":
-        fn = _compiled(bits, group, bias is not None)
-        return fn(x, w, scales, biases) if bias is None else fn(x, w, scales, biases, bias)
+        route = ROUTE.get(x.size // x.shape[-1], "mlx")
+        if route == "ours":
+            fn = _compiled(bits, group, bias is not None)
+            return fn(x, w, scales, biases) if bias is None else fn(x, w, scales, biases, bias)
+        if route == "pad8" and x.size // x.shape[-1] < PAD_ROWS:
+            y = padded_matmul(x, w, scales, biases, bits, group)
+            return y if bias is None else y + bias
     y = mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group, bits=bits)
     return y if bias is None else y + bias
 
