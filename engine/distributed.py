@@ -310,9 +310,12 @@ class DistributedEngine(Engine):
         threading.Thread(target=self._watch, name="mlxd-rank-watchdog", daemon=True).start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._stop_event.set()
+        """The engine thread ends, then the other ranks are told to stop. The watchdog runs
+        until then: a thread stuck in a collective with a rank that is gone still ends the
+        process, after `rank_timeout`."""
         thread = self._thread
         super().stop(timeout)
+        self._stop_event.set()
         if self.failed is None and (thread is None or not thread.is_alive()):
             try:  # the engine thread has ended: this thread may use MLX now
                 assert isinstance(self.scheduler, LeaderScheduler)
@@ -363,12 +366,13 @@ class DistributedEngine(Engine):
             self._inbox.clear()
             self._stopping = True
             self._wake.notify()
-        sinks = dict(self._sinks)
+        sinks = [*self._sinks.items(), *((row.req_id, sink) for row, sink in queued)]
         self._sinks.clear()
-        for req_id, sink in sinks.items():
-            sink([TokenEvent(req_id, [], finish_reason=FINISH_ERROR, error=message)])
-        for row, sink in queued:
-            sink([TokenEvent(row.req_id, [], finish_reason=FINISH_ERROR, error=message)])
+        for req_id, sink in sinks:
+            try:
+                sink([TokenEvent(req_id, [], finish_reason=FINISH_ERROR, error=message)])
+            except RuntimeError:  # the server's event loop has already closed
+                pass
         threading.Timer(EXIT_GRACE_S, self._exit_fn, (GROUP_FAILED,)).start()
 
 

@@ -343,10 +343,13 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_server(client: Any, args: argparse.Namespace, sock: Any) -> None:
+def _run_server(client: Any, args: argparse.Namespace, sock: Any,
+                server_cls: type | None = None) -> None:
     from server.app import create_app
     from server.config import ServerConfig
     from server.serving import Server, uvicorn_config
+
+    server_cls = server_cls or Server  # mlxd.distributed: rank 0's, which tells its signals apart
 
     config = ServerConfig(
         host=args.host,
@@ -360,8 +363,8 @@ def _run_server(client: Any, args: argparse.Namespace, sock: Any) -> None:
         log_level=args.log_level,
     )
     app = create_app(client, config)
-    server = Server(uvicorn_config(app, host=args.host, port=args.port,
-                                           log_level=args.log_level))
+    server = server_cls(uvicorn_config(app, host=args.host, port=args.port,
+                                       log_level=args.log_level))
     client.start()
     try:
         server.run(sockets=[sock])

@@ -30,10 +30,12 @@ from typing import Any
 log = logging.getLogger("mlxd.distributed")
 
 RANK_DIR_ENV = "MLXD_RANK_DIR"  # where ranks write rank<N>.pid and rank<N>.exit
+STOPPING = "stopping"  # written there by the launcher before it signals rank 0 to stop
 PER_HOST_ENV = "MLXD_RANKS_PER_HOST"  # ranks sharing a host: each gets that share of memory
 GROUP_FAILED = 75  # the value of engine.distributed.GROUP_FAILED (not imported: it loads mlx)
 BACKENDS = ("ring", "jaccl", "jaccl-ring", "mpi", "nccl")
 STOP_GRACE_S = 30.0  # after a stop signal, the ranks get this long before they are killed
+RANKS_EXIT_GRACE_S = 5.0  # after rank 0 exits, the other local ranks get this long
 
 
 def add_arguments(p: argparse.ArgumentParser, int_in: Any, float_in: Any) -> None:
@@ -133,15 +135,19 @@ def launch(args: argparse.Namespace, serve_argv: list[str]) -> int:
     def forward(signum: int, _frame: object) -> None:
         if not stop_at:
             stop_at.append(time.monotonic() + STOP_GRACE_S)
+        (Path(rank_dir) / STOPPING).touch()  # rank 0: this SIGTERM asks for a clean stop
         if not _signal_rank0(rank_dir, signal.SIGTERM):
             _kill_group(proc, signal.SIGTERM)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM,
                                                        signal.SIGHUP)}
+    rank0_exit = Path(rank_dir) / "rank0.exit"
     try:
         while proc.poll() is None:
+            if not stop_at and rank0_exit.exists():  # the others get the grace to follow
+                stop_at.append(time.monotonic() + RANKS_EXIT_GRACE_S)
             if stop_at and time.monotonic() > stop_at[0]:
-                _kill_group(proc, signal.SIGKILL)
+                _kill_group(proc, signal.SIGKILL)  # e.g. a stopped rank mlx.launch waits on
             time.sleep(0.1)
     finally:
         for s, handler in previous.items():
@@ -250,8 +256,28 @@ def _rank_main(args: argparse.Namespace, rank: int, finish: Any) -> int:
     # that lands nowhere, and rank 0 goes on to tell the other ranks to stop
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, lambda *_: None)
-    _run_server(client, args, sock)
+    _run_server(client, args, sock, _rank0_server(client.engine, Path(os.environ[RANK_DIR_ENV])))
     return GROUP_FAILED if client.engine.failed is not None else 0
+
+
+def _rank0_server(engine: Any, rank_dir: Path) -> type:
+    """uvicorn's server for rank 0. A SIGTERM the launcher did not announce (no `stopping`
+    file) comes from mlx.launch because another rank exited: the group has failed, so the
+    requests end with 503 at once, instead of a graceful shutdown that waits on a collective
+    with a rank that is gone."""
+    import threading
+
+    from server.serving import Server
+
+    class RankServer(Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if sig == signal.SIGTERM and not (rank_dir / STOPPING).exists():
+                threading.Thread(target=engine.fail_group, daemon=True, args=(
+                    "the distributed group failed: another rank exited",)).start()
+                return
+            super().handle_exit(sig, frame)
+
+    return RankServer
 
 
 def _build(args: argparse.Namespace, rank: int, finish: Any) -> tuple[Any, Any]:

@@ -315,7 +315,7 @@ def test_failed_rank_gives_503_and_exit(tiny_tp) -> None:
     result: dict[str, Any] = {}
 
     def long_request() -> None:
-        body = {"model": "m", "prompt": "def f():", "max_tokens": 2000, "temperature": 0,
+        body = {"model": "m", "prompt": "def f():", "max_tokens": 400, "temperature": 0,
                 "ignore_eos": True}
         r = httpx.post(f"{group.url}/v1/completions", json=body, timeout=60)
         result["status"], result["body"] = r.status_code, r.json()
