@@ -117,6 +117,9 @@ def launch_command(args: argparse.Namespace, serve_argv: list[str], rank_dir: st
         per_host = world_size(args)
         cmd += ["-n", str(per_host)]
     cmd += ["--env", f"{RANK_DIR_ENV}={rank_dir}", "--env", f"{PER_HOST_ENV}={per_host}"]
+    if "OPENBLAS_NUM_THREADS" not in os.environ:  # ranks sharing a host share its cores
+        threads = max(1, (os.cpu_count() or 1) // per_host)
+        cmd += ["--env", f"OPENBLAS_NUM_THREADS={threads}"]
     return [*cmd, "--", sys.executable, "-m", "mlxd", "serve", *serve_argv]
 
 
