@@ -210,11 +210,12 @@ def _concurrent(url: str, n: int = 8) -> list[tuple[str, int]]:
         return list(pool.map(one, range(n)))
 
 
-def _pair(model: Path, flags: list[str], workdir: Path) -> Iterator[tuple[Group, Reference]]:
+def _pair(model: Path, flags: list[str], workdir: Path,
+          **ref_opts: Any) -> Iterator[tuple[Group, Reference]]:
     group = Group(model, flags, workdir)
     ref = None
     try:
-        ref = Reference(model, served_model_name="m")
+        ref = Reference(model, served_model_name="m", **ref_opts)
         yield group, ref
     finally:
         if ref is not None:
@@ -225,10 +226,15 @@ def _pair(model: Path, flags: list[str], workdir: Path) -> Iterator[tuple[Group,
 # -- the groups ------------------------------------------------------------------------------
 
 
+# the bundled model's group also runs n-gram speculation over 8-bit KV (the reference too)
+BUNDLED_FLAGS = ["--spec", "ngram", "--kv-bits", "8"]
+
+
 @pytest.fixture(scope="module")
 def bundled_tp(ring: None, tmp_path_factory: pytest.TempPathFactory):
-    yield from _pair(DEFAULT_MODEL_DIR, ["--tensor-parallel", "2", "--served-model-name", "m"],
-                     tmp_path_factory.mktemp("bundled"))
+    flags = ["--tensor-parallel", "2", "--served-model-name", "m", *BUNDLED_FLAGS]
+    yield from _pair(DEFAULT_MODEL_DIR, flags, tmp_path_factory.mktemp("bundled"),
+                     spec="ngram", kv_bits=8)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe"])
@@ -252,10 +258,14 @@ def moe_pp(ring: None, tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_tensor_parallel_bundled_equals_one_process(bundled_tp) -> None:
+    """With n-gram speculation over 8-bit KV: the verify steps run on every rank alike."""
     group, ref = bundled_tp
     assert _concurrent(group.url) == _concurrent(ref.url)
-    health = httpx.get(f"{group.url}/health", timeout=10).json()
-    assert health["status"] == "ok"
+    repetitive = "a = 1\nb = 2\nc = 3\n" * 4 + "a = 1\nb"
+    want = _complete(ref.url, repetitive, 24)["choices"][0]["text"]
+    assert _complete(group.url, repetitive, 24)["choices"][0]["text"] == want
+    spec = httpx.get(f"{group.url}/health", timeout=10).json()["engine"]["spec"]
+    assert spec["spec_steps"] > 0 and spec["accepted_tokens"] > 0, spec
 
 
 def test_tensor_parallel_tiny_equals_one_process(tiny_tp) -> None:
@@ -264,8 +274,13 @@ def test_tensor_parallel_tiny_equals_one_process(tiny_tp) -> None:
 
 
 def test_pipeline_parallel_equals_one_process(moe_pp) -> None:
+    """Then the group stops cleanly: SIGTERM to `mlxd serve` stops rank 0, which stops the
+    other rank; every rank and the launcher exit 0."""
     group, ref = moe_pp
     assert _concurrent(group.url) == _concurrent(ref.url)
+    assert group.stop() == 0, group.log()[-2000:]
+    exits = sorted(p.read_text() for p in group.rank_dir.glob("rank*.exit"))
+    assert exits == ["0", "0"], group.log()[-2000:]
 
 
 def test_tensor_parallel_prefix_cache(bundled_tp) -> None:
