@@ -18,17 +18,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import engine  # noqa: F401  (BLAS before mlx)
-import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+import engine  # noqa: F401  (BLAS before mlx, which is imported below, in the functions)
 
 PROMPT_TOKENS = 128
 
 
 def _load(path: Path, group: Any) -> Any:
+    from mlx_lm.utils import load_config
+
     from engine.distributed import shard_model
     from engine.loader import load_model
-    from mlx_lm.utils import load_config
 
     config = load_config(path)
     prepare = None
@@ -39,6 +38,9 @@ def _load(path: Path, group: Any) -> Any:
 
 
 def _step_seconds(model: Any, rows: int, steps: int) -> float:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
     cache = make_prompt_cache(model)
     prompt = mx.ones((rows, PROMPT_TOKENS), dtype=mx.int32)
     mx.eval(model(prompt, cache=cache))
@@ -58,10 +60,14 @@ class _NoComm:
     communication)."""
 
     def __enter__(self) -> None:
+        import mlx.core as mx
+
         self._saved = mx.distributed.all_sum
         mx.distributed.all_sum = lambda x, *a, **k: x  # type: ignore[assignment]
 
     def __exit__(self, *exc: object) -> None:
+        import mlx.core as mx
+
         mx.distributed.all_sum = self._saved  # type: ignore[assignment]
 
 
@@ -73,6 +79,8 @@ def main(argv: list[str]) -> int:
         rows_list = [int(r) for r in argv[argv.index("--rows") + 1].split(",")]
     if "--steps" in argv:
         steps = int(argv[argv.index("--steps") + 1])
+    import mlx.core as mx
+
     group = mx.distributed.init()
     model = _load(path, group)
     result: dict[str, Any] = {"ranks": group.size(), "steps": steps, "rows": {}}

@@ -319,6 +319,7 @@ def _build(args: argparse.Namespace, rank: int, finish: Any) -> tuple[Any, Any]:
     def make_engine(loaded: Any, config: Any) -> Any:
         if config.spec is not None:  # measured per rank: the ranks' verify widths would differ
             config.spec.warmup = False
+        engine: Any
         if rank == 0:
             engine = DistributedEngine(loaded, config, channel, args.rank_timeout, finish)
             client: Any = DistributedAsyncEngine(engine)

@@ -141,9 +141,9 @@ class Group:
 def _write_tiny(name: str, dst: Path, seed: int = 0, **overrides: Any) -> Path:
     """A tiny random-weight model directory of architecture `name` with the bundled model's
     tokenizer (its vocabulary, 8192 tokens)."""
+    import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    import mlx.core as mx
     from tests import tiny_archs, tiny_models
 
     vocab = 8192
