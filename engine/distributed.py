@@ -83,7 +83,7 @@ class Channel:
 
     def _sum(self, words: np.ndarray) -> np.ndarray:
         out = mx.distributed.all_sum(mx.array(words), group=self.group, stream=self.stream)
-        return np.array(out, copy=False)
+        return np.asarray(out)
 
     def broadcast(self, payload: bytes | None) -> bytes:
         """Rank 0 passes `payload`, the others None; every rank gets rank 0's bytes. The first

@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -126,8 +127,23 @@ def launch_command(args: argparse.Namespace, serve_argv: list[str], rank_dir: st
 def launch(args: argparse.Namespace, serve_argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    rank_dir = os.environ.get(RANK_DIR_ENV) or tempfile.mkdtemp(prefix="mlxd-ranks-")
-    os.environ[RANK_DIR_ENV] = rank_dir
+    given = os.environ.get(RANK_DIR_ENV)
+    rank_dir = given or tempfile.mkdtemp(prefix="mlxd-ranks-")
+    _clear_rank_dir(Path(rank_dir))  # a restarted group must not read the last one's files
+    try:
+        return _launch_in(args, serve_argv, rank_dir)
+    finally:
+        if not given:
+            shutil.rmtree(rank_dir, ignore_errors=True)
+
+
+def _clear_rank_dir(rank_dir: Path) -> None:
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    for stale in [*rank_dir.glob("rank*.pid"), *rank_dir.glob("rank*.exit"), rank_dir / STOPPING]:
+        stale.unlink(missing_ok=True)
+
+
+def _launch_in(args: argparse.Namespace, serve_argv: list[str], rank_dir: str) -> int:
     cmd = launch_command(args, serve_argv, rank_dir)
     log.info("starting %d ranks (%s backend): %s", world_size(args), args.backend,
              " ".join(cmd[: cmd.index("--")]))
@@ -165,7 +181,8 @@ def group_status(rank_dir: str, size: int) -> int:
     first = codes[0]
     if first is None:
         return GROUP_FAILED
-    if first == 0 and any(c != 0 for c in codes[1:]):
+    # a rank on another host leaves no file here (None): rank 0 notices its failures itself
+    if first == 0 and any(c not in (0, None) for c in codes[1:]):
         return GROUP_FAILED
     return first
 
@@ -201,10 +218,10 @@ def _kill_group(proc: subprocess.Popen, signum: int) -> None:
 def serve_rank(args: argparse.Namespace) -> int:
     rank = int(os.environ["MLX_RANK"])
     rank_dir = Path(os.environ[RANK_DIR_ENV])
-    (rank_dir / f"rank{rank}.pid").write_text(str(os.getpid()))
+    _note(rank_dir, f"rank{rank}.pid", os.getpid())
 
     def finish(code: int) -> None:
-        (rank_dir / f"rank{rank}.exit").write_text(str(code))
+        _note(rank_dir, f"rank{rank}.exit", code)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -216,6 +233,15 @@ def serve_rank(args: argparse.Namespace) -> int:
         code = 130
     finish(code)
     return code
+
+
+def _note(rank_dir: Path, name: str, value: int) -> None:
+    """For the launcher (on another host the folder is this host's own, and nobody reads it)."""
+    try:
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        (rank_dir / name).write_text(str(value))
+    except OSError:
+        pass
 
 
 def _rank_main(args: argparse.Namespace, rank: int, finish: Any) -> int:
