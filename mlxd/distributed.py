@@ -36,7 +36,7 @@ PER_HOST_ENV = "MLXD_RANKS_PER_HOST"  # ranks sharing a host: each gets that sha
 GROUP_FAILED = 75  # the value of engine.distributed.GROUP_FAILED (not imported: it loads mlx)
 BACKENDS = ("ring", "jaccl", "jaccl-ring", "mpi", "nccl")
 STOP_GRACE_S = 30.0  # after a stop signal, the ranks get this long before they are killed
-RANKS_EXIT_GRACE_S = 5.0  # after rank 0 exits, the other local ranks get this long
+RANKS_EXIT_GRACE_S = 3.0  # after rank 0 exits, the other local ranks get this long
 
 
 def add_arguments(p: argparse.ArgumentParser, int_in: Any, float_in: Any) -> None:
@@ -231,6 +231,10 @@ def serve_rank(args: argparse.Namespace) -> int:
         code = _rank_main(args, rank, finish)
     except KeyboardInterrupt:
         code = 130
+    except Exception as exc:  # noqa: BLE001 - a broken group or a divergence: say it, exit 75
+        log.error("rank %d: %s: %s", rank, type(exc).__name__, exc)
+        log.debug("rank %d failed", rank, exc_info=True)
+        code = GROUP_FAILED
     finish(code)
     return code
 

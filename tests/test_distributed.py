@@ -242,7 +242,7 @@ def tiny_tp(request: pytest.FixtureRequest, ring: None,
             tmp_path_factory: pytest.TempPathFactory):
     base = tmp_path_factory.mktemp(request.param)
     model = _write_tiny(request.param, base / "model")
-    flags = ["--tensor-parallel", "2", "--served-model-name", "m", "--rank-timeout", "5"]
+    flags = ["--tensor-parallel", "2", "--served-model-name", "m", "--rank-timeout", "3"]
     for group, ref in _pair(model, flags, base):
         yield request.param, group, ref
 
@@ -323,7 +323,7 @@ FAILURES = {"llama": "kill", "qwen3": "hang", "qwen3_moe": "kill"}
 
 
 def test_failed_rank_gives_503_and_exit(tiny_tp) -> None:
-    """A rank that dies (SIGKILL) or hangs (SIGSTOP, past --rank-timeout 5): the request in
+    """A rank that dies (SIGKILL) or hangs (SIGSTOP, past --rank-timeout 3): the request in
     flight ends with a 503 JSON error and the group exits non-zero within 30 s."""
     arch, group, _ = tiny_tp
     how = FAILURES[arch]
@@ -418,3 +418,30 @@ def test_supervise_restarts_a_failed_group(tmp_path: Path) -> None:
               "first = not p.exists(); p.write_text('x'); sys.exit(75 if first else 0)")
     assert supervise([sys.executable, "-c", script], backoff=0.01) == 0
     assert marker.exists()
+
+
+def test_channel_round_trip_on_one_rank() -> None:
+    """Short messages take one collective, long ones two; the bytes come back whole."""
+    import mlx.core as mx
+
+    from engine.distributed import HEAD_WORDS, Channel
+
+    channel = Channel(mx.distributed.init())  # a group of one: all_sum is the identity
+    for size in (1, 7, 4 * (HEAD_WORDS - 1), 4 * HEAD_WORDS + 3, 100_000):
+        payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
+        before = channel.num_messages
+        assert channel.broadcast(payload) == payload
+        assert channel.num_messages == before + 1
+
+
+def test_follower_stops_on_diverged_tokens() -> None:
+    """A rank whose last step's tokens differ from rank 0's stops instead of serving on."""
+    from engine.distributed import Follower, GroupError, StepMessage
+
+    follower = Follower.__new__(Follower)
+    follower._last = [("a", [5]), ("b", [7])]
+    follower.num_steps = 3
+    follower.channel = type("C", (), {"rank": 1})()  # type: ignore[assignment]
+    follower._apply(StepMessage("beat", check=[("a", [5]), ("b", [7])]))  # the same: goes on
+    with pytest.raises(GroupError, match="rank 1 diverged from rank 0 at step 3"):
+        follower._apply(StepMessage("beat", check=[("a", [5]), ("b", [8])]))
