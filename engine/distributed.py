@@ -342,6 +342,13 @@ class DistributedEngine(Engine):
         finally:
             self._busy_since = None
 
+    def _fail_all(self, message: str, reason: str = FINISH_ERROR) -> None:
+        """A failure outside a step (the engine's last resort) would leave the other ranks
+        holding rows this one dropped: it fails the group. Shutting down is as on one rank."""
+        if reason == FINISH_ERROR and self.failed is None:
+            self.fail_group(f"the distributed group failed: {message}")
+        super()._fail_all(message, reason)
+
     def _watch(self) -> None:
         """A step (its collectives) that outlives `rank_timeout`: some rank hangs."""
         while not self._stop_event.wait(0.25):

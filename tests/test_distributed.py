@@ -445,3 +445,24 @@ def test_follower_stops_on_diverged_tokens() -> None:
     follower._apply(StepMessage("beat", check=[("a", [5]), ("b", [7])]))  # the same: goes on
     with pytest.raises(GroupError, match="rank 1 diverged from rank 0 at step 3"):
         follower._apply(StepMessage("beat", check=[("a", [5]), ("b", [8])]))
+
+
+def test_launch_command_for_a_hostfile(tmp_path: Path) -> None:
+    """With --hostfile the ranks go where mlx.launch's file says (two hosts: one rank each,
+    so each gets the whole of its host's memory and cores); without, N ranks on this host."""
+    from mlxd.cli import parse_serve_args
+    from mlxd.distributed import PER_HOST_ENV, launch_command
+
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([{"ssh": "mac1", "ips": ["10.0.0.1"]},
+                                 {"ssh": "mac2", "ips": ["10.0.0.2"]}]))
+    args = parse_serve_args(["--tensor-parallel", "2", "--hostfile", str(hosts),
+                             "--backend", "jaccl"])
+    cmd = launch_command(args, ["--tensor-parallel", "2"], "/tmp/ranks")
+    head, tail = cmd[: cmd.index("--")], cmd[cmd.index("--") + 1 :]
+    assert ["--hostfile", str(hosts)] == head[head.index("--hostfile"):][:2]
+    assert "-n" not in head and f"{PER_HOST_ENV}=1" in head
+    assert head[head.index("--backend") + 1] == "jaccl"
+    assert tail == [sys.executable, "-m", "mlxd", "serve", "--tensor-parallel", "2"]
+    local = launch_command(parse_serve_args(["--tensor-parallel", "2"]), [], "/tmp/ranks")
+    assert local[local.index("-n") + 1] == "2" and f"{PER_HOST_ENV}=2" in local
