@@ -14,6 +14,7 @@
     random-model write a random-weight model directory of a known shape
     wide-twin    a wider, deeper llama checkpoint that computes its source's logits
     models       every mlx-lm text architecture on a tiny model: load, exactness, prefix, n-gram
+    tp           one process vs --tensor-parallel N: decode tok/s, communication share
 
 Each subcommand writes its JSON and PNG into `--out DIR` (default `.bench/<subcommand>-<time>/`,
 ignored by git). docs/benchmarks.md has the current numbers and the commands that made them.
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         qmm,
         spec,
         sweep,
+        tp,
         trellis,
         widetwin,
     )
@@ -45,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
     for module in (sweep, agent, coldstart, spec, kv, constrained, trellis, qmm, plot, modelprep,
-                   widetwin, models):
+                   widetwin, models, tp):
         module.add_parsers(sub)
     return parser
 

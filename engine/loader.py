@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -93,10 +93,12 @@ def load_model(
     chat_template: str | None = None,
     revision: str | None = None,
     adapters: Sequence[tuple[str, str]] = (),
+    prepare: Callable[[nn.Module], None] | None = None,
 ) -> LoadedModel:
     """Load `model` (a directory or repo id) in `dtype`; `adapters` are (name, directory)
     pairs of mlx-lm LoRA adapters served on top of it (engine/lora.py; a misfit raises
-    `engine.lora.AdapterError`)."""
+    `engine.lora.AdapterError`). `prepare` is called on the model before its weights are read
+    (tensor or pipeline sharding, engine/distributed.py): only what it keeps is loaded."""
     from mlx_lm.utils import load_config, load_tokenizer
     from mlx_lm.utils import load_model as mlx_load_model
 
@@ -107,9 +109,13 @@ def load_model(
         # a weight format mlx-lm does not know: the kernels plugin builds the model
         from kernels.trellis import load_model as trellis_load
 
+        if prepare is not None:
+            raise ValueError("trellis-quantized models cannot be sharded across ranks")
         net, config = trellis_load(path)
     else:
-        net, config = mlx_load_model(path, lazy=False)
+        net, config = mlx_load_model(path, lazy=prepare is not None)
+        if prepare is not None:
+            prepare(net)
     want = pick_dtype(dtype)
     if want is not None:
         net.set_dtype(want)

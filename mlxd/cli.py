@@ -17,6 +17,8 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from mlxd import distributed
+
 log = logging.getLogger("mlxd")
 
 
@@ -239,6 +241,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="draft model directory (same tokenizer as --model)")
     g.add_argument("--num-draft-tokens", type=_int_in(1), default=4,
                    help="ceiling of the adaptive draft length per row")
+    distributed.add_arguments(p, _int_in, _float_in)
     return p
 
 
@@ -264,6 +267,7 @@ def _check_combinations(parser: argparse.ArgumentParser, args: argparse.Namespac
         if env and env != env.strip():
             parser.error("MLXD_API_KEY: the key has leading or trailing spaces")
         args.api_key = env or None
+    distributed.check_arguments(parser, args)
 
 
 def parse_serve_args(argv: list[str]) -> argparse.Namespace:
@@ -299,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
 
         logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return supervise(child_argv(argv), max_restarts=args.max_restarts)
+    if distributed.world_size(args) > 1:  # the ranks, through mlx.launch (mlxd/distributed.py)
+        return distributed.main(args, argv[1:])
     return serve(args)
 
 
@@ -337,10 +343,13 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_server(client: Any, args: argparse.Namespace, sock: Any) -> None:
+def _run_server(client: Any, args: argparse.Namespace, sock: Any,
+                server_cls: type | None = None) -> None:
     from server.app import create_app
     from server.config import ServerConfig
     from server.serving import Server, uvicorn_config
+
+    server_cls = server_cls or Server  # mlxd.distributed: rank 0's, which tells its signals apart
 
     config = ServerConfig(
         host=args.host,
@@ -354,8 +363,8 @@ def _run_server(client: Any, args: argparse.Namespace, sock: Any) -> None:
         log_level=args.log_level,
     )
     app = create_app(client, config)
-    server = Server(uvicorn_config(app, host=args.host, port=args.port,
-                                           log_level=args.log_level))
+    server = server_cls(uvicorn_config(app, host=args.host, port=args.port,
+                                       log_level=args.log_level))
     client.start()
     try:
         server.run(sockets=[sock])

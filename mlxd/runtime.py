@@ -43,6 +43,7 @@ def build_client(args: argparse.Namespace | None = None, **overrides: Any):
             chat_template=opts.get("chat_template"),
             revision=opts.get("revision"),
             adapters=adapters,
+            prepare=opts.get("shard"),  # mlxd.distributed: this rank's share of the weights
         )
     except AdapterError as exc:
         raise StartupError(f"--adapter: {exc}") from None
@@ -68,7 +69,8 @@ def build_client(args: argparse.Namespace | None = None, **overrides: Any):
         spec=_spec_config(opts),
         warmup=opts.get("warmup", True),
     )
-    client = AsyncEngine(Engine(loaded, config))
+    make_engine = opts.get("make_engine")  # mlxd.distributed: this rank's engine
+    client = make_engine(loaded, config) if make_engine else AsyncEngine(Engine(loaded, config))
     if opts.get("served_model_name"):
         client.model.model_id = opts["served_model_name"]
     clash = {name for name, _ in adapters} & {client.model.model_id, str(loaded.path)}

@@ -14,8 +14,10 @@ Rules:
   restarting it.
 - A child that *exits* (any exit code, e.g. 2 for a configuration the device cannot run) is not
   restarted: the supervisor exits with that code. Only a death by a signal the supervisor did
-  not pass on (SIGABRT, SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGKILL from the OOM killer) restarts
-  it, after `backoff` seconds doubling up to 30 s.
+  not pass on (SIGABRT, SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGKILL from the OOM killer), or exit
+  status 75 (`GROUP_FAILED`: a rank of a tensor- or pipeline-parallel group died or hung, see
+  mlxd/distributed.py), restarts it (the whole group), after `backoff` seconds doubling up to
+  30 s.
 - At most `max_restarts` restarts in a row; a child that served for `stable_s` seconds resets
   the count. When the budget is spent the supervisor exits with 1.
 """
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 log = logging.getLogger("mlxd.supervise")
 
 FLAG = "--supervise"
+GROUP_FAILED = 75  # a distributed group lost a rank (mlxd.distributed.GROUP_FAILED): restart
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -83,9 +86,9 @@ def supervise(
             rc = _wait(proc)
             if state.stopping is not None:
                 return rc if rc >= 0 else 0  # stopped on request: its own exit status
-            if rc >= 0:
+            if rc >= 0 and rc != GROUP_FAILED:
                 return rc  # it exited by itself: not a crash
-            name = _signal_name(-rc)
+            name = _signal_name(-rc) if rc < 0 else "a failed rank (exit status 75)"
             if time.monotonic() - started >= stable_s:
                 restarts, delay = 0, backoff  # it had served for a while: a fresh budget
             if restarts >= max_restarts:
