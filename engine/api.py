@@ -19,6 +19,8 @@ waits while the model loads (engine.pool).
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -212,6 +214,33 @@ class ModelInfo:
     chat_template: str | None
     created: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive_seconds(value: float | int | str) -> float:
+    """A keep-alive as Ollama takes it → seconds: a number of seconds (300, "300"), or a
+    duration ("90s", "5m", "1h30m"); negative → -1.0 (never unloaded for idleness).
+    ValueError for anything else."""
+    if isinstance(value, bool):
+        raise ValueError(value)
+    if isinstance(value, str):
+        text = value.strip()
+        sign, body = (-1.0, text[1:]) if text.startswith("-") else (1.0, text.lstrip("+"))
+        try:
+            seconds = sign * float(body)
+        except ValueError:
+            parts = _DURATION.findall(body)
+            if not body or "".join(n + u for n, u in parts) != body:
+                raise ValueError(value) from None
+            seconds = sign * sum(float(n) * _UNIT_S[u] for n, u in parts)
+    else:
+        seconds = float(value)
+    if not math.isfinite(seconds):
+        raise ValueError(value)
+    return -1.0 if seconds < 0 else seconds
 
 
 MODEL_LOADED = "loaded"

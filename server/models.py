@@ -16,48 +16,25 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
-import re
 from typing import Any
 
-from engine.api import EngineClient
+from engine.api import EngineClient, keep_alive_seconds
 from server.errors import APIError, bad_request
 from server.prompts import ServedModel
 
-_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
-_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+KEEP_ALIVE_HELP = ("keep_alive must be a number of seconds or a duration such as '90s', '5m' or "
+                   "'1h30m' (0: unload once idle; negative: keep loaded)")
 
 
 def parse_keep_alive(value: Any, param: str = "keep_alive") -> float | None:
-    """Ollama's keep_alive → seconds: a number of seconds, or a duration such as "5m", "1h30m",
-    "90s"; 0 = unload once idle; negative = never unload for idleness (-1.0). None: not set."""
+    """A request's keep_alive (Ollama's) → seconds (engine.api.keep_alive_seconds); None: not
+    set; anything else: 400."""
     if value is None:
         return None
-    if isinstance(value, bool):
-        raise bad_request("keep_alive must be a number of seconds or a duration such as '5m'", param)
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    elif isinstance(value, str):
-        seconds = _duration_s(value.strip(), param)
-    else:
-        raise bad_request("keep_alive must be a number of seconds or a duration such as '5m'", param)
-    if not math.isfinite(seconds):
-        raise bad_request("keep_alive must be finite (a negative value keeps the model loaded)", param)
-    return -1.0 if seconds < 0 else seconds
-
-
-def _duration_s(text: str, param: str) -> float:
-    sign = -1.0 if text.startswith("-") else 1.0
-    body = text.lstrip("+-")
     try:
-        return sign * float(body)
-    except ValueError:
-        pass
-    parts = _DURATION.findall(body)
-    if not body or "".join(n + u for n, u in parts) != body:
-        raise bad_request(f"keep_alive {text!r} is not a duration (examples: 300, '90s', '5m', "
-                          "'1h30m', -1)", param)
-    return sign * sum(float(n) * _UNIT_S[u] for n, u in parts)
+        return keep_alive_seconds(value)
+    except (TypeError, ValueError):
+        raise bad_request(KEEP_ALIVE_HELP, param) from None
 
 
 class ModelRouter:
