@@ -139,6 +139,7 @@ class _Slot:
     client: AsyncEngine | None = None  # the asyncio face of `engine`
     load: _Load | None = None
     queued: bool = False  # waiting for the thread to start its load
+    reading: bool = False  # its config and tokenizer are being read (AsyncPool.model_info)
     waiters: list[Waiter] = field(default_factory=list)
     pins: int = 0  # requests on their way into this model's engine
     last_used: float = 0.0
@@ -149,7 +150,8 @@ class _Slot:
     def state(self) -> str:
         if self.engine is not None:
             return MODEL_LOADED
-        return MODEL_LOADING if self.load is not None or self.queued else MODEL_UNLOADED
+        busy = self.load is not None or self.queued or self.reading
+        return MODEL_LOADING if busy else MODEL_UNLOADED
 
 
 def size_text(num_bytes: int) -> str:
@@ -320,7 +322,8 @@ class EnginePool:
                 idle = eng is not None and not self._busy(slot)
                 out.append(ModelStatus(
                     name=slot.spec.name, state=slot.state,
-                    progress=round(load.progress, 3) if load is not None else None,
+                    progress=round(load.progress, 3) if load is not None
+                    else 0.0 if slot.state == MODEL_LOADING else None,
                     weights_bytes=eng.budget.weights if eng is not None
                     else load.total_bytes if load is not None else 0,
                     load_seconds=slot.load_seconds,
@@ -550,7 +553,11 @@ class AsyncPool:
         lock = self._reading.setdefault(name, asyncio.Lock())
         async with lock:  # one read per model, however many requests ask at once
             if slot.info is None:
-                slot.info = await asyncio.to_thread(self._read, slot)
+                slot.reading = True
+                try:
+                    slot.info = await asyncio.to_thread(self._read, slot)
+                finally:
+                    slot.reading = False
         return slot.info
 
     def _read(self, slot: _Slot) -> ModelInfo:

@@ -108,6 +108,8 @@ def _pool_client(opts: dict[str, Any], config: Any, adapters: list[tuple[str, st
     keep_alive = opts.get("keep_alive")
     pool_config = PoolConfig(config, dtype=opts.get("dtype", "auto"),
                              keep_alive=None if keep_alive is None or keep_alive < 0 else keep_alive)
+    if opts.get("load_slice_bytes"):
+        pool_config.load_slice_bytes = int(opts["load_slice_bytes"])
     try:
         return AsyncPool(EnginePool(specs, pool_config))
     except AdapterError as exc:
