@@ -366,7 +366,7 @@ class EnginePool:
         for slot in self.slots.values():
             if slot.engine is None:
                 continue
-            if slot.keep_alive is not None:
+            if slot.keep_alive is not None and slot.pins == 0:  # `unpin` wakes the thread
                 waits.append(slot.last_used + slot.keep_alive - now)
             if slot.engine._steps_since_release:
                 waits.append(slot.last_used + self.config.engine.idle_release_s - now)

@@ -91,6 +91,9 @@ def test_models_by_name_equal_each_alone_and_list_their_load_state(served, dirs)
     chat = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
         "model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
     assert chat.status_code == 200 and chat.json()["model"] == "tiny"
+    emb = httpx.post(f"{url}/v1/embeddings", json={"model": "tiny", "input": ["hi", "def f():"]})
+    assert emb.status_code == 200 and emb.json()["model"] == "tiny"
+    assert [len(d["embedding"]) for d in emb.json()["data"]] == [64, 64]  # tiny's hidden size
     cards = _cards(url)
     assert cards["tiny"]["loaded"] is True and cards["tiny"]["max_model_len"] == 2048
     assert httpx.get(f"{url}/v1/models/tiny").json()["loaded"] is True
