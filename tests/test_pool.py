@@ -175,8 +175,9 @@ def test_a_load_runs_in_slices_between_the_other_models_steps(dirs, caplog):
         pool.on_turn = on_turn
 
         async def go() -> tuple[list[int], list[list[int]]]:
+            await client.model_info("b")  # its tokenizer read: the load starts at submit
             long_a = asyncio.ensure_future(tokens_of(
-                client, greedy("long", PROMPTS[0], 60, "a", ignore_eos=True)))
+                client, greedy("long", PROMPTS[0], 400, "a", ignore_eos=True)))
             while "a" not in trace:
                 await asyncio.sleep(0.005)
             bs = await asyncio.gather(*(tokens_of(client, greedy(f"b{i}", p, 6, "b"))
@@ -185,7 +186,7 @@ def test_a_load_runs_in_slices_between_the_other_models_steps(dirs, caplog):
 
         got_a, got_b = run(go())
         pool.on_turn = None
-    assert len(got_a) == 60 and all(len(t) == 6 for t in got_b)
+    assert len(got_a) == 400 and all(len(t) == 6 for t in got_b)
     assert got_b[0] == got_b[2] and got_b[1] == got_b[3]
     loads = [i for i, t in enumerate(trace) if t == "load:b"]
     assert len(loads) >= 5, trace  # build, room, slices of 128 KiB (a tensor at least), engine
@@ -240,18 +241,21 @@ def test_a_busy_model_is_not_unloaded_for_another(dirs):
         client.pool.on_turn = trace.append
 
         async def go() -> tuple[list[int], list[int]]:
+            await client.model_info("b")
             long_a = asyncio.ensure_future(tokens_of(
-                client, greedy("long", PROMPTS[0], 30, "a", ignore_eos=True)))
+                client, greedy("long", PROMPTS[0], 300, "a", ignore_eos=True)))
             while "a" not in trace:
                 await asyncio.sleep(0.005)
             return await long_a, await tokens_of(client, greedy("b", PROMPTS[0], 4, "b"))
 
         got_a, got_b = run(go())
         client.pool.on_turn = None
-    assert len(got_a) == 30 and len(got_b) == 4
-    last_a = len(trace) - trace[::-1].index("a")
+    assert len(got_a) == 300 and len(got_b) == 4
+    last_a = len(trace) - 1 - trace[::-1].index("a")
     first_b = trace.index("b")
+    assert trace.index("load:b") < last_a  # b's load began (and waited) while a was decoding
     assert last_a < first_b  # b's rows ran only after a's had finished and a was unloaded
+    assert state_of(client, "a") == MODEL_UNLOADED
 
 
 def test_keep_alive_unloads_an_idle_model(dirs):

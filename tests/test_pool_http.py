@@ -213,6 +213,34 @@ def test_the_response_model_is_the_adapter_the_client_asked_for():
         assert card["id"] == "coder-lora" and card["parent"] == "tinycoder-16m"
 
 
+def test_an_adapter_on_the_default_model_with_other_models(dirs, tmp_path):
+    """--adapter applies to the default model: its name is a model of its own next to the other
+    configured models, and responses report it."""
+    from engine.loader import load_model
+    from mlxd.runtime import build_client
+    from tests.test_lora import write_adapter
+
+    probe = load_model(str(DEFAULT_MODEL_DIR), dtype="float32").model
+    path = write_adapter(tmp_path / "lora", probe, rank=4, scale=2.0, num_layers=-1, keys=None,
+                         seed=3, std=0.2)
+    client = build_client(models=[("coder", ""), ("tiny", str(dirs["tiny"]))], dtype="float32",
+                          warmup=False, adapters=[("coder-lora", str(path))])
+    client.start()
+    try:
+        with ServerThread(create_app(client, ServerConfig())) as srv:
+            cards = _cards(srv.url)
+            assert list(cards) == ["coder", "coder-lora", "tiny"]
+            assert cards["coder-lora"]["parent"] == "coder" and cards["coder-lora"]["loaded"]
+            texts = {}
+            for name in ("coder", "coder-lora", "tiny"):
+                r = _completion(srv.url, name)
+                assert r.status_code == 200 and r.json()["model"] == name, r.text
+                texts[name] = r.json()["choices"][0]["text"]
+            assert texts["coder-lora"] != texts["coder"]
+    finally:
+        client.stop()
+
+
 # -- the command line ---------------------------------------------------------------------------
 
 
