@@ -344,7 +344,10 @@ class EnginePool:
                         break
                 if self._stopping:
                     break
-            self._turn()
+            try:
+                self._turn()
+            except Exception:  # a bug must not stop every model: log it, go on
+                log.exception("engine pool turn failed")
         for engine in self.engines():
             engine.shutdown()
         self._fail_loads(EngineError("the server is shutting down", status=503))
@@ -621,7 +624,7 @@ class AsyncPool:
                 await aclose()  # an unfinished stream aborts its row
 
     def abort(self, req_id: str) -> None:
-        client = self._owners.get(req_id)
+        client = self._owners.pop(req_id, None)
         if client is not None:
             client.abort(req_id)
 
