@@ -12,6 +12,7 @@
     random-model write a random-weight model directory of a known shape
     wide-twin    a wider, deeper llama checkpoint that computes its source's logits
     models       every mlx-lm text architecture on a tiny model: load, exactness, prefix, n-gram
+    switch       several models by name: time to switch (unload + load), decode gaps while loading
 
 Each subcommand writes its JSON and PNG into `--out DIR` (default `.bench/<subcommand>-<time>/`,
 ignored by git). docs/benchmarks.md has the current numbers and the commands that made them.
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         plot,
         spec,
         sweep,
+        switch,
         trellis,
         widetwin,
     )
@@ -40,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
-    for module in (sweep, agent, spec, kv, constrained, trellis, plot, modelprep, widetwin, models):
+    for module in (sweep, agent, spec, kv, constrained, trellis, plot, modelprep, widetwin, models,
+                   switch):
         module.add_parsers(sub)
     return parser
 
