@@ -63,7 +63,8 @@ def _models(args: argparse.Namespace, out: Path) -> list[tuple[str, str]]:
 
 def _pool(pairs: list[tuple[str, str]], budget: int | None, args: argparse.Namespace) -> Any:
     from engine.core import EngineConfig
-    from engine.pool import AsyncPool, EnginePool, ModelSpec, PoolConfig
+    from engine.pool import EnginePool, ModelSpec, PoolConfig
+    from engine.pool_client import AsyncPool
     from engine.scheduler import SchedulerConfig
 
     config = PoolConfig(EngineConfig(SchedulerConfig(), memory_budget=budget), dtype=args.dtype,

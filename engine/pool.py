@@ -3,7 +3,7 @@ unloaded least-recently-used when a new one needs the room or after a keep-alive
 
     pool = EnginePool([ModelSpec("coder", "/models/coder"), ModelSpec("chat", "/models/chat")],
                       PoolConfig(EngineConfig(SchedulerConfig())))
-    client = AsyncPool(pool)        # an engine.api.EngineClient; Request.model picks a model
+    client = AsyncPool(pool)        # engine.pool_client: the EngineClient; Request.model picks
     client.start()
 
 One thread owns MLX, as with a single model (engine.core). Each loaded model keeps its own
@@ -24,13 +24,12 @@ unloaded, one at a time (a model with queued or running rows, or a request about
 never unloaded). Each engine admits rows against the budget less what the other models hold
 (`SharedBudget`). A model whose weights alone exceed the budget is refused (413).
 
-Config and tokenizer are read off the engine thread on first use (`AsyncPool.model_info`) and
-kept across unloads, so the server can tokenize while the weights load.
+Config and tokenizer are read off the engine thread on first use (`AsyncPool.model_info`,
+engine.pool_client) and kept across unloads, so the server can tokenize while the weights load.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import gc
 import json
@@ -38,7 +37,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -49,14 +48,9 @@ from engine.api import (
     MODEL_LOADED,
     MODEL_LOADING,
     MODEL_UNLOADED,
-    EmbeddingRequest,
-    EmbeddingResult,
     EngineError,
-    EngineStats,
     ModelInfo,
     ModelStatus,
-    Request,
-    TokenEvent,
 )
 from engine.core import AsyncEngine, Engine, EngineConfig
 from engine.kv.memory import MemoryBudget, device_memory_bytes
@@ -129,7 +123,9 @@ Waiter = Callable[[AsyncEngine | None, EngineError | None], None]
 
 
 @dataclass(slots=True)
-class _Slot:
+class ModelSlot:
+    """One configured model's state (fields written under the pool's lock)."""
+
     spec: ModelSpec
     default: bool
     keep_alive: float | None
@@ -225,9 +221,9 @@ class EnginePool:
         self.budget = config.engine.memory_budget or int(device_memory_bytes() * 0.75)
         self._engine_config = dataclasses.replace(config.engine, memory_budget=self.budget)
         self._wake = threading.Condition()
-        self.slots = {s.name: _Slot(s, i == 0, config.keep_alive) for i, s in enumerate(specs)}
-        self._queue: deque[_Slot] = deque()
-        self._loading: _Slot | None = None
+        self.slots = {s.name: ModelSlot(s, i == 0, config.keep_alive) for i, s in enumerate(specs)}
+        self._queue: deque[ModelSlot] = deque()
+        self._loading: ModelSlot | None = None
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.on_turn: Callable[[str], None] | None = None  # each engine turn / load unit, by name
@@ -248,7 +244,7 @@ class EnginePool:
         engine = PooledEngine(loaded, dataclasses.replace(self._engine_config), self._wake)
         self._install(slot, loaded, engine, time.monotonic() - t0)
 
-    def _install(self, slot: _Slot, loaded: LoadedModel, engine: PooledEngine, seconds: float) -> None:
+    def _install(self, slot: ModelSlot, loaded: LoadedModel, engine: PooledEngine, seconds: float) -> None:
         client = AsyncEngine(engine)
         client.model.model_id = slot.spec.name
         if slot.info is None:
@@ -274,7 +270,7 @@ class EnginePool:
             self._thread.join(timeout)
             self._thread = None
 
-    def slot(self, name: str | None) -> _Slot:
+    def slot(self, name: str | None) -> ModelSlot:
         """The configured model `name` (None: the default); EngineError 404 otherwise."""
         if name is None:
             return self.default
@@ -284,7 +280,7 @@ class EnginePool:
                               code="model_not_found")
         return slot
 
-    def request_load(self, slot: _Slot, waiter: Waiter) -> AsyncEngine | None:
+    def request_load(self, slot: ModelSlot, waiter: Waiter) -> AsyncEngine | None:
         """The model's client if it is loaded; else `waiter(client, error)` is called on the
         engine thread once its load ends (the load is queued unless it is under way)."""
         with self._wake:
@@ -297,7 +293,7 @@ class EnginePool:
                 self._wake.notify()
             return None
 
-    def pin(self, slot: _Slot, keep_alive: float | None) -> None:
+    def pin(self, slot: ModelSlot, keep_alive: float | None) -> None:
         """A request is on its way into this model: it is not unloaded until `unpin`. The
         request's keep-alive (None: the server's; negative: never) becomes the model's."""
         with self._wake:
@@ -307,7 +303,7 @@ class EnginePool:
             else:
                 slot.keep_alive = None if keep_alive < 0 else keep_alive
 
-    def unpin(self, slot: _Slot) -> None:
+    def unpin(self, slot: ModelSlot) -> None:
         with self._wake:
             slot.pins -= 1
             slot.last_used = time.monotonic()
@@ -391,11 +387,11 @@ class EnginePool:
         if self.on_turn is not None:
             self.on_turn(what)
 
-    def _busy(self, slot: _Slot) -> bool:
+    def _busy(self, slot: ModelSlot) -> bool:
         """Rows queued or running, or a request on its way in (call under `_wake`)."""
         return slot.pins > 0 or (slot.engine is not None and slot.engine.has_pending())
 
-    def _held(self, exclude: _Slot | None = None) -> int:
+    def _held(self, exclude: ModelSlot | None = None) -> int:
         """Bytes the models hold (weights + reserved KV), and the weights of the one loading."""
         total = 0
         for slot in self.slots.values():
@@ -422,7 +418,7 @@ class EnginePool:
                     now - slot.last_used >= self.config.engine.idle_release_s):
                 engine.turn()  # idle: give its memory back
 
-    def _unload(self, slot: _Slot, why: str) -> None:
+    def _unload(self, slot: ModelSlot, why: str) -> None:
         with self._wake:
             engine, slot.engine, slot.client = slot.engine, None, None
         weights = engine.budget.weights if engine is not None else 0
@@ -453,7 +449,7 @@ class EnginePool:
             self._end_load(slot, load_error(slot.spec.name, exc))
         self._traced(f"load:{slot.spec.name}")
 
-    def _load_unit(self, slot: _Slot, load: _Load) -> None:
+    def _load_unit(self, slot: ModelSlot, load: _Load) -> None:
         """Build the model, make room, evaluate a slice of its parameters, or build its engine:
         whichever comes next."""
         if load.loaded is None:
@@ -492,7 +488,7 @@ class EnginePool:
         mx.eval(group)
         load.done_bytes += size
 
-    def _make_room(self, slot: _Slot, need: int) -> bool:
+    def _make_room(self, slot: ModelSlot, need: int) -> bool:
         """Unload least-recently-used idle models until `need` more bytes fit (False: the
         others are busy; the load waits for them)."""
         while self._held(exclude=slot) + need > self.budget:
@@ -505,7 +501,7 @@ class EnginePool:
             self._unload(victim, f"to make room for {slot.spec.name}")
         return True
 
-    def _end_load(self, slot: _Slot, error: EngineError | None) -> None:
+    def _end_load(self, slot: ModelSlot, error: EngineError | None) -> None:
         with self._wake:
             waiters, slot.waiters = slot.waiters, []
             slot.load = None
@@ -526,137 +522,3 @@ class EnginePool:
         for slot in slots:
             slot.queued = False
             self._end_load(slot, error)
-
-
-class AsyncPool:
-    """The `EngineClient` over an `EnginePool`: `Request.model` (None: the default model)
-    picks the model; `submit` waits while it loads."""
-
-    def __init__(self, pool: EnginePool):
-        self.pool = pool
-        default = pool.default
-        assert default.info is not None
-        self.model = default.info
-        self._owners: dict[str, AsyncEngine] = {}
-        self._reading: dict[str, asyncio.Lock] = {}
-
-    def start(self) -> None:
-        self.pool.start()
-
-    def stop(self) -> None:
-        self.pool.stop()
-
-    def list_models(self) -> list[ModelStatus]:
-        return self.pool.statuses()
-
-    async def model_info(self, name: str) -> ModelInfo:
-        slot = self.pool.slot(name)
-        if slot.info is not None:
-            return slot.info
-        lock = self._reading.setdefault(name, asyncio.Lock())
-        async with lock:  # one read per model, however many requests ask at once
-            if slot.info is None:
-                slot.reading = True
-                try:
-                    slot.info = await asyncio.to_thread(self._read, slot)
-                finally:
-                    slot.reading = False
-        return slot.info
-
-    def _read(self, slot: _Slot) -> ModelInfo:
-        spec = slot.spec
-        try:
-            files = read_model_files(spec.source, chat_template=spec.chat_template,
-                                     revision=spec.revision)
-        except Exception as exc:
-            log.error("reading model %s (%s) failed: %s: %s", spec.name, spec.source,
-                      type(exc).__name__, exc)
-            error = load_error(spec.name, exc)
-            slot.error = error.message
-            raise error from None
-        slot.files = files
-        return info_of(files, [a for a, _ in spec.adapters])
-
-    async def _ready(self, slot: _Slot) -> AsyncEngine:
-        """The model's client, once it is loaded (the wait is part of the request's TTFT)."""
-        await self.model_info(slot.spec.name)
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[AsyncEngine] = loop.create_future()
-
-        def settle(client: AsyncEngine | None, error: EngineError | None) -> None:
-            if future.done():
-                return
-            if error is not None or client is None:
-                future.set_exception(error or EngineError("the model was unloaded", status=503))
-            else:
-                future.set_result(client)
-
-        def waiter(client: AsyncEngine | None, error: EngineError | None) -> None:
-            try:  # runs on the engine thread
-                loop.call_soon_threadsafe(settle, client, error)
-            except RuntimeError:  # the event loop is gone
-                pass
-
-        client = self.pool.request_load(slot, waiter)
-        return client if client is not None else await future
-
-    async def submit(self, request: Request) -> AsyncIterator[TokenEvent]:
-        slot = self.pool.slot(request.model)
-        if not request.arrival_time:
-            request.arrival_time = time.time()
-        self.pool.pin(slot, request.keep_alive)
-        try:
-            client = await self._ready(slot)
-            stream = await client.submit(request)
-        finally:
-            self.pool.unpin(slot)
-        self._owners[request.req_id] = client
-        return self._tracked(request.req_id, stream)
-
-    async def _tracked(self, req_id: str, stream: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
-        try:
-            async for event in stream:
-                yield event
-        finally:
-            self._owners.pop(req_id, None)
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                await aclose()  # an unfinished stream aborts its row
-
-    def abort(self, req_id: str) -> None:
-        client = self._owners.pop(req_id, None)
-        if client is not None:
-            client.abort(req_id)
-
-    async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
-        slot = self.pool.slot(request.model)
-        self.pool.pin(slot, None)
-        try:
-            client = await self._ready(slot)
-            job = client.embed(request)
-            # the row is queued on the engine's inbox as soon as `embed` starts running
-            task = asyncio.ensure_future(job)
-            await asyncio.sleep(0)
-        finally:
-            self.pool.unpin(slot)
-        return await task
-
-    def stats(self) -> EngineStats:
-        """The engines' figures added up; memory: the shared budget and every model's weights."""
-        parts = [e.stats() for e in self.pool.engines()]
-        if not parts:
-            out = EngineStats()
-            out.memory.budget_bytes = self.pool.budget
-            return out
-        out = parts[0]
-        for s in parts[1:]:
-            for key in ("num_running", "num_waiting", "num_prefilling", "num_queued",
-                        "active_requests", "kv_bytes", "num_steps", "num_generated_tokens",
-                        "num_prompt_tokens"):
-                setattr(out, key, getattr(out, key) + getattr(s, key))
-            for layout, n in s.kv_bytes_by_layout.items():
-                out.kv_bytes_by_layout[layout] = out.kv_bytes_by_layout.get(layout, 0) + n
-            out.memory.weights_bytes += s.memory.weights_bytes
-            out.last_error = out.last_error or s.last_error
-        out.memory.budget_bytes = self.pool.budget
-        return out

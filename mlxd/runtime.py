@@ -96,7 +96,8 @@ def _engine_config(opts: dict[str, Any]) -> Any:
 def _pool_client(opts: dict[str, Any], config: Any, adapters: list[tuple[str, str]]) -> Any:
     """Several models by name (engine.pool): the first loads now, the others on first use."""
     from engine.lora import AdapterError
-    from engine.pool import AsyncPool, EnginePool, ModelSpec, PoolConfig
+    from engine.pool import EnginePool, ModelSpec, PoolConfig
+    from engine.pool_client import AsyncPool
     from mlxd import model_source
 
     specs = [

@@ -32,7 +32,8 @@ from engine.api import (
 )
 from engine.core import AsyncEngine, Engine, EngineConfig
 from engine.loader import load_model
-from engine.pool import AsyncPool, EnginePool, ModelSpec, PoolConfig
+from engine.pool import EnginePool, ModelSpec, PoolConfig
+from engine.pool_client import AsyncPool
 from engine.scheduler import SchedulerConfig
 from mlxd import DEFAULT_MODEL_DIR
 from tests.model_dirs import bad_config_dir, no_weights_dir, tiny_model_dir
