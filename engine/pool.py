@@ -210,8 +210,7 @@ class EnginePool:
     """The models and the one thread that drives their engines (thread-safe entry points:
     `request_load`, `pin`, `unpin`, `statuses`, `stop`)."""
 
-    def __init__(self, specs: Sequence[ModelSpec], config: PoolConfig,
-                 default_files: ModelFiles | None = None):
+    def __init__(self, specs: Sequence[ModelSpec], config: PoolConfig):
         if not specs:
             raise ValueError("no models to serve")
         names = [s.name for s in specs]
@@ -228,23 +227,24 @@ class EnginePool:
         self._thread: threading.Thread | None = None
         self.on_turn: Callable[[str], None] | None = None  # each engine turn / load unit, by name
         self.default = self.slots[specs[0].name]
-        self._load_default(default_files)
+        self._load_default()
 
     # -- start-up ----------------------------------------------------------------------------
-    def _load_default(self, files: ModelFiles | None) -> None:
+    def _load_default(self) -> None:
         """The default model loads before serving (with the warm-up, if configured), on the
         caller's thread, as a single engine does."""
         slot = self.default
         t0 = time.monotonic()
         spec = slot.spec
-        slot.files = files or read_model_files(spec.source, chat_template=spec.chat_template,
-                                               revision=spec.revision)
+        slot.files = read_model_files(spec.source, chat_template=spec.chat_template,
+                                      revision=spec.revision)
         loaded = build_model(slot.files, dtype=self.config.dtype, adapters=spec.adapters)
         mx.eval(loaded.model.parameters())
         engine = PooledEngine(loaded, dataclasses.replace(self._engine_config), self._wake)
-        self._install(slot, loaded, engine, time.monotonic() - t0)
+        self._install(slot, engine, time.monotonic() - t0)
 
-    def _install(self, slot: ModelSlot, loaded: LoadedModel, engine: PooledEngine, seconds: float) -> None:
+    def _install(self, slot: ModelSlot, engine: PooledEngine, seconds: float) -> None:
+        """The model is loaded: requests may join its engine."""
         client = AsyncEngine(engine)
         client.model.model_id = slot.spec.name
         if slot.info is None:
@@ -473,8 +473,7 @@ class EnginePool:
             return
         engine = PooledEngine(load.loaded, dataclasses.replace(self._engine_config, warmup=False),
                               self._wake)
-        loaded, seconds = load.loaded, time.monotonic() - load.started
-        self._install(slot, loaded, engine, seconds)
+        self._install(slot, engine, time.monotonic() - load.started)
         self._end_load(slot, None)
 
     def _eval_slice(self, load: _Load) -> None:

@@ -131,17 +131,14 @@ class AsyncPool:
             client.abort(req_id)
 
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
+        """The model stays pinned (never unloaded) until its vectors are back."""
         slot = self.pool.slot(request.model)
         self.pool.pin(slot, None)
         try:
             client = await self._ready(slot)
-            job = client.embed(request)
-            # the row is queued on the engine's inbox as soon as `embed` starts running
-            task = asyncio.ensure_future(job)
-            await asyncio.sleep(0)
+            return await client.embed(request)
         finally:
             self.pool.unpin(slot)
-        return await task
 
     def stats(self) -> EngineStats:
         """The engines' figures added up; memory: the shared budget and every model's weights."""
