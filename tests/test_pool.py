@@ -247,7 +247,8 @@ def test_a_busy_model_is_not_unloaded_for_another(dirs):
                 client, greedy("long", PROMPTS[0], 300, "a", ignore_eos=True)))
             while "a" not in trace:
                 await asyncio.sleep(0.005)
-            return await long_a, await tokens_of(client, greedy("b", PROMPTS[0], 4, "b"))
+            got_b = await tokens_of(client, greedy("b", PROMPTS[0], 4, "b"))
+            return await long_a, got_b
 
         got_a, got_b = run(go())
         client.pool.on_turn = None
