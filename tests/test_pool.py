@@ -80,8 +80,9 @@ async def tokens_of(client: Any, request: Request) -> list[int]:
     return out
 
 
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
+def run(coro: Any, timeout: float = 120) -> Any:
+    """A regression that loses rows fails here instead of hanging the suite."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
 def alone(path: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
