@@ -250,8 +250,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    "that replaces the tokenizer's")
     g.add_argument("--adapter", dest="adapters", action="append", type=_adapter, default=[],
                    metavar="NAME=PATH",
-                   help="a LoRA adapter (mlx-lm's adapter directory) served on the model as "
-                        "model NAME; repeat for more (docs/adapters.md)")
+                   help="a LoRA adapter (mlx-lm's adapter directory) served on the model (the "
+                        "first one, with several) as model NAME; repeat for more "
+                        "(docs/adapters.md)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype; auto = float32 on a CPU, the checkpoint's dtype elsewhere")
     g.add_argument("--blas", type=_blas, default=None,
@@ -309,8 +310,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--prefix-cache-bytes", type=_size(0), default="1GiB",
                    help="prefix cache budget (LRU), e.g. 512MiB; 0 disables it")
     g.add_argument("--memory-budget", type=_size(1), default=None,
-                   help="weights + KV + prefill budget for admission (default: 75%% of device "
-                        "memory); requests that cannot fit are queued or refused (413/503)")
+                   help="weights + KV + prefill budget for admission, shared by every loaded "
+                        "model (default: 75%% of device memory); requests that cannot fit are "
+                        "queued or refused (413/503)")
     g.add_argument("--mlx-cache-limit", type=_size(0), default=None,
                    help="bytes of freed MLX buffers kept for reuse, e.g. 256MiB; 0 = none "
                         "(default: MLX's own limit, at most a tenth of --memory-budget); the "
