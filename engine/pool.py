@@ -94,12 +94,19 @@ class SharedBudget(MemoryBudget):
 
 
 class PooledEngine(Engine):
-    """An `Engine` driven by the pool's thread, under a `SharedBudget`."""
+    """An `Engine` driven by the pool's thread, under a `SharedBudget` (its embedding batches
+    too: they fit next to what the other models hold)."""
 
     def _new_budget(self, model: Any, budget: int | None, kv_kwargs: dict[str, Any]) -> MemoryBudget:
         shared = cast(SharedBudget, SharedBudget.for_model(model, budget, kv_kwargs))
         shared.held_by_others = 0
         return shared
+
+    def _embed_step(self) -> None:
+        decoding = bool(self.runner.in_flight or self.scheduler.has_work())
+        held = self.scheduler.reserved_bytes() + cast(SharedBudget, self.budget).held_by_others
+        if self.embedder.step(held, decoding):
+            self._steps_since_release += 1
 
 
 @dataclass(slots=True)

@@ -343,3 +343,18 @@ def test_a_name_not_configured_is_a_404_without_file_access(dirs):
             assert ei.value.status == ej.value.status == 404 and ei.value.code == "model_not_found"
             assert not [p for p in seen if name in p or str(dirs["b"]) in p], seen
         assert state_of(client, "a") == MODEL_LOADED
+
+
+def test_shared_budget_admits_rows_next_to_what_the_other_models_hold():
+    """A row fits when this model's weights and KV plus the other models' holdings fit; a
+    request that fits with the model alone is never refused for them (fits_alone)."""
+    from engine.kv.memory import ModelFootprint
+    from engine.pool import SharedBudget
+
+    budget = SharedBudget(budget=100, weights=10, footprint=ModelFootprint(()))
+    budget.held_by_others = 0
+    assert budget.fits(reserved=30, extra=20, prefill_tokens=0)
+    budget.held_by_others = 50
+    assert not budget.fits(reserved=30, extra=20, prefill_tokens=0)
+    assert budget.fits(reserved=0, extra=20, prefill_tokens=0)
+    assert budget.fits_alone(num_prompt_tokens=1, max_new_tokens=1, prefill_tokens=1)
