@@ -120,6 +120,7 @@ class _Load:
     done_bytes: int = 0
     total_bytes: int = 0
     waiting_for_room: bool = False
+    said_waiting: bool = False  # the log line about it is written once
 
     @property
     def progress(self) -> float:
@@ -246,6 +247,9 @@ class EnginePool:
         slot.files = read_model_files(spec.source, chat_template=spec.chat_template,
                                       revision=spec.revision)
         loaded = build_model(slot.files, dtype=self.config.dtype, adapters=spec.adapters)
+        flat = cast(list[tuple[str, mx.array]], tree_flatten(loaded.model.parameters()))
+        log.info("loading model %s from %s (%s of weights)", spec.name, slot.files.path,
+                 size_text(_weights_bytes([p for _, p in flat])))
         mx.eval(loaded.model.parameters())
         engine = PooledEngine(loaded, dataclasses.replace(self._engine_config), self._wake)
         self._install(slot, engine, time.monotonic() - t0)
@@ -474,6 +478,11 @@ class EnginePool:
             return
         if load.waiting_for_room:
             load.waiting_for_room = not self._make_room(slot, load.total_bytes)
+            if load.waiting_for_room and not load.said_waiting:
+                load.said_waiting = True
+                log.info("model %s waits for room: the loaded models are busy and hold %s of "
+                         "the %s budget", slot.spec.name, size_text(self._held(exclude=slot)),
+                         size_text(self.budget))
             return
         if load.next_param < len(load.params):
             self._eval_slice(load)

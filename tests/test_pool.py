@@ -231,8 +231,10 @@ def test_least_recently_used_idle_model_makes_room_and_reloads(dirs, caplog):
                        f"unloaded model b (to make room for a), {w / 2**20:.1f} MiB of weights freed"]
 
 
-def test_a_busy_model_is_not_unloaded_for_another(dirs):
-    """A load that needs the room of a model with running rows waits until they finish."""
+def test_a_busy_model_is_not_unloaded_for_another(dirs, caplog):
+    """A load that needs the room of a model with running rows waits until they finish (and
+    says so once in the log)."""
+    caplog.set_level(logging.INFO, logger="mlxd.engine")
     from mlx.utils import tree_flatten
 
     w = sum(int(v.nbytes) for _, v in
@@ -259,6 +261,8 @@ def test_a_busy_model_is_not_unloaded_for_another(dirs):
     assert trace.index("load:b") < last_a  # b's load began (and waited) while a was decoding
     assert last_a < first_b  # b's rows ran only after a's had finished and a was unloaded
     assert state_of(client, "a") == MODEL_UNLOADED
+    waits = [r.getMessage() for r in caplog.records if "waits for room" in r.getMessage()]
+    assert len(waits) == 1 and waits[0].startswith("model b waits for room"), waits
 
 
 def test_keep_alive_unloads_an_idle_model(dirs):
