@@ -15,6 +15,7 @@
     wide-twin    a wider, deeper llama checkpoint that computes its source's logits
     models       every mlx-lm text architecture on a tiny model: load, exactness, prefix, n-gram
     tp           one process vs --tensor-parallel N: decode tok/s, communication share
+    switch       several models by name: time to switch (unload + load), decode gaps while loading
 
 Each subcommand writes its JSON and PNG into `--out DIR` (default `.bench/<subcommand>-<time>/`,
 ignored by git). docs/benchmarks.md has the current numbers and the commands that made them.
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         qmm,
         spec,
         sweep,
+        switch,
         tp,
         trellis,
         widetwin,
@@ -47,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
     for module in (sweep, agent, coldstart, spec, kv, constrained, trellis, qmm, plot, modelprep,
-                   widetwin, models, tp):
+                   widetwin, models, tp, switch):
         module.add_parsers(sub)
     return parser
 

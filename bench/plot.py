@@ -30,6 +30,7 @@ PLOTTERS = {
     "trellis-quality": "bench.trellis_quality:plot",
     "trellis-sweep": "bench.trellis_sweep:plot",
     "qmm": "bench.qmm:plot",
+    "switch": "bench.switch:plot",
 }
 
 COLORS = ["#1f77b4", "#d62728", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b"]

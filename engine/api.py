@@ -11,10 +11,16 @@ calling `client.abort(req_id)` frees the row within one engine step.
 Embeddings: `await client.embed(EmbeddingRequest(req_id, inputs))` returns one unit-length
 float32 vector per input (`EmbeddingResult`); cancelling the await drops the request's rows that
 have not run yet.
+
+Several models: `Request.model` names one of `client.list_models()` (None: the default model);
+`await client.model_info(name)` gives its tokenizer without loading its weights, and `submit`
+waits while the model loads (engine.pool).
 """
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -63,6 +69,10 @@ class Request:
     priority: int = 0  # lower runs first among waiting requests
     arrival_time: float = 0.0
     adapter: str | None = None  # a LoRA adapter served with the model, by name (None: the base)
+    model: str | None = None  # the served model, by name (None: the default model)
+    # seconds the model stays loaded once idle after this request (None: the server's
+    # --keep-alive; 0: unload when idle; negative: never unload for idleness)
+    keep_alive: float | None = None
 
 
 @dataclass(slots=True)
@@ -87,6 +97,7 @@ class EmbeddingRequest:
     inputs: list[list[int]]
     dimensions: int | None = None  # truncate (Matryoshka) to this size and renormalise
     arrival_time: float = 0.0
+    model: str | None = None  # the served model, by name (None: the default model)
 
 
 @dataclass(slots=True)
@@ -205,6 +216,53 @@ class ModelInfo:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive_seconds(value: float | int | str) -> float:
+    """A keep-alive as Ollama takes it → seconds: a number of seconds (300, "300"), or a
+    duration ("90s", "5m", "1h30m"); negative → -1.0 (never unloaded for idleness).
+    ValueError for anything else."""
+    if isinstance(value, bool):
+        raise ValueError(value)
+    if isinstance(value, str):
+        text = value.strip()
+        sign, body = (-1.0, text[1:]) if text.startswith("-") else (1.0, text.lstrip("+"))
+        try:
+            seconds = sign * float(body)
+        except ValueError:
+            parts = _DURATION.findall(body)
+            if not body or "".join(n + u for n, u in parts) != body:
+                raise ValueError(value) from None
+            seconds = sign * sum(float(n) * _UNIT_S[u] for n, u in parts)
+    else:
+        seconds = float(value)
+    if not math.isfinite(seconds):
+        raise ValueError(value)
+    return -1.0 if seconds < 0 else seconds
+
+
+MODEL_LOADED = "loaded"
+MODEL_LOADING = "loading"
+MODEL_UNLOADED = "unloaded"
+
+
+@dataclass(slots=True)
+class ModelStatus:
+    """One configured model as `EngineClient.list_models` reports it."""
+
+    name: str
+    state: str  # MODEL_LOADED, MODEL_LOADING or MODEL_UNLOADED
+    progress: float | None = None  # 0..1 of the weights read while loading
+    weights_bytes: int = 0  # while loaded (or loading: what it will hold)
+    load_seconds: float | None = None  # the last load's duration
+    idle_seconds: float | None = None  # loaded and idle for this long
+    keep_alive: float | None = None  # seconds idle before it is unloaded (None: never)
+    error: str | None = None  # why the last load failed, if it did
+    default: bool = False  # requests without `model` (or with the default's aliases) run here
+
+
 @runtime_checkable
 class EngineClient(Protocol):
     model: ModelInfo
@@ -220,6 +278,16 @@ class EngineClient(Protocol):
     def abort(self, req_id: str) -> None: ...
 
     def stats(self) -> EngineStats: ...
+
+    def list_models(self) -> list[ModelStatus]:
+        """Every configured model, the default first (thread-safe, no file access)."""
+        ...
+
+    async def model_info(self, name: str) -> ModelInfo:
+        """A configured model's tokenizer, template and limits (read on first use, without its
+        weights). Raises EngineError: 404 for a name not configured (no file is touched for
+        it), 503 `model_load_failed` for a model whose files cannot be read."""
+        ...
 
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
         """The inputs' embeddings. Raises EngineError (an empty input or one longer than the

@@ -34,6 +34,7 @@ import mlx.core as mx
 from engine.api import (
     FINISH_ABORT,
     FINISH_ERROR,
+    MODEL_LOADED,
     EmbeddingRequest,
     EmbeddingResult,
     EngineError,
@@ -41,6 +42,7 @@ from engine.api import (
     EngineStats,
     MemoryStats,
     ModelInfo,
+    ModelStatus,
     Request,
     TokenEvent,
 )
@@ -86,7 +88,10 @@ WARM_DECODE_ROWS = 16  # the warm-up runs the decode batch at 1..this many rows
 class Engine:
     """Owns MLX on one thread. Thread-safe entry points: `add`, `abort`, `stats`, `stop`."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
+                 wake: threading.Condition | None = None):
+        """`wake`: the condition (and lock) of the thread that drives this engine; engine.pool
+        gives its engines one shared condition and drives them from its one thread."""
         self.loaded = loaded
         self.config = cfg = config or EngineConfig(SchedulerConfig())
         chunk = cfg.scheduler.prefill_chunk
@@ -105,7 +110,7 @@ class Engine:
         )
         self.runner = Runner(model, kv, self.spec, self.prefix)
         # after the runner's start-up checks: this runs the first forward
-        self.budget = MemoryBudget.for_model(
+        self.budget = self._new_budget(
             model, cfg.memory_budget,
             dict(kv_bits=kv.kv_bits, kv_group_size=kv.kv_group_size, max_kv_size=kv.max_kv_size),
         )
@@ -121,7 +126,7 @@ class Engine:
         self._release_seconds = 0.0
         self._sinks: dict[str, EventSink] = {}
         self._inbox: deque[tuple[str, Any]] = deque()
-        self._wake = threading.Condition()
+        self._wake = wake or threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._last_error: str | None = None
@@ -379,30 +384,47 @@ class Engine:
             with self._wake:
                 # with memory to give back, wait for work only idle_release_s, then release it
                 wait_s = self.config.idle_release_s if self._steps_since_release else None
-                while not (self._inbox or self._has_work() or self._stopping):
+                while not (self.has_pending() or self._stopping):
                     if not self._wake.wait(wait_s):
                         break
                 if self._stopping:
                     break
-            if not (self._inbox or self._has_work()):
-                self._release_memory()  # idle: give back what the last burst left behind
-                self._publish()
-                continue
-            try:
-                self._drain_inbox()
-                if self.runner.in_flight or self.scheduler.has_work():
-                    self._step()
-                if self.embedder.has_work():
-                    self._embed_step()
-            except Exception as exc:  # a bug must not kill the server: fail the rows, go on
-                log.exception("engine step failed")
-                self._last_error = f"{type(exc).__name__}: {exc}"
-                self._fail_all(self._last_error)
-            if not self._has_work() or time.monotonic() - self._snapshot_at >= SNAPSHOT_EVERY_S:
-                self._publish()
+            self.turn()
+        self.shutdown()
+
+    def has_pending(self) -> bool:
+        """Admissions, aborts or rows to run (the caller holds `_wake` for an exact answer)."""
+        return bool(self._inbox) or self._has_work()
+
+    def turn(self) -> None:
+        """Engine thread: admissions and aborts, one step, one embedding batch; with nothing to
+        do, give idle memory back."""
+        if not self.has_pending():
+            self._release_memory()  # idle: give back what the last burst left behind
+            self._publish()
+            return
+        try:
+            self._drain_inbox()
+            if self.runner.in_flight or self.scheduler.has_work():
+                self._step()
+            if self.embedder.has_work():
+                self._embed_step()
+        except Exception as exc:  # a bug must not kill the server: fail the rows, go on
+            log.exception("engine step failed")
+            self._last_error = f"{type(exc).__name__}: {exc}"
+            self._fail_all(self._last_error)
+        if not self._has_work() or time.monotonic() - self._snapshot_at >= SNAPSHOT_EVERY_S:
+            self._publish()
+
+    def shutdown(self) -> None:
+        """Engine thread, at the end: every request still open ends (abort)."""
         self._fail_all("the engine is shutting down", reason=FINISH_ABORT)
         self._fail_embeddings("the engine is shutting down")
         self._publish()
+
+    def _new_budget(self, model: Any, budget: int | None, kv_kwargs: dict[str, Any]) -> MemoryBudget:
+        """The memory admission this engine runs under (engine.pool shares one among models)."""
+        return MemoryBudget.for_model(model, budget, kv_kwargs)
 
     def _has_work(self) -> bool:
         return self.runner.in_flight or self.scheduler.has_work() or self.embedder.has_work()
@@ -573,6 +595,17 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def list_models(self) -> list[ModelStatus]:
+        """The one model, always loaded."""
+        return [ModelStatus(self.model.model_id, MODEL_LOADED, default=True,
+                            weights_bytes=self.engine.budget.weights)]
+
+    async def model_info(self, name: str) -> ModelInfo:
+        if name != self.model.model_id:
+            raise EngineError(f"The model '{name}' does not exist.", status=404,
+                              code="model_not_found")
+        return self.model
 
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
         """Queue `request` on the engine thread and wait for its vectors; cancelling the wait

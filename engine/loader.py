@@ -86,6 +86,88 @@ def _context_length(config: dict[str, Any], tokenizer: Any) -> int:
     return 4096
 
 
+@dataclass(slots=True)
+class ModelFiles:
+    """What a model directory says without its weights: config, tokenizer, template, limits.
+    Reading it touches no MLX, so it may run on any thread (engine.pool reads it off the engine
+    thread)."""
+
+    path: Path
+    model_id: str
+    config: dict[str, Any]
+    tokenizer: Any  # transformers tokenizer
+    eos_token_ids: tuple[int, ...]
+    context_length: int
+    chat_template: str | None
+    vocab_size: int
+
+
+def read_model_files(model: str, *, chat_template: str | None = None,
+                     revision: str | None = None) -> ModelFiles:
+    """`model` (a directory or repo id) → its config and tokenizer (FileNotFoundError when the
+    directory or its config.json is missing)."""
+    from mlx_lm.utils import load_config, load_tokenizer
+
+    path, model_id = resolve_model_path(model, revision)
+    config = load_config(path)
+    wrapper = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    hf_tok = wrapper._tokenizer
+    template = chat_template
+    if template is not None and Path(template).is_file():
+        template = Path(template).read_text()
+    eos = tuple(sorted(int(t) for t in wrapper.eos_token_ids))
+    vocab = int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") or len(hf_tok))
+    return ModelFiles(path, model_id, config, hf_tok, eos, _context_length(config, hf_tok), template,
+                      vocab)
+
+
+def build_model(files: ModelFiles, *, dtype: str = "auto",
+                adapters: Sequence[tuple[str, str]] = (),
+                prepare: Callable[[nn.Module], None] | None = None) -> LoadedModel:
+    """The model of `files` with its parameters not yet read: `mx.eval` them (all at once, or a
+    slice at a time as engine.pool does) before the first forward. Trellis dirs are read here.
+    `prepare` (sharding) runs on the lazily built model, before anything is read."""
+    from mlx_lm.utils import load_model as mlx_load_model
+
+    config = files.config
+    quant = config.get("quantization") or {}
+    if isinstance(quant, dict) and quant.get("method") == "trellis":
+        # a weight format mlx-lm does not know: the kernels plugin builds the model
+        from kernels.trellis import load_model as trellis_load
+
+        if prepare is not None:
+            raise ValueError("trellis-quantized models cannot be sharded across ranks")
+        net, config = trellis_load(files.path)
+    else:
+        net, config = mlx_load_model(files.path, lazy=True)
+        if prepare is not None:
+            prepare(net)
+    want = pick_dtype(dtype)
+    if want is not None:
+        net.set_dtype(want)
+    fewrow.install(net)  # CUDA only: 3..16-row matmuls as one gathered gemv, engine/fewrow.py
+    cuda_guard.install(net)  # CUDA only: RoPE modules that slice inputs MLX-CUDA cannot launch
+    cuda_guard.install_attention(net)  # CUDA only: 2..16-query attention (verify) on plain ops
+    affine_linear.install(net)  # CUDA only: few-row quantized matmuls (kernels/affine)
+    served = lora.load(net, adapters)  # after the dtype and the swaps: wraps the final classes
+    params = [p for _, p in cast(list[tuple[str, mx.array]], tree_flatten(net.parameters()))]
+    dtypes = sorted({str(p.dtype) for p in params if mx.issubdtype(p.dtype, mx.floating)})
+    return LoadedModel(
+        model=net,
+        tokenizer=files.tokenizer,
+        config=config,
+        path=files.path,
+        model_id=files.model_id,
+        eos_token_ids=files.eos_token_ids,
+        context_length=files.context_length,
+        chat_template=files.chat_template,
+        dtype=",".join(d.replace("mlx.core.", "") for d in dtypes),
+        vocab_size=files.vocab_size,
+        extra={"loaded_at": int(time.time()), "config": json.loads(json.dumps(config, default=str)),
+               "adapters": list(served.names) if served is not None else []},
+    )
+
+
 def load_model(
     model: str,
     *,
@@ -99,52 +181,7 @@ def load_model(
     pairs of mlx-lm LoRA adapters served on top of it (engine/lora.py; a misfit raises
     `engine.lora.AdapterError`). `prepare` is called on the model before its weights are read
     (tensor or pipeline sharding, engine/distributed.py): only what it keeps is loaded."""
-    from mlx_lm.utils import load_config, load_tokenizer
-    from mlx_lm.utils import load_model as mlx_load_model
-
-    path, model_id = resolve_model_path(model, revision)
-    config = load_config(path)
-    quant = config.get("quantization") or {}
-    if isinstance(quant, dict) and quant.get("method") == "trellis":
-        # a weight format mlx-lm does not know: the kernels plugin builds the model
-        from kernels.trellis import load_model as trellis_load
-
-        if prepare is not None:
-            raise ValueError("trellis-quantized models cannot be sharded across ranks")
-        net, config = trellis_load(path)
-    else:
-        net, config = mlx_load_model(path, lazy=prepare is not None)
-        if prepare is not None:
-            prepare(net)
-    want = pick_dtype(dtype)
-    if want is not None:
-        net.set_dtype(want)
-    fewrow.install(net)  # CUDA only: 3..16-row matmuls as one gathered gemv, engine/fewrow.py
-    cuda_guard.install(net)  # CUDA only: RoPE modules that slice inputs MLX-CUDA cannot launch
-    cuda_guard.install_attention(net)  # CUDA only: 2..16-query attention (verify) on plain ops
-    affine_linear.install(net)  # CUDA only: 1..16-row quantized matmuls, one kernel (kernels/affine)
-    served = lora.load(net, adapters)  # after the dtype and the swaps: wraps the final classes
-    wrapper = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    hf_tok = wrapper._tokenizer
-    template = chat_template
-    if template is not None and Path(template).is_file():
-        template = Path(template).read_text()
-    eos = tuple(sorted(int(t) for t in wrapper.eos_token_ids))
-    vocab = int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") or len(hf_tok))
-    mx.eval(net.parameters())
-    params = [p for _, p in cast(list[tuple[str, mx.array]], tree_flatten(net.parameters()))]
-    dtypes = sorted({str(p.dtype) for p in params if mx.issubdtype(p.dtype, mx.floating)})
-    return LoadedModel(
-        model=net,
-        tokenizer=hf_tok,
-        config=config,
-        path=path,
-        model_id=model_id,
-        eos_token_ids=eos,
-        context_length=_context_length(config, hf_tok),
-        chat_template=template,
-        dtype=",".join(d.replace("mlx.core.", "") for d in dtypes),
-        vocab_size=vocab,
-        extra={"loaded_at": int(time.time()), "config": json.loads(json.dumps(config, default=str)),
-               "adapters": list(served.names) if served is not None else []},
-    )
+    files = read_model_files(model, chat_template=chat_template, revision=revision)
+    loaded = build_model(files, dtype=dtype, adapters=adapters, prepare=prepare)
+    mx.eval(loaded.model.parameters())
+    return loaded

@@ -155,12 +155,96 @@ def _adapter(value: str) -> tuple[str, str]:
     return name.strip(), path.strip()
 
 
+def _model_arg(value: str) -> tuple[str | None, str]:
+    """--model DIR (unnamed) or NAME=DIR; a name holds no '/' (so 'a/b=c' is a path)."""
+    name, sep, path = value.partition("=")
+    if sep and name.strip() and "/" not in name:
+        if not path.strip():
+            raise argparse.ArgumentTypeError(f"{value!r}: expected NAME=DIR_OR_REPO")
+        return name.strip(), path.strip()
+    if not value.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return None, value.strip()
+
+
+def _models_dir(value: str) -> str:
+    if not os.path.isdir(value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a directory")
+    return value
+
+
+def _keep_alive(value: str) -> float:
+    from engine.api import keep_alive_seconds  # imports no mlx
+
+    try:
+        return keep_alive_seconds(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected seconds or a duration such as 90s, 5m or 1h30m, got {value!r}") from None
+
+
+def models_in(directory: str) -> list[tuple[str, str]]:
+    """(folder name, path) of every subfolder of `directory` that holds a config.json, sorted."""
+    found = []
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        if entry.is_dir() and os.path.isfile(os.path.join(entry.path, "config.json")):
+            found.append((entry.name, entry.path))
+    return found
+
+
+def _split_models(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--model / --models-dir → `args.model` (one plain model: a DIR_OR_REPO, or None for the
+    bundled one) and `args.models` ((name, source) pairs, the default first; [] for one plain
+    model)."""
+    given: list[tuple[str | None, str]] = list(args.model_args)
+    several = (len(given) > 1 or any(n for n, _ in given) or args.models_dir is not None
+               or args.keep_alive is not None)
+    args.model = given[0][1] if given else None
+    args.models = []
+    if not several:
+        return
+    pairs = [(n or os.path.basename(os.path.normpath(src)), src) for n, src in given]
+    if args.models_dir is not None:
+        found = models_in(args.models_dir)
+        if not found:
+            parser.error(f"argument --models-dir: no subfolder of {args.models_dir} holds a "
+                         "config.json")
+        pairs += [p for p in found if p not in pairs]
+    if not pairs:  # only --keep-alive: the bundled model, by its name
+        from mlxd import DEFAULT_MODEL_NAME
+
+        pairs = [(DEFAULT_MODEL_NAME, "")]
+    names = [n for n, _ in pairs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        parser.error(f"argument --model: the name {twice[0]!r} is given to two models; name "
+                     "them apart with NAME=DIR")
+    if args.served_model_name:
+        parser.error("argument --served-model-name: with several models each is served by its "
+                     "NAME (--model NAME=DIR)")
+    if args.draft_model:
+        parser.error("argument --draft-model: a draft model serves one model; not with several "
+                     "(--spec ngram works with any)")
+    args.models = pairs
+    args.model = pairs[0][1] or None
+
+
 def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="start the HTTP server", formatter_class=_Formatter,
                        description="Start the OpenAI- and Anthropic-compatible HTTP server.")
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, help="local model directory or Hugging Face repo id "
-                   "(default: the bundled tinycoder-16m)")
+    g.add_argument("--model", dest="model_args", action="append", type=_model_arg, default=[],
+                   metavar="[NAME=]DIR_OR_REPO",
+                   help="local model directory or Hugging Face repo id (default: the bundled "
+                        "tinycoder-16m); repeat as NAME=DIR to serve several models by name, "
+                        "loaded on first use (docs/models.md)")
+    g.add_argument("--models-dir", type=_models_dir, default=None, metavar="DIR",
+                   help="serve every subfolder of DIR that holds a config.json, named by the "
+                        "folder, loaded on first use")
+    g.add_argument("--keep-alive", type=_keep_alive, default=None, metavar="DURATION",
+                   help="with several models: unload a model idle this long (seconds, or 90s, "
+                        "5m, 1h; default: never, only to make room under --memory-budget); a "
+                        "request may set its own keep_alive")
     g.add_argument("--revision", default=None, help="Hugging Face revision (branch, tag, commit)")
     g.add_argument("--served-model-name", type=_nonempty, default=None,
                    help="model name reported by the API (default: the model directory's name)")
@@ -168,8 +252,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    "that replaces the tokenizer's")
     g.add_argument("--adapter", dest="adapters", action="append", type=_adapter, default=[],
                    metavar="NAME=PATH",
-                   help="a LoRA adapter (mlx-lm's adapter directory) served on the model as "
-                        "model NAME; repeat for more (docs/adapters.md)")
+                   help="a LoRA adapter (mlx-lm's adapter directory) served on the model (the "
+                        "first one, with several) as model NAME; repeat for more "
+                        "(docs/adapters.md)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype; auto = float32 on a CPU, the checkpoint's dtype elsewhere")
     g.add_argument("--blas", type=_blas, default=None,
@@ -227,8 +312,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--prefix-cache-bytes", type=_size(0), default="1GiB",
                    help="prefix cache budget (LRU), e.g. 512MiB; 0 disables it")
     g.add_argument("--memory-budget", type=_size(1), default=None,
-                   help="weights + KV + prefill budget for admission (default: 75%% of device "
-                        "memory); requests that cannot fit are queued or refused (413/503)")
+                   help="weights + KV + prefill budget for admission, shared by every loaded "
+                        "model (default: 75%% of device memory); requests that cannot fit are "
+                        "queued or refused (413/503)")
     g.add_argument("--mlx-cache-limit", type=_size(0), default=None,
                    help="bytes of freed MLX buffers kept for reuse, e.g. 256MiB; 0 = none "
                         "(default: MLX's own limit, at most a tenth of --memory-budget); the "
@@ -258,6 +344,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 
 def _check_combinations(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Checks that involve two flags or the environment (after each flag's own check)."""
+    _split_models(parser, args)
     if args.spec == "draft" and not args.draft_model:
         parser.error("argument --spec: draft needs --draft-model PATH")
     if args.draft_model and args.spec in ("none", "ngram"):

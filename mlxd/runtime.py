@@ -28,25 +28,51 @@ def build_client(args: argparse.Namespace | None = None, **overrides: Any):
                            "libopenblas.so.0, or auto / none")
     import mlx.core as mx
 
-    from engine.core import AsyncEngine, Engine, EngineConfig
-    from engine.kv.batch import KVConfig
+    from engine.core import AsyncEngine, Engine
     from engine.loader import load_model
     from engine.lora import AdapterError
-    from engine.scheduler import SchedulerConfig
     from mlxd import model_source
 
     adapters = list(opts.get("adapters") or [])
-    try:
-        loaded = load_model(
-            model_source(opts.get("model")),
-            dtype=opts.get("dtype", "auto"),
-            chat_template=opts.get("chat_template"),
-            revision=opts.get("revision"),
-            adapters=adapters,
-            prepare=opts.get("shard"),  # mlxd.distributed: this rank's share of the weights
-        )
-    except AdapterError as exc:
-        raise StartupError(f"--adapter: {exc}") from None
+    config = _engine_config(opts)
+    if opts.get("models"):
+        client = _pool_client(opts, config, adapters)
+    else:
+        try:
+            loaded = load_model(
+                model_source(opts.get("model")),
+                dtype=opts.get("dtype", "auto"),
+                chat_template=opts.get("chat_template"),
+                revision=opts.get("revision"),
+                adapters=adapters,
+                prepare=opts.get("shard"),  # mlxd.distributed: this rank's share of the weights
+            )
+        except AdapterError as exc:
+            raise StartupError(f"--adapter: {exc}") from None
+        make_engine = opts.get("make_engine")  # mlxd.distributed: this rank's engine
+        client = make_engine(loaded, config) if make_engine else AsyncEngine(Engine(loaded, config))
+        if opts.get("served_model_name"):
+            client.model.model_id = opts["served_model_name"]
+    clash = {name for name, _ in adapters} & {client.model.model_id, client.model.path,
+                                               *(n for n, _ in opts.get("models") or ())}
+    if clash:
+        raise StartupError(f"--adapter {sorted(clash)[0]}: the name is the model's own; "
+                           "give the adapter another name")
+    client.model.extra.update(
+        blas={"path": info.path, "status": info.reason},
+        device=str(mx.default_device()),
+        mlx_version=getattr(mx, "__version__", "unknown"),
+    )
+    return client
+
+
+def _engine_config(opts: dict[str, Any]) -> Any:
+    """The engine flags → engine.core.EngineConfig."""
+    from engine.core import EngineConfig
+    from engine.kv.batch import KVConfig
+    from engine.kv.memory import parse_bytes
+    from engine.scheduler import SchedulerConfig
+
     sched = SchedulerConfig(
         max_num_seqs=opts.get("max_num_seqs", 128),
         prefill_chunk=opts.get("prefill_chunk", 512),
@@ -58,9 +84,7 @@ def build_client(args: argparse.Namespace | None = None, **overrides: Any):
         kv_group_size=opts.get("kv_group_size", 64),
         max_kv_size=opts.get("max_kv_size"),
     )
-    from engine.kv.memory import parse_bytes
-
-    config = EngineConfig(
+    return EngineConfig(
         scheduler=sched,
         kv=kv,
         prefix_cache_bytes=parse_bytes(opts.get("prefix_cache_bytes", "1GiB")) or 0,
@@ -69,20 +93,30 @@ def build_client(args: argparse.Namespace | None = None, **overrides: Any):
         spec=_spec_config(opts),
         warmup=opts.get("warmup", True),
     )
-    make_engine = opts.get("make_engine")  # mlxd.distributed: this rank's engine
-    client = make_engine(loaded, config) if make_engine else AsyncEngine(Engine(loaded, config))
-    if opts.get("served_model_name"):
-        client.model.model_id = opts["served_model_name"]
-    clash = {name for name, _ in adapters} & {client.model.model_id, str(loaded.path)}
-    if clash:
-        raise StartupError(f"--adapter {sorted(clash)[0]}: the name is the model's own; "
-                           "give the adapter another name")
-    client.model.extra.update(
-        blas={"path": info.path, "status": info.reason},
-        device=str(mx.default_device()),
-        mlx_version=getattr(mx, "__version__", "unknown"),
-    )
-    return client
+
+
+def _pool_client(opts: dict[str, Any], config: Any, adapters: list[tuple[str, str]]) -> Any:
+    """Several models by name (engine.pool): the first loads now, the others on first use."""
+    from engine.lora import AdapterError
+    from engine.pool import EnginePool, ModelSpec, PoolConfig
+    from engine.pool_client import AsyncPool
+    from mlxd import model_source
+
+    specs = [
+        ModelSpec(name, model_source(source or None), revision=opts.get("revision"),
+                  adapters=tuple(adapters) if i == 0 else (),
+                  chat_template=opts.get("chat_template") if i == 0 else None)
+        for i, (name, source) in enumerate(opts["models"])
+    ]
+    keep_alive = opts.get("keep_alive")
+    pool_config = PoolConfig(config, dtype=opts.get("dtype", "auto"),
+                             keep_alive=None if keep_alive is None or keep_alive < 0 else keep_alive)
+    if opts.get("load_slice_bytes"):
+        pool_config.load_slice_bytes = int(opts["load_slice_bytes"])
+    try:
+        return AsyncPool(EnginePool(specs, pool_config))
+    except AdapterError as exc:
+        raise StartupError(f"--adapter: {exc}") from None
 
 
 def _spec_config(opts: dict[str, Any]) -> Any:

@@ -73,8 +73,8 @@ def _tool_choice(body: ChatCompletionRequest) -> Any:
     return {"type": "function", "function": fc} if isinstance(fc, dict) else fc
 
 
-async def chat_completions_agent(request: Request, body: ChatCompletionRequest, st: AppState) -> Response:
-    model = st.model
+async def chat_completions_agent(request: Request, body: ChatCompletionRequest, st: AppState,
+                                 model: ServedModel, keep_alive: float | None = None) -> Response:
     functions = _functions(body)
     choice = parse_tool_choice(_tool_choice(body), functions)
     parallel = body.parallel_tool_calls is not False
@@ -99,7 +99,7 @@ async def chat_completions_agent(request: Request, body: ChatCompletionRequest, 
     specs = make_specs(cid, [plan.prompt_ids], [params], body.n or 1, body)
     for s in specs:
         s.skip_special_tokens = s.skip_special_tokens and plan.skip_special_tokens
-    gens = await start_all(st.client, specs, model.info.eos_token_ids, adapter=model.adapter_for(body.model))  # EngineError → 400 etc.
+    gens = await start_all(st.client, specs, model, keep_alive)  # EngineError → 400 etc.
     created = int(time.time())
     if body.stream:
         return SSEResponse(

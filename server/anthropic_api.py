@@ -262,11 +262,6 @@ def sampling_request(body: MessagesRequest, plan: TurnPlan) -> SamplingRequest:
                            top_p=body.top_p, top_k=body.top_k, constraint=plan.constraint)
 
 
-def _check_model(body: CountTokensRequest, model: ServedModel) -> None:
-    if body.model is not None and body.model not in model.aliases:
-        raise APIError(404, f"model: '{body.model}' does not exist; this server serves '{model.name}'")
-
-
 # -- routes -----------------------------------------------------------------------------------
 
 
@@ -274,24 +269,23 @@ def _check_model(body: CountTokensRequest, model: ServedModel) -> None:
 async def count_tokens(request: Request) -> Response:
     st = app_state(request)
     body = _parse(CountTokensRequest, await request.body())
-    _check_model(body, st.model)
-    plan, _ = await off_loop(request, _plan, st.model, body)
+    model = await st.models.select(body.model)
+    plan, _ = await off_loop(request, _plan, model, body)
     return JSONResponse({"input_tokens": len(plan.prompt_ids)})
 
 
 @router.post("/v1/messages")
 async def messages(request: Request) -> Response:
     st = app_state(request)
-    model = st.model
     body: MessagesRequest = _parse(MessagesRequest, await request.body())
-    _check_model(body, model)
+    model = await st.models.select(body.model)
     plan, parallel = await off_loop(request, _plan, model, body)
     params = build_params(sampling_request(body, plan), st.config, model, plan.prompt_ids, "messages")
     mid = "msg_" + secrets.token_hex(12)
     stops = [s for s in (body.stop_sequences or []) if s]
     spec = ChoiceSpec(index=0, req_id=mid, prompt_ids=plan.prompt_ids, params=params, stop=stops,
                       skip_special_tokens=plan.skip_special_tokens)
-    gens = await start_all(st.client, [spec], model.info.eos_token_ids, adapter=model.adapter_for(body.model))
+    gens = await start_all(st.client, [spec], model)
     if body.stream:
         return SSEResponse(_stream(gens[0], plan, parallel, model, mid), on_close=gens[0].abort)
     try:

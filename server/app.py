@@ -25,7 +25,7 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import HTMLResponse, JSONResponse
 
-from engine.api import EngineClient
+from engine.api import MODEL_LOADED, EngineClient, ModelStatus
 from server.agents import install as install_agents
 from server.config import ServerConfig
 from server.errors import APIError, install_error_handlers
@@ -74,19 +74,39 @@ def _json_safe(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def _model_card(model: ServedModel, adapter: str | None = None) -> dict[str, Any]:
-    """The base model's card, or an adapter's (`parent`: the base it runs on)."""
-    card = {
-        "id": adapter or model.name,
+def _model_card(model: ServedModel, status: ModelStatus | None = None,
+                parent: str | None = None) -> dict[str, Any]:
+    """A model's card in OpenAI's shape, plus `max_model_len`, `loaded` (its weights are in
+    memory now; a request to an unloaded model loads it) and, for an adapter, `parent` (the
+    base model it runs on)."""
+    card: dict[str, Any] = {
+        "id": model.name,
         "object": "model",
         "created": model.info.created,
         "owned_by": "mlxd",
         "root": model.info.model_id,
         "max_model_len": model.context_length,
+        "loaded": status is not None and status.state == MODEL_LOADED,
     }
-    if adapter is not None:
-        card["parent"] = model.name
+    if parent is not None:
+        card["parent"] = parent
     return card
+
+
+def _unopened_card(status: ModelStatus) -> dict[str, Any]:
+    """The card of a configured model no request has used yet (its files are not read before)."""
+    return {"id": status.name, "object": "model", "created": 0, "owned_by": "mlxd",
+            "root": status.name, "loaded": status.state == MODEL_LOADED}
+
+
+def _status_dict(status: ModelStatus) -> dict[str, Any]:
+    out = {"state": status.state, "default": status.default,
+           "weights_bytes": status.weights_bytes, "keep_alive": status.keep_alive}
+    for key in ("progress", "load_seconds", "idle_seconds", "error"):
+        value = getattr(status, key)
+        if value is not None:
+            out[key] = value
+    return out
 
 
 def _install_api_docs(app: FastAPI, auth: list[Any]) -> None:
@@ -108,6 +128,33 @@ def _install_api_docs(app: FastAPI, auth: list[Any]) -> None:
         return get_redoc_html(openapi_url="/openapi.json", title="mlxd API")
 
 
+def _cards(st: AppState) -> list[dict[str, Any]]:
+    """Every model a request may name: the default, its adapters, then the other configured
+    models (with the details of those already opened)."""
+    statuses = {s.name: s for s in st.client.list_models()}
+    default = next((s for s in statuses.values() if s.default), None)
+    router = st.models
+    cards = []
+    for name in router.names():
+        if router.is_default(name):
+            if name == st.model.name:
+                cards.append(_model_card(st.model, default))
+            else:
+                cards.append(_model_card(router.adapter_view(name), default, st.model.name))
+        else:
+            opened = router.opened(name)
+            status = statuses.get(name)
+            if opened is not None:
+                cards.append(_model_card(opened, status))
+            elif status is not None:
+                cards.append(_unopened_card(status))
+    return cards
+
+
+def app_state_of(app: FastAPI) -> AppState:
+    return app.state.mlxd
+
+
 def create_app(client: EngineClient, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     model = ServedModel.from_info(client.model, config.model_alias)
@@ -126,19 +173,22 @@ def create_app(client: EngineClient, config: ServerConfig | None = None) -> Fast
 
     @app.get("/v1/models", dependencies=auth)
     async def list_models() -> dict[str, Any]:
-        cards = [_model_card(model)] + [_model_card(model, a) for a in model.adapters]
-        return {"object": "list", "data": cards}
+        return {"object": "list", "data": _cards(app_state_of(app))}
 
     @app.get("/v1/models/{model_id:path}", dependencies=auth)
     async def get_model(model_id: str) -> dict[str, Any]:
-        if model_id not in model.aliases:
-            raise APIError(
-                404,
-                f"The model '{model_id}' does not exist.",
-                param="model",
-                code="model_not_found",
-            )
-        return _model_card(model, model.adapter_for(model_id))
+        for card in _cards(app_state_of(app)):
+            if card["id"] == model_id:
+                return card
+        st = app_state_of(app)
+        if model_id in st.model.aliases:  # the default model's other names (id, directory)
+            return _cards(st)[0]
+        raise APIError(
+            404,
+            f"The model '{model_id}' does not exist.",
+            param="model",
+            code="model_not_found",
+        )
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
@@ -159,6 +209,7 @@ def create_app(client: EngineClient, config: ServerConfig | None = None) -> Fast
                     "status": status,
                     "model": model.name,
                     "model_id": model.info.model_id,
+                    "models": {m.name: _status_dict(m) for m in client.list_models()},
                     "context_length": model.context_length,
                     "version": SYSTEM_FINGERPRINT,
                     "engine": stats,

@@ -115,16 +115,13 @@ def _parse(raw: bytes) -> EmbeddingsBody:
 @router.post("/v1/embeddings")
 async def embeddings(request: Request) -> Response:
     st = app_state(request)
-    model = st.model
     body = _parse(await request.body())
-    if body.model not in model.aliases:
-        raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
-                            f"'{model.name}'.", param="model", code="model_not_found")
-    if model.adapter_for(body.model) is not None:  # adapters change generation, not this
+    model = await st.models.select(body.model)
+    if model.adapter is not None:  # adapters change generation, not this
         raise APIError(400, f"'{body.model}' is a LoRA adapter; embeddings come from the base "
-                            f"model '{model.name}'.", param="model", code="unsupported_model")
+                            f"model '{st.model.name}'.", param="model", code="unsupported_model")
     ids = await off_loop(request, input_ids, model, body)
-    req = EmbeddingRequest(new_id("embd"), ids, body.dimensions)
+    req = EmbeddingRequest(new_id("embd"), ids, body.dimensions, model=model.engine_name)
     result = await run_until_disconnect(request, lambda: st.client.embed(req))
     if result is None:  # the client left; its rows not yet run were dropped
         return Response(status_code=499)

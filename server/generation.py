@@ -2,7 +2,7 @@
 Responses later).
 
     specs = [ChoiceSpec(index=i, req_id=..., prompt_ids=..., params=..., stop=[...]) ...]
-    gens = await start_all(client, specs, eos_token_ids)   # submits; EngineError before any text
+    gens = await start_all(client, specs, model)           # submits; EngineError before any text
     async for delta in stream_all(gens): ...               # Delta(index, text, logprobs, finish)
     results = await collect_all(gens)                      # or: whole texts, for non-streaming
     usage_numbers(gens)                                    # prompt/completion/cached tokens
@@ -38,6 +38,7 @@ from engine.api import (
     TokenEvent,
 )
 from server.detokenize import IncrementalDetokenizer
+from server.prompts import ServedModel
 from server.stops import StopMatcher
 
 log = logging.getLogger("mlxd.server")
@@ -188,10 +189,11 @@ class Generation:
         spec: ChoiceSpec,
         stream: AsyncIterator[TokenEvent],
         eos_token_ids: Iterable[int],
+        tokenizer: Any = None,  # None: the default model's
     ):
         self.client = client
         self.spec = spec
-        self.pipeline = TextPipeline(client.model.tokenizer, spec, eos_token_ids)
+        self.pipeline = TextPipeline(tokenizer or client.model.tokenizer, spec, eos_token_ids)
         self._stream = stream
         self.finished = False  # the engine row is done (finished, failed, or aborted by us)
         self.finish_reason: str | None = None
@@ -245,19 +247,21 @@ class Generation:
 
 
 async def start_all(
-    client: EngineClient, specs: Sequence[ChoiceSpec], eos_token_ids: Iterable[int] = (),
-    adapter: str | None = None,
+    client: EngineClient, specs: Sequence[ChoiceSpec], model: ServedModel,
+    keep_alive: float | None = None,
 ) -> list[Generation]:
-    """Submit every choice (on the base model, or with the LoRA adapter the request's `model`
-    named); if one is refused (EngineError), abort the ones already queued."""
-    eos = tuple(eos_token_ids)
+    """Submit every choice on `model` (the one the request's `model` selected, with its LoRA
+    adapter if it is one; server.models); if one is refused (EngineError), abort the ones
+    already queued. `keep_alive`: seconds the model stays loaded once idle (Request)."""
+    eos = tuple(model.info.eos_token_ids)
     gens: list[Generation] = []
     try:
         for spec in specs:
             request = Request(req_id=spec.req_id, prompt_ids=spec.prompt_ids, params=spec.params,
-                              adapter=adapter)
+                              adapter=model.adapter, model=model.engine_name,
+                              keep_alive=keep_alive)
             stream = await client.submit(request)
-            gens.append(Generation(client, spec, stream, eos))
+            gens.append(Generation(client, spec, stream, eos, model.tokenizer))
     except BaseException:
         for g in gens:
             g.abort()

@@ -26,6 +26,7 @@ from server.generation import (
     stream_all,
     usage_numbers,
 )
+from server.models import ModelRouter, parse_keep_alive
 from server.params import SamplingRequest, build_params
 from server.prepare import Preparer, off_loop
 from server.prompts import (
@@ -39,7 +40,6 @@ from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     _SamplingRequest,
-    require_model_param,
 )
 from server.sse import DONE, SSEResponse, run_until_disconnect, sse_event
 
@@ -58,10 +58,12 @@ log = logging.getLogger("mlxd.server")
 class AppState:
     client: EngineClient
     config: ServerConfig
-    model: ServedModel
+    model: ServedModel  # the default model
+    models: ModelRouter = field(init=False)  # a request's `model` → the ServedModel it runs on
     preparer: Preparer = field(init=False)  # template rendering and tokenizing threads
 
     def __post_init__(self) -> None:
+        self.models = ModelRouter(self.client, self.model)
         self.preparer = Preparer(self.config.prepare_threads)
 
 
@@ -233,14 +235,14 @@ def chat_prompt_ids(model: ServedModel, body: ChatCompletionRequest) -> list[int
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     st = app_state(request)
-    model = st.model
     body: ChatCompletionRequest = ChatCompletionRequest.parse(await request.body())
-    require_model_param(body, model.aliases, model.name)
+    keep_alive = parse_keep_alive(body.keep_alive)
+    model = await st.models.select(body.model)
     from server.agent_chat import chat_completions_agent, wants_agent_path  # imports this module
 
     if wants_agent_path(body, model):  # tools, response_format, reasoning: server/agent_chat.py
         body.check_supported(agent=True)
-        return await chat_completions_agent(request, body, st)
+        return await chat_completions_agent(request, body, st, model, keep_alive)
     body.check_supported()
     ids = await off_loop(request, chat_prompt_ids, model, body)
     want_lp = bool(body.logprobs)
@@ -248,8 +250,7 @@ async def chat_completions(request: Request) -> Response:
     params = sampling_params(body, st.config, model, ids, logprobs=want_lp, top_logprobs=k)
     cid = new_id("chatcmpl")
     specs = make_specs(cid, [ids], [params], body.n or 1, body)
-    gens = await start_all(st.client, specs, model.info.eos_token_ids,
-                          adapter=model.adapter_for(body.model))
+    gens = await start_all(st.client, specs, model, keep_alive)
     _log_start(request, cid, specs)
     created = int(time.time())
     if body.stream:
@@ -363,9 +364,9 @@ async def _chat_stream(
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     st = app_state(request)
-    model = st.model
     body: CompletionRequest = CompletionRequest.parse(await request.body())
-    require_model_param(body, model.aliases, model.name)
+    keep_alive = parse_keep_alive(body.keep_alive)
+    model = await st.models.select(body.model)
     body.check_supported()
     n = body.n or 1
     if len(body.prompt) * n > st.config.max_choices:
@@ -388,8 +389,7 @@ async def completions(request: Request) -> Response:
     echoes = _echoes(model, body, prompts)
     specs = make_specs(cid, prompts, params, n, body)
     echo_of = {s.index: (echoes[s.prompt_index] if body.echo else "") for s in specs}
-    gens = await start_all(st.client, specs, model.info.eos_token_ids,
-                          adapter=model.adapter_for(body.model))
+    gens = await start_all(st.client, specs, model, keep_alive)
     _log_start(request, cid, specs)
     if body.stream:
         return SSEResponse(

@@ -57,8 +57,8 @@ def _token_ids(model: ServedModel, body: TokenizeRequest) -> list[int]:
 
 @router.post("/tokenize")
 async def tokenize(request: Request) -> JSONResponse:
-    model = app_state(request).model
     body: TokenizeRequest = _parse(TokenizeRequest, await request.body())
+    model = await app_state(request).models.select(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("send exactly one of 'prompt' or 'messages'")
     if body.messages is not None:
@@ -72,8 +72,8 @@ async def tokenize(request: Request) -> JSONResponse:
 
 @router.post("/detokenize")
 async def detokenize(request: Request) -> JSONResponse:
-    model = app_state(request).model
     body: DetokenizeRequest = _parse(DetokenizeRequest, await request.body())
+    model = await app_state(request).models.select(body.model)
     return JSONResponse({"prompt": await off_loop(request, _text, model, body.tokens)})
 
 

@@ -37,6 +37,8 @@ class ServedModel:
     vocab_size: int = 0
     max_token_chars: int = 0  # the most characters of text one token can stand for; 0 = unknown
     adapters: tuple[str, ...] = ()  # LoRA adapters served on this model: each a model name too
+    adapter: str | None = None  # this view runs with that adapter (server.models)
+    engine_name: str | None = None  # Request.model for it (None: the engine's default model)
 
     @classmethod
     def from_info(cls, info: ModelInfo, alias: str | None = None) -> ServedModel:

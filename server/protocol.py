@@ -131,6 +131,7 @@ class _SamplingRequest(_Model):
     """Fields /v1/chat/completions and /v1/completions share."""
 
     model: str | None = None
+    keep_alive: float | str | None = None  # Ollama's: seconds or "5m"; 0 unload, -1 never
     max_tokens: int | None = Field(None, ge=0)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -259,13 +260,3 @@ class CompletionRequest(_SamplingRequest):
                 "echo",
                 "echo with logprobs needs prompt logprobs, which the engine does not provide",
             )
-
-
-def require_model_param(body: _SamplingRequest, served: set[str], shown: str) -> None:
-    if body.model is not None and body.model not in served:
-        raise APIError(
-            404,
-            f"The model '{body.model}' does not exist; this server serves '{shown}'.",
-            param="model",
-            code="model_not_found",
-        )

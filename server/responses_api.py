@@ -353,11 +353,11 @@ class _Prepared:
     messages: list[dict[str, Any]]
     gens: list[Generation]
     tools: ToolSet
+    model: ServedModel  # what the request's `model` selected
 
 
 async def _prepare(request: Request) -> _Prepared:
     st = app_state(request)
-    model = st.model
     raw = await request.body()
     if not raw.strip():
         raise bad_request("The request body is empty; send a JSON object.")
@@ -365,9 +365,7 @@ async def _prepare(request: Request) -> _Prepared:
         body = ResponsesRequest.model_validate_json(raw)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
-    if body.model is not None and body.model not in model.aliases:
-        raise APIError(404, f"The model '{body.model}' does not exist; this server serves '{model.name}'.",
-                       param="model", code="model_not_found")
+    model = await st.models.select(body.model)
     history: list[dict[str, Any]] = []
     if body.previous_response_id:
         prev = store_of(request).get(body.previous_response_id)
@@ -393,14 +391,14 @@ async def _prepare(request: Request) -> _Prepared:
     rid = _new("resp")
     spec = ChoiceSpec(index=0, req_id=rid, prompt_ids=plan.prompt_ids, params=params,
                       skip_special_tokens=plan.skip_special_tokens)
-    gens = await start_all(st.client, [spec], model.info.eos_token_ids, adapter=model.adapter_for(body.model))
-    return _Prepared(rid, body, plan, parallel, messages, gens, tools)
+    gens = await start_all(st.client, [spec], model)
+    return _Prepared(rid, body, plan, parallel, messages, gens, tools, model)
 
 
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
     p = await _prepare(request)
-    model = app_state(request).model
+    model = p.model
     store = store_of(request)
     resp = _skeleton(p.rid, p.body, model, "in_progress")
     stored = Stored(resp, p.messages, p.gens)

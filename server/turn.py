@@ -2,7 +2,7 @@
 Messages, Responses): prompt with tools → engine → reasoning, text and tool-call events.
 
     plan = plan_turn(model, messages, functions, choice, parallel=True, constraint=None)
-    gens = await start_all(client, [ChoiceSpec(... plan.prompt_ids, params_with(plan) ...)], eos)
+    gens = await start_all(client, [ChoiceSpec(... plan.prompt_ids, params_with(plan) ...)], model)
     async for step in turn_steps(gens, plan):   # Step(index, events, logprobs, finish_reason)
         ...
 

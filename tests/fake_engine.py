@@ -26,12 +26,14 @@ from engine.api import (
     FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
+    MODEL_LOADED,
     EmbeddingRequest,
     EmbeddingResult,
     EngineError,
     EngineOverloaded,
     EngineStats,
     ModelInfo,
+    ModelStatus,
     Request,
     TokenEvent,
 )
@@ -159,6 +161,15 @@ class FakeEngine:
     def abort(self, req_id: str) -> None:
         self.aborts.append((req_id, time.monotonic()))
         self._aborted.add(req_id)
+
+    def list_models(self) -> list[ModelStatus]:
+        return [ModelStatus(self.model.model_id, MODEL_LOADED, default=True)]
+
+    async def model_info(self, name: str) -> ModelInfo:
+        if name != self.model.model_id:
+            raise EngineError(f"The model '{name}' does not exist.", status=404,
+                              code="model_not_found")
+        return self.model
 
     def stats(self) -> EngineStats:
         return EngineStats(
