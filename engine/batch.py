@@ -33,6 +33,7 @@ class RowMeta:
     output_ids: list[int] = field(default_factory=list)  # tokens emitted so far (drafters read)
     adapter: int = 0  # the row's LoRA adapter (engine.lora index; 0 = none)
     prefix_boundary: int = 0  # the last block boundary the prefix cache captured while decoding
+    prefix_node: Any = None  # weakref to the deepest prefix-cache node this row's inserts reached
 
     @property
     def req_id(self) -> str:

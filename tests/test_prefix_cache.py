@@ -172,3 +172,60 @@ def test_footprint_matches_allocated_bytes(arch, layout_kw):
     batch = kvb.merge_rows(None, [make_batch_layouts(model, 1, **layout_kw) for _ in range(3)])
     model(mx.array([[1, 2, 3]] * 3), cache=batch)
     assert kvb.nbytes(batch) == fp.batch_bytes(3, 3)
+
+
+@pytest.mark.parametrize("arch,layout_kw", CASES)
+def test_resumed_inserts_store_what_whole_path_inserts_store(arch, layout_kw, monkeypatch):
+    """A prompt stored chunk by chunk with `after` (the previous insert's `last_node`) walks
+    only its new blocks, and leaves the trie a whole-path insert after every chunk leaves: the
+    same blocks, bytes, hits and restored tokens."""
+    model = model_for(arch)
+    prompt = np.random.default_rng(5).integers(1, 256, 120).tolist()
+
+    def fill(resume: bool) -> tuple[PrefixCache, int]:
+        pc = PrefixCache(make_batch_layouts(model, 0, **layout_kw), block_size=8)
+        row = make_batch_layouts(model, 1, **layout_kw)
+        walked = 0
+        blocks = pc._blocks
+
+        def counting(ids, limit, first=0):
+            nonlocal walked
+            for b in blocks(ids, limit, first):
+                walked += 1
+                yield b
+
+        monkeypatch.setattr(pc, "_blocks", counting)
+        start, last = 0, None
+        for end in chunk_ends(0, len(prompt) - 1, 16, pc.block_size):
+            model(mx.array([prompt[start:end]]), cache=row)
+            pc.insert(prompt[:end], row, after=last if resume else None)
+            last, start = pc.last_node, end
+        return pc, walked
+
+    whole, walked_whole = fill(False)
+    resumed, walked_resumed = fill(True)
+    assert walked_resumed == (len(prompt) - 1) // 8  # each block once
+    assert walked_whole > walked_resumed
+    assert (resumed.num_blocks, resumed.nbytes) == (whole.num_blocks, whole.nbytes)
+    query = prompt + [7, 8, 9]
+    a, b = whole.lookup(query), resumed.lookup(query)
+    assert (a and a.num_tokens) == (b and b.num_tokens)
+    if b is not None:
+        want = greedy_from(model, whole.restore(a), query[a.num_tokens:])
+        assert greedy_from(model, resumed.restore(b), query[b.num_tokens:]) == want
+
+
+def test_insert_after_an_evicted_node_walks_from_the_root():
+    """`after` that was evicted since is not attached: the insert starts at the root."""
+    model = model_for("llama")
+    prompt = np.random.default_rng(6).integers(1, 256, 40).tolist()
+    pc = PrefixCache(make_batch_layouts(model, 0), block_size=8)
+    row = make_batch_layouts(model, 1)
+    model(mx.array([prompt[:32]]), cache=row)
+    pc.insert(prompt[:32], row)
+    stale = pc.last_node
+    assert pc.attached(stale)
+    pc.clear()
+    assert not pc.attached(stale)
+    assert pc.insert(prompt[:32], row, after=stale) == 4  # every block again, from the root
+    assert pc.lookup(prompt[:33]).num_tokens == 32

@@ -53,6 +53,7 @@ prefills only the rest.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -73,7 +74,7 @@ if TYPE_CHECKING:
 MakeCaches = Callable[[int], list[Any]]
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False, slots=True, weakref_slot=True)
 class _Node:
     tokens: tuple[int, ...]
     parent: _Node | None
@@ -128,6 +129,7 @@ class PrefixCache:
         self.max_bytes = max_bytes
         self._roots: dict[int, _Node] = {}  # one trie per key (the row's adapter: KV differs)
         self._lru: OrderedDict[int, _Node] = OrderedDict()
+        self.last_node: _Node | None = None  # the deepest node of the last insert's path
         self._nbytes = 0
         self.stats = PrefixCounters()
 
@@ -141,10 +143,17 @@ class PrefixCache:
     def num_blocks(self) -> int:
         return len(self._lru)
 
-    def _blocks(self, token_ids: Sequence[int], limit: int) -> Iterator[tuple[int, ...]]:
+    def _blocks(self, token_ids: Sequence[int], limit: int,
+                first: int = 0) -> Iterator[tuple[int, ...]]:
+        """The complete blocks of token_ids[:limit] from block `first` on, as trie keys."""
         bs = self.block_size
-        for j in range(min(len(token_ids), limit) // bs):
-            yield tuple(int(t) for t in token_ids[j * bs : (j + 1) * bs])
+        ids = token_ids if isinstance(token_ids, list) else [int(t) for t in token_ids]
+        for j in range(first, min(len(ids), limit) // bs):
+            yield tuple(ids[j * bs : (j + 1) * bs])
+
+    def attached(self, node: _Node | None) -> bool:
+        """Whether `node` (from `last_node`) is still in the trie (not evicted since)."""
+        return node is not None and self._lru.get(id(node)) is node
 
     def _path(self, node: _Node) -> list[_Node]:
         path = []
@@ -241,14 +250,17 @@ class PrefixCache:
 
     def insert(
         self, token_ids: Sequence[int], row: Sequence[Any], key: int = 0, *,
-        limit: int | None = None, wait: bool = True,
+        limit: int | None = None, wait: bool = True, after: _Node | None = None,
     ) -> int:
         """Store the complete blocks of a one-row cache that has seen `token_ids` (the row's
         token count of them, or only the first `limit`) under `key` (see `lookup`). Returns the
-        number of new trie nodes.
+        number of new trie nodes; `last_node` is then the deepest node of the row's path.
 
         `wait=False` queues the block copies (`mx.async_eval`) instead of waiting for them:
-        for a row whose last column is still being computed by a step in flight."""
+        for a row whose last column is still being computed by a step in flight. `after`: a
+        `last_node` of an earlier insert of the same row (same ids, same key) that is still
+        `attached`: the walk starts below it, so a long prompt stored chunk by chunk costs
+        its new blocks only, not its whole path again at every chunk."""
         rows = [
             r if isinstance(r, RecurrentLayout) else adopt(t, r)
             for t, r in zip(self.template, row, strict=True)
@@ -259,8 +271,10 @@ class PrefixCache:
             raise ValueError(f"row has {upto} tokens but only {len(token_ids)} ids were given")
         positions = [None if isinstance(r, RecurrentLayout) else r.row_positions(0) for r in rows]
         node, created = self._root(key), 0
+        if after is not None and self.attached(after) and after.depth * self.block_size <= upto:
+            node = after
         filled: list[mx.array] = []
-        for block in self._blocks(token_ids, upto):
+        for block in self._blocks(token_ids, upto, node.depth):
             child = node.children.get(block)
             if child is None:
                 child = _Node(
@@ -276,6 +290,7 @@ class PrefixCache:
         # whole source buffer (the batch's KV) alive while the LRU counts only the block's bytes.
         if filled:
             (mx.eval if wait else mx.async_eval)(filled)
+        self.last_node = node if node.parent is not None else None
         if node.parent is not None:
             self._touch(node)
         self.stats.inserted_blocks += created
@@ -399,6 +414,15 @@ class PrefixIndex:
     def forget(self, row: RowMeta) -> None:
         self._hits.pop(row.req_id, None)
 
+    def _insert(self, row: RowMeta, ids: Sequence[int], layers: Sequence[Any], *,
+                limit: int | None = None, wait: bool = True) -> None:
+        """Insert for `row`, resuming below where its previous insert ended (a weak reference on
+        the row: an evicted node is not kept alive by it)."""
+        after = row.prefix_node() if row.prefix_node is not None else None
+        self.cache.insert(ids, layers, row.adapter, limit=limit, wait=wait, after=after)
+        last = self.cache.last_node
+        row.prefix_node = weakref.ref(last) if last is not None else None
+
     def group_caches(self, rows: list[RowMeta]) -> list[Any]:
         hits = [self._hits.pop(r.req_id, None) for r in rows]
         if not any(hits):
@@ -412,8 +436,7 @@ class PrefixIndex:
         for i, row in enumerate(rows):
             n = int(counts[i])
             if n >= self.block_size:
-                self.cache.insert(row.request.prompt_ids[:n], kvb.extract_row(caches, i),
-                                  key=row.adapter)
+                self._insert(row, row.request.prompt_ids[:n], kvb.extract_row(caches, i))
 
     def advance(self, rows: Sequence[RowMeta], caches: list[Any] | None) -> None:
         """While decoding (ring or recurrent layers only): a row whose length has just passed
@@ -437,7 +460,7 @@ class PrefixIndex:
             if len(ids) < n:
                 continue  # the row has seen tokens it has not emitted (cannot happen mid-answer)
             views = [_row_view(layer, i) for layer in caches]
-            self.cache.insert(ids, views, row.adapter, limit=n, wait=False)
+            self._insert(row, ids, views, limit=n, wait=False)
 
     def finish(self, row: RowMeta, caches: list[Any], i: int, tail: Sequence[int] = ()) -> None:
         """Insert the whole sequence of row `i` of the running batch, which has just finished:
@@ -453,8 +476,7 @@ class PrefixIndex:
         n = min(int(kvb.num_tokens(caches)[i]), len(ids))
         if n // self.block_size <= (len(prompt) - 1) // self.block_size:
             return  # no complete block beyond those the prefill stored
-        self.cache.insert(ids, [_row_view(layer, i) for layer in caches], row.adapter, limit=n,
-                          wait=False)
+        self._insert(row, ids, [_row_view(layer, i) for layer in caches], limit=n, wait=False)
 
     def stats(self) -> PrefixCacheStats:
         s, c = self.cache.stats, self.cache
