@@ -260,6 +260,7 @@ class Scheduler:
         chunk, budget = self.prefix.chunk, self._group_budget()
         rows: list[RowMeta] = []
         width = 0
+        admitted = self._row_tokens(self._admitted())
         for row in self._order():
             if len(rows) >= room:
                 break
@@ -268,7 +269,7 @@ class Scheduler:
             long = _need(row) > chunk
             if (long and (rows or not long_ok)
                     or rows and max(width, _need(row)) * (len(rows) + 1) > budget
-                    or not self._admits(rows, row)):
+                    or not self._admits(rows, row, admitted)):
                 if overdue or not long:
                     break  # shortest first: what follows is no shorter
                 continue  # a long one waits for the long slot; shorter ones may go
@@ -303,39 +304,48 @@ class Scheduler:
         cols = min(max(_need(r) for r in rows), self.prefix.chunk)
         return self.budget.transient(len(rows) * cols, max(r.num_prompt_tokens for r in rows))
 
-    def _step_transient(self, group: Sequence[RowMeta] = ()) -> int:
+    def _step_transient(self, group: Sequence[RowMeta], tokens: list[int]) -> int:
         """Activations of a step: a prefill chunk (the long prompt in progress or `group`,
-        whichever costs more), the decode of every admitted row at its longest, and the copies
-        attention reads quantized KV through."""
-        tokens = self._row_tokens([*self._admitted(), *group])
+        whichever costs more), the decode of every admitted row at its longest (`tokens`: the
+        columns each admitted row and each row of `group` may reach), and the copies attention
+        reads quantized KV through."""
         decode = self.budget.transient(len(tokens), max(tokens, default=0))
         started = self._prefill_transient(self.prefill.rows) if self.prefill is not None else 0
         prefill = max(started, self._prefill_transient(group))
         return decode + prefill + self.budget.read_bytes(tokens)
 
-    def _free(self, group: Sequence[RowMeta] = ()) -> int:
+    def _free(self, group: Sequence[RowMeta] = (), admitted: list[int] | None = None) -> int:
         """What the weights, the KV of the admitted rows and `group`, and a step's activations
-        leave of the budget: the most the prefix cache may hold."""
-        held = self.budget.weights + self.kv_reserved(group) + self._step_transient(group)
-        return self.budget.budget - held
+        leave of the budget: the most the prefix cache may hold. `admitted`: the admitted
+        rows' `_row_tokens`, when the caller has them."""
+        if admitted is None:
+            admitted = self._row_tokens(self._admitted())
+        tokens = admitted + self._row_tokens(list(group))
+        held = self.budget.weights + self.budget.kv_bytes(tokens)
+        return self.budget.budget - held - self._step_transient(group, tokens)
 
-    def _admits(self, picked: list[RowMeta], row: RowMeta) -> bool:
+    def _admits(self, picked: list[RowMeta], row: RowMeta, admitted: list[int]) -> bool:
         """Whether `row` may join the group `picked` now: its KV and activations fit next to
-        what is admitted, once least recently used prefix-cache blocks are evicted (never the
-        blocks the group's own hits restore). Alone (nothing else admitted) it always starts,
-        its own hit given up if that is what it takes: it fits the budget by itself
-        (`MemoryBudget.fits_alone`, checked when the request came in)."""
+        what is admitted (`admitted`: those rows' `_row_tokens`), once least recently used
+        prefix-cache blocks are evicted (never the blocks the group's own hits restore). Alone
+        (nothing else admitted) it always starts, its own hit given up if that is what it
+        takes: it fits the budget by itself (`MemoryBudget.fits_alone`, checked when the
+        request came in)."""
         group = [*picked, row]
-        if self.prefix.make_room(self._free(group), group):
+        if self.prefix.make_room(self._free(group, admitted), group):
             return True
-        if picked or self._admitted():
+        if picked or admitted:
             return False  # it waits; the rows that finish give their memory back
         self.prefix.drop_hit(row)
-        self.prefix.make_room(max(0, self._free(group)))
+        self.prefix.make_room(max(0, self._free(group, admitted)))
         return True
 
     def _give_prefix_room(self, group: Sequence[RowMeta] = ()) -> None:
-        self.prefix.set_room(self._free(group))
+        """Tell the prefix cache what it may hold until the next step: what the budget leaves
+        (`_free`) less one prefill chunk's activations, so that work between steps (an
+        embedding batch) or a new short prompt finds room without evicting."""
+        chunk = self.prefix.chunk
+        self.prefix.set_room(self._free(group) - self.budget.transient(chunk, chunk))
 
     def _form_group(self, long_ok: bool = True) -> PrefillGroup | None:
         picked = self._pick(long_ok)

@@ -114,7 +114,7 @@ def test_many_long_sessions_stay_inside_the_budget(lm):
     assert got == want
     stats = eng.prefix.stats()
     assert stats is not None and stats.evicted_blocks > 0 and stats.hit_tokens > 0
-    assert inside.most > 0.8 * eng.budget.budget  # the budget was what bounded it
+    assert inside.most > 0.7 * eng.budget.budget  # the budget was what bounded it
 
 
 def test_rows_of_mixed_lengths_stay_inside_what_admission_reserved(lm):
