@@ -54,7 +54,6 @@ import mlx.core as mx
 
 from engine.api import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, TokenEvent
 from engine.batch import RowMeta, RunningBatch
-from engine.kv import batch as kvb
 from engine.kv.memory import MemoryBudget
 from engine.kv.prefix_cache import NoPrefix, PrefixIndex
 from engine.sampling import SamplerState
@@ -197,12 +196,10 @@ class Scheduler:
         if not keep:
             self.prefill = None
             return
-        # A group of long prompts prefilled together (nothing decoding) drops the row's KV and
-        # padding bookkeeping with it; the others go on from the same column.
+        # A right-padded group mid-prefill cannot drop a row cheaply; groups of several rows
+        # finish in one forward, so this only happens between steps on a finished-or-new group.
         group.batch.take(keep)
         group.token_lists = [group.token_lists[j] for j in keep]
-        if group.done and group.finished:  # the rows left are prefilled: no forward finalizes
-            kvb.finalize(group.caches)
 
     # -- planning --------------------------------------------------------------------------
     def schedule(self) -> Plan:
@@ -253,17 +250,14 @@ class Scheduler:
         return self.prefill_budget * self.config.idle_budget_factor
 
     def _pick(self, long_ok: bool) -> list[RowMeta]:
-        """The next group's rows in `_order`, while their memory fits (`_admits`): short
-        prompts up to the group budget (rows x columns), or one long prompt alone (only when
-        `long_ok`: no long one is in progress). While no rows decode, long prompts share a
-        group too (`together`): rows x one chunk's columns up to the group budget, prefilled
-        side by side chunk by chunk. An overdue row that cannot start now (no room, no memory,
-        a long one while another is in progress) stops the group: nothing later passes it."""
+        """The next group's rows in `_order`: one long prompt alone (only when `long_ok`: no
+        long one is in progress), or short ones up to the group budget, while their memory
+        fits (`_admits`). An overdue row that cannot start now (no room, no memory, a long one
+        while another is in progress) stops the group: nothing later passes it."""
         cfg = self.config
         started = len(self.prefill.rows) if self.prefill is not None else 0
         room = cfg.max_num_seqs - len(self.running) - started
         chunk, budget = self.prefix.chunk, self._group_budget()
-        together = long_ok and not len(self.running)  # no decoding row waits on its steps
         rows: list[RowMeta] = []
         width = 0
         admitted = self._row_tokens(self._admitted())
@@ -273,17 +267,15 @@ class Scheduler:
             overdue = self._passed.get(row.req_id, 0) >= cfg.max_passed
             self.prefix.lookup(row)
             long = _need(row) > chunk
-            per_step = min(max(width, _need(row)), chunk) * (len(rows) + 1)
-            if (long and not long_ok
-                    or rows and long and not together
-                    or rows and per_step > budget
+            if (long and (rows or not long_ok)
+                    or rows and max(width, _need(row)) * (len(rows) + 1) > budget
                     or not self._admits(rows, row, admitted)):
                 if overdue or not long:
                     break  # shortest first: what follows is no shorter
                 continue  # a long one waits for the long slot; shorter ones may go
             rows.append(row)
             width = max(width, _need(row))  # `_admits` may have dropped the row's prefix hit
-            if width > chunk and not together:
+            if _need(row) > chunk:
                 break
         return rows
 

@@ -131,14 +131,13 @@ def test_without_the_bound_a_long_prompt_starves_behind_short_ones():
     """Shortest-first alone (no bound) lets a stream of short prompts pass a long one again and
     again; with the bound it is passed in at most `max_passed` steps."""
 
-    def arrivals() -> dict[int, list[RowMeta]]:  # a row decodes throughout, from step 0
-        out = {s: [_row(f"s{s}", 20, 4)] for s in range(1, 41)}
-        out[0] = [_row("d", 5, 200)]
-        out[1].insert(0, _row("long", 6 * CHUNK, 4))
+    def arrivals() -> dict[int, list[RowMeta]]:
+        out = {s: [_row(f"s{s}", 20, 4)] for s in range(40)}
+        out[0].insert(0, _row("long", 6 * CHUNK, 4))
         return out
 
-    order = ["d", "long"] + [f"s{s}" for s in range(1, 41)]
-    arrived = {"d": 0, "long": 1, **{f"s{s}": s for s in range(1, 41)}}
+    order = ["long"] + [f"s{s}" for s in range(40)]
+    arrived = {"long": 0, **{f"s{s}": s for s in range(40)}}
     unbounded = _drive(_scheduler(max_passed=10**9), arrivals())
     bounded = _drive(_scheduler(max_passed=2), arrivals())
     assert _passes(unbounded, arrived, order)["long"] > 10
@@ -164,10 +163,9 @@ def test_short_prompts_interleave_with_a_long_prefill():
 
 
 def test_a_long_prompt_waits_for_the_long_slot_but_short_ones_do_not():
-    """While a row decodes, two long prompts: the second starts after the first's prefill (one
-    long one at a time); a short prompt arriving after both passes the second, not the first."""
-    arrivals = {0: [_row("d", 5, 100)], 1: [_row("a", 4 * CHUNK + 1, 4), _row("b", 4 * CHUNK + 1, 4)],
-                2: [_row("s", 9, 4)]}
+    """Two long prompts: the second starts after the first's prefill (one long one at a time);
+    a short prompt arriving after both passes the second, not the first."""
+    arrivals = {0: [_row("a", 4 * CHUNK + 1, 4), _row("b", 4 * CHUNK + 1, 4)], 1: [_row("s", 9, 4)]}
     runner = _drive(_scheduler(max_passed=4), arrivals)
     assert runner.started["b"] >= runner.joined["a"]
     assert runner.started["s"] < runner.started["b"]
