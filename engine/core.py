@@ -295,12 +295,12 @@ class Engine:
         params = request.params
         # no limit (None): the room left in the context
         max_new = ctx - n if params.max_tokens is None else max(1, min(params.max_tokens, ctx - n))
-        chunk = self.config.scheduler.prefill_chunk
-        if not self.budget.fits_alone(n, max_new, min(n, chunk)):
-            need = self.budget.weights + self.budget.row_bytes(n, max_new)
+        chunk = self.prefix.chunk  # the prefill chunk the scheduler runs
+        if not self.budget.fits_alone(n, max_new, chunk):
+            need = self.budget.alone_bytes(n, max_new, chunk)
             raise EngineError(
-                f"this request needs about {need / 2**20:.0f} MiB (weights + KV for {n} prompt "
-                f"and {max_new} new tokens), more than the memory budget of "
+                f"this request needs about {need / 2**20:.0f} MiB (weights, KV for {n} prompt "
+                f"and {max_new} new tokens, prefill activations), more than the memory budget of "
                 f"{self.budget.budget / 2**20:.0f} MiB; lower max_tokens or the prompt",
                 status=413,
                 code="memory_budget_exceeded",

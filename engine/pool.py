@@ -22,7 +22,7 @@ Memory: `--memory-budget` is shared. A model loads only when the weights and res
 loaded models plus its own weights fit; until then the least-recently-used idle model is
 unloaded, one at a time (a model with queued or running rows, or a request about to join it, is
 never unloaded). Each engine admits rows against the budget less what the other models hold
-(`SharedBudget`). A model whose weights alone exceed the budget is refused (413).
+(`MemoryBudget.others`). A model whose weights alone exceed the budget is refused (413).
 
 Config and tokenizer are read off the engine thread on first use (`AsyncPool.model_info`,
 engine.pool_client) and kept across unloads, so the server can tokenize while the weights load.
@@ -53,7 +53,7 @@ from engine.api import (
     ModelStatus,
 )
 from engine.core import AsyncEngine, Engine, EngineConfig
-from engine.kv.memory import MemoryBudget, device_memory_bytes
+from engine.kv.memory import device_memory_bytes
 from engine.loader import LoadedModel, ModelFiles, build_model, read_model_files
 
 log = logging.getLogger("mlxd.engine")
@@ -81,30 +81,14 @@ class PoolConfig:
     load_slice_bytes: int = 64 << 20  # weights evaluated per engine turn while a model loads
 
 
-class SharedBudget(MemoryBudget):
-    """A model's memory admission when several models share `budget`: rows are admitted
-    against what the other models hold (`held_by_others`: their weights and reserved KV, set
-    by the pool before each turn); a request that fits with the model alone is never refused."""
-
-    __slots__ = ("held_by_others",)
-    held_by_others: int
-
-    def fits(self, reserved: int, extra: int, prefill_tokens: int) -> bool:
-        return super().fits(reserved + self.held_by_others, extra, prefill_tokens)
-
-
 class PooledEngine(Engine):
-    """An `Engine` driven by the pool's thread, under a `SharedBudget` (its embedding batches
-    too: they fit next to what the other models hold)."""
-
-    def _new_budget(self, model: Any, budget: int | None, kv_kwargs: dict[str, Any]) -> MemoryBudget:
-        shared = cast(SharedBudget, SharedBudget.for_model(model, budget, kv_kwargs))
-        shared.held_by_others = 0
-        return shared
+    """An `Engine` driven by the pool's thread, its memory admission counting what the other
+    models hold (`MemoryBudget.others`, set by the pool before each turn; its embedding batches
+    too: they fit next to it)."""
 
     def _embed_step(self) -> None:
         decoding = bool(self.runner.in_flight or self.scheduler.has_work())
-        held = self.scheduler.reserved_bytes() + cast(SharedBudget, self.budget).held_by_others
+        held = self.scheduler.reserved_bytes() + self.budget.others
         if self.embedder.step(held, decoding):
             self._steps_since_release += 1
 
@@ -387,7 +371,7 @@ class EnginePool:
             engine = slot.engine
             if engine is None or not engine.has_pending():
                 continue
-            cast(SharedBudget, engine.budget).held_by_others = self._held(exclude=slot)
+            engine.budget.others = self._held(exclude=slot)
             engine.turn()
             slot.last_used = time.monotonic()
             self._traced(slot.spec.name)

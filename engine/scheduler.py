@@ -31,6 +31,14 @@ Which prompts start, and when (`_next_group`, `_order`, `_pick`):
   `prefill_step_s` (50 ms), so a decoding row's next token is late by about that much, at least
   one chunk and at most 16.
 
+Memory (`_admits`, engine.kv.memory): a row starts only while the weights, the KV of every
+admitted row at its longest (one batch: rows as wide as the longest, in 256-column steps, at the
+KV's bits), the prefix cache and a step's activations fit `--memory-budget`; least recently used
+prefix-cache blocks are evicted to make that so (never those the group's own hits restore), and
+after every step the prefix cache is told what it may hold (`set_room`). A row that does not
+fit waits for rows to finish; alone it always starts (a request that cannot fit alone was a
+413 when it came in).
+
 The running batch (with the rows that join it) decodes every step; how many tokens per row is
 the executor's question to the speculation (engine.runner).
 """
@@ -39,6 +47,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -143,6 +152,8 @@ class Scheduler:
         self.prefill: PrefillGroup | None = None
         self.running = RunningBatch()
         self.prefill_budget = config.prefill_budget or DEFAULT_PREFILL_BUDGET
+        if isinstance(self.spec, Speculation):  # a verify step writes its drafts' columns too
+            budget.max_draft = self.spec.max_draft
         self._passed: dict[str, int] = {}  # waiting req_id -> steps in which later ones started
         self._interleaved = False  # the last step ran a short group between a long one's chunks
         self._failed: list[TokenEvent] = []  # rows failed while planning, out with the next update
@@ -199,6 +210,8 @@ class Scheduler:
             plan.prefill_end = min(group.width, group.done + self.prefix.chunk)
             if plan.prefill_end >= group.width:
                 plan.join = group.batch
+        # the prefix cache's inserts during this step leave room for what this step holds
+        self._give_prefix_room(group.rows if group is not None and group is not self.prefill else ())
         return plan
 
     def _next_group(self) -> PrefillGroup | None:
@@ -236,44 +249,103 @@ class Scheduler:
             return self.prefill_budget
         return self.prefill_budget * self.config.idle_budget_factor
 
-    def reserved_bytes(self) -> int:
-        rows = self.running.rows + (self.prefill.rows if self.prefill is not None else [])
-        return sum(self.budget.row_bytes(r.num_prompt_tokens, r.max_new_tokens) for r in rows)
-
     def _pick(self, long_ok: bool) -> list[RowMeta]:
         """The next group's rows in `_order`: one long prompt alone (only when `long_ok`: no
-        long one is in progress), or short ones up to the group budget. An overdue row that
-        cannot start now (no room, no memory, a long one while another is in progress) stops
-        the group: nothing later passes it."""
+        long one is in progress), or short ones up to the group budget, while their memory
+        fits (`_admits`). An overdue row that cannot start now (no room, no memory, a long one
+        while another is in progress) stops the group: nothing later passes it."""
         cfg = self.config
         started = len(self.prefill.rows) if self.prefill is not None else 0
         room = cfg.max_num_seqs - len(self.running) - started
         chunk, budget = self.prefix.chunk, self._group_budget()
         rows: list[RowMeta] = []
         width = 0
-        reserved = self.reserved_bytes()
+        admitted = self._row_tokens(self._admitted())
         for row in self._order():
             if len(rows) >= room:
                 break
             overdue = self._passed.get(row.req_id, 0) >= cfg.max_passed
             self.prefix.lookup(row)
-            need = row.num_prompt_tokens - 1 - row.num_cached_tokens
-            long = need > chunk
-            new_width = max(width, need)
-            extra = self.budget.row_bytes(row.num_prompt_tokens, row.max_new_tokens)
-            busy = bool(rows or len(self.running) or started)
+            long = _need(row) > chunk
             if (long and (rows or not long_ok)
-                    or rows and new_width * (len(rows) + 1) > budget
-                    or busy and not self.budget.fits(reserved, extra, min(need, chunk))):
+                    or rows and max(width, _need(row)) * (len(rows) + 1) > budget
+                    or not self._admits(rows, row, admitted)):
                 if overdue or not long:
                     break  # shortest first: what follows is no shorter
                 continue  # a long one waits for the long slot; shorter ones may go
-            reserved += extra
             rows.append(row)
-            width = new_width
-            if long:
+            width = max(width, _need(row))  # `_admits` may have dropped the row's prefix hit
+            if _need(row) > chunk:
                 break
         return rows
+
+    # -- memory ----------------------------------------------------------------------------
+    def _admitted(self) -> list[RowMeta]:
+        return self.running.rows + (self.prefill.rows if self.prefill is not None else [])
+
+    def _row_tokens(self, rows: list[RowMeta]) -> list[int]:
+        return [self.budget.row_tokens(r.num_prompt_tokens, r.max_new_tokens) for r in rows]
+
+    def kv_reserved(self, extra: Sequence[RowMeta] = ()) -> int:
+        """KV the admitted rows (running, prefilling) and `extra` will allocate at their longest:
+        one batch, every row as wide as the longest (engine.kv.memory)."""
+        return self.budget.kv_bytes(self._row_tokens([*self._admitted(), *extra]))
+
+    def reserved_bytes(self) -> int:
+        """Memory held or promised besides the weights: the admitted rows' KV at their longest
+        and the prefix cache's blocks."""
+        return self.kv_reserved() + self.prefix.nbytes
+
+    def _prefill_transient(self, rows: Sequence[RowMeta]) -> int:
+        """Activations of the costliest chunk a group of these rows runs: its last, whose
+        queries attend to the whole prompt."""
+        if not rows:
+            return 0
+        cols = min(max(_need(r) for r in rows), self.prefix.chunk)
+        return self.budget.transient(len(rows) * cols, max(r.num_prompt_tokens for r in rows))
+
+    def _step_transient(self, group: Sequence[RowMeta], tokens: list[int]) -> int:
+        """Activations of a step: a prefill chunk (the long prompt in progress or `group`,
+        whichever costs more), the decode of every admitted row at its longest (`tokens`: the
+        columns each admitted row and each row of `group` may reach), and the copies attention
+        reads quantized KV through."""
+        decode = self.budget.transient(len(tokens), max(tokens, default=0))
+        started = self._prefill_transient(self.prefill.rows) if self.prefill is not None else 0
+        prefill = max(started, self._prefill_transient(group))
+        return decode + prefill + self.budget.read_bytes(tokens)
+
+    def _free(self, group: Sequence[RowMeta] = (), admitted: list[int] | None = None) -> int:
+        """What the weights, the KV of the admitted rows and `group`, and a step's activations
+        leave of the budget: the most the prefix cache may hold. `admitted`: the admitted
+        rows' `_row_tokens`, when the caller has them."""
+        if admitted is None:
+            admitted = self._row_tokens(self._admitted())
+        tokens = admitted + self._row_tokens(list(group))
+        held = self.budget.weights + self.budget.others + self.budget.kv_bytes(tokens)
+        return self.budget.budget - held - self._step_transient(group, tokens)
+
+    def _admits(self, picked: list[RowMeta], row: RowMeta, admitted: list[int]) -> bool:
+        """Whether `row` may join the group `picked` now: its KV and activations fit next to
+        what is admitted (`admitted`: those rows' `_row_tokens`), once least recently used
+        prefix-cache blocks are evicted (never the blocks the group's own hits restore). Alone
+        (nothing else admitted) it always starts, its own hit given up if that is what it
+        takes: it fits the budget by itself (`MemoryBudget.fits_alone`, checked when the
+        request came in)."""
+        group = [*picked, row]
+        if self.prefix.make_room(self._free(group, admitted), group):
+            return True
+        if picked or admitted:
+            return False  # it waits; the rows that finish give their memory back
+        self.prefix.drop_hit(row)
+        self.prefix.make_room(max(0, self._free(group, admitted)))
+        return True
+
+    def _give_prefix_room(self, group: Sequence[RowMeta] = ()) -> None:
+        """Tell the prefix cache what it may hold until the next step: what the budget leaves
+        (`_free`) less one prefill chunk's activations, so that work between steps (an
+        embedding batch) or a new short prompt finds room without evicting."""
+        chunk = self.prefix.chunk
+        self.prefix.set_room(self._free(group) - self.budget.transient(chunk, chunk))
 
     def _form_group(self, long_ok: bool = True) -> PrefillGroup | None:
         picked = self._pick(long_ok)
@@ -359,6 +431,7 @@ class Scheduler:
                 self._store_finished(row, result.tokens[i], len(event.token_ids))
         self.prefix.advance(self.running.rows, self.running.caches)
         self.drop_finished()
+        self._give_prefix_room()  # finished rows gave their KV back
         return events
 
     def _store_finished(self, row: RowMeta, step_tokens: list[int], emitted: int) -> None:
@@ -420,6 +493,11 @@ class Scheduler:
             num_cached_tokens=row.num_cached_tokens,
             error=error,
         )
+
+
+def _need(row: RowMeta) -> int:
+    """Prompt tokens the row's prefill runs: all but the cached prefix and the last token."""
+    return row.num_prompt_tokens - 1 - row.num_cached_tokens
 
 
 def _seed_of(row: RowMeta) -> int:

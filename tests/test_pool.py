@@ -350,15 +350,16 @@ def test_a_name_not_configured_is_a_404_without_file_access(dirs):
 
 
 def test_shared_budget_admits_rows_next_to_what_the_other_models_hold():
-    """A row fits when this model's weights and KV plus the other models' holdings fit; a
-    request that fits with the model alone is never refused for them (fits_alone)."""
-    from engine.kv.memory import ModelFootprint
-    from engine.pool import SharedBudget
+    """Admission leaves out what the other models hold (`MemoryBudget.others`, set by the pool
+    before each turn); whether a request can ever run (`fits_alone`) does not depend on it."""
+    from engine.core import Engine, EngineConfig
+    from engine.scheduler import SchedulerConfig
+    from tests.tiny_models import loaded, tiny_model
 
-    budget = SharedBudget(budget=100, weights=10, footprint=ModelFootprint(()))
-    budget.held_by_others = 0
-    assert budget.fits(reserved=30, extra=20, prefill_tokens=0)
-    budget.held_by_others = 50
-    assert not budget.fits(reserved=30, extra=20, prefill_tokens=0)
-    assert budget.fits(reserved=0, extra=20, prefill_tokens=0)
-    assert budget.fits_alone(num_prompt_tokens=1, max_new_tokens=1, prefill_tokens=1)
+    lm = loaded(*tiny_model("llama"))
+    eng = Engine(lm, EngineConfig(SchedulerConfig(), memory_budget=64 << 20))
+    free = eng.scheduler._free()
+    alone = eng.budget.fits_alone(200, 50, eng.prefix.chunk)
+    eng.budget.others = 5 << 20
+    assert eng.scheduler._free() == free - (5 << 20)
+    assert eng.budget.fits_alone(200, 50, eng.prefix.chunk) == alone

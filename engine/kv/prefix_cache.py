@@ -32,6 +32,13 @@ The scheduler's side is `PrefixIndex` (`NoPrefix` when the cache is off):
     prefix.store(rows, kv)                    # after every chunk: insert each row's blocks
     prefix.advance(running.rows, running.caches)  # decoding rows passing a block boundary
     prefix.finish(row, running.caches, i, tail)   # a row that ended: prompt + answer + stop
+    prefix.make_room(free, rows)              # admission: evict LRU blocks, keep rows' hits
+    prefix.set_room(free)                     # what the memory budget leaves the cache now
+
+Under the memory budget the cache holds at most `min(max_bytes, room)`: the scheduler sets
+`room` to what the weights, the admitted rows' KV and a step's activations leave, and evicts
+least recently used blocks to admit a request (engine.scheduler). A waiting row whose hit was
+evicted meanwhile is looked up again before it starts.
 
 Across turns: a finished row's whole sequence goes in (`finish`), so a next turn that re-sends
 the answer restores through it. Ring and recurrent layers cannot give back boundaries the row
@@ -127,6 +134,7 @@ class PrefixCache:
         self.template = [layer.empty_like(0) for layer in template]
         self.block_size = block_size
         self.max_bytes = max_bytes
+        self.room: int | None = None  # what the memory budget leaves the cache now (None: no limit)
         self._roots: dict[int, _Node] = {}  # one trie per key (the row's adapter: KV differs)
         self._lru: OrderedDict[int, _Node] = OrderedDict()
         self.last_node: _Node | None = None  # the deepest node of the last insert's path
@@ -344,18 +352,61 @@ class PrefixCache:
         node.nbytes += added
         self._nbytes += added
 
-    def _evict(self) -> None:
-        while self._nbytes > self.max_bytes and self._lru:
-            victim = next((n for n in self._lru.values() if not n.children), None)
+    @property
+    def limit(self) -> int:
+        """The bytes the cache may hold now: `max_bytes`, or less when the memory budget leaves
+        it less (`room`)."""
+        return self.max_bytes if self.room is None else min(self.max_bytes, self.room)
+
+    def set_room(self, room: int) -> None:
+        """What the memory budget leaves the cache; least recently used blocks go at once."""
+        self.room = max(0, room)
+        self._evict()
+
+    def holds(self, hit: PrefixHit) -> bool:
+        """Whether `hit`'s blocks are still cached (none of its path was evicted)."""
+        return self._lru.get(id(hit.node)) is hit.node
+
+    def pinned_bytes(self, pins: Sequence[PrefixHit]) -> int:
+        """Bytes of the blocks on the paths of `pins` (eviction keeps them)."""
+        seen: dict[int, _Node] = {}
+        for hit in pins:
+            for node in self._path(hit.node):
+                seen[id(node)] = node
+        return sum(n.nbytes for n in seen.values())
+
+    def evict_to(self, nbytes: int, pins: Sequence[PrefixHit] = ()) -> bool:
+        """Evict least recently used blocks, never those on the paths of `pins`, until the
+        cache holds at most `nbytes`. Evicts nothing when that cannot be reached; returns
+        whether it was."""
+        if self._nbytes <= nbytes:
+            return True
+        if self.pinned_bytes(pins) > nbytes:
+            return False
+        keep = {id(h.node) for h in pins}
+        self._evict(nbytes, keep)
+        return True
+
+    def _evict(self, nbytes: int | None = None, keep: set[int] | frozenset[int] = frozenset()) -> None:
+        """Drop least recently used leaves (a pinned one stays, and so does its path: its
+        parents are not leaves while it is there) until at most `nbytes` (default `limit`)."""
+        target = self.limit if nbytes is None else nbytes
+        while self._nbytes > target and self._lru:
+            victim = next(
+                (n for k, n in self._lru.items() if not n.children and k not in keep), None
+            )
             if victim is None:
                 break
             self._remove(victim)
 
     def _remove(self, node: _Node) -> None:
+        """Unlink a leaf and let its arrays go (a hit still pointing at it is no longer held)."""
         assert node.parent is not None
         del node.parent.children[node.tokens]
         del self._lru[id(node)]
         self._nbytes -= node.nbytes
+        node.data = [None] * len(node.data)
+        node.nbytes = 0
         self.stats.evicted_blocks += 1
 
     def clear(self) -> None:
@@ -402,14 +453,16 @@ class PrefixIndex:
         self._store_finished = not recurrent  # the recurrent state is past the last boundary
 
     def lookup(self, row: RowMeta) -> None:
-        """Find the row's longest cached prefix (at most prompt - 1 tokens); once per row."""
+        """Find the row's longest cached prefix (at most prompt - 1 tokens): once per row, and
+        again if its blocks were evicted while it waited."""
         if row.req_id in self._hits:
-            return
+            old = self._hits[row.req_id]
+            if old is None or self.cache.holds(old):
+                return
         ids = row.request.prompt_ids
         hit = self.cache.lookup(ids, max_tokens=len(ids) - 1, key=row.adapter)
         self._hits[row.req_id] = hit
-        if hit is not None:
-            row.num_cached_tokens = hit.num_tokens
+        row.num_cached_tokens = hit.num_tokens if hit is not None else 0
 
     def forget(self, row: RowMeta) -> None:
         self._hits.pop(row.req_id, None)
@@ -423,8 +476,29 @@ class PrefixIndex:
         last = self.cache.last_node
         row.prefix_node = weakref.ref(last) if last is not None else None
 
+    def drop_hit(self, row: RowMeta) -> None:
+        """Prefill the row from scratch: its hit's blocks may be evicted."""
+        self._hits[row.req_id] = None
+        row.num_cached_tokens = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes
+
+    def make_room(self, nbytes: int, rows: Sequence[RowMeta] = ()) -> bool:
+        """Evict least recently used blocks until the cache holds at most `nbytes`, keeping
+        the blocks the hits of `rows` will restore; nothing is evicted when that cannot be
+        reached. Returns whether it was."""
+        pins = [h for h in (self._hits.get(r.req_id) for r in rows) if h is not None]
+        return nbytes >= 0 and self.cache.evict_to(nbytes, pins)
+
+    def set_room(self, nbytes: int) -> None:
+        """What the memory budget leaves the cache until the next call (engine.scheduler)."""
+        self.cache.set_room(nbytes)
+
     def group_caches(self, rows: list[RowMeta]) -> list[Any]:
         hits = [self._hits.pop(r.req_id, None) for r in rows]
+        assert all(h is None or self.cache.holds(h) for h in hits), "a picked row's hit was evicted"
         if not any(hits):
             return self._make_caches(len(rows))
         parts = [self.cache.restore(h) if h is not None else self._make_caches(1) for h in hits]
@@ -498,6 +572,18 @@ class NoPrefix:
 
     def forget(self, row: RowMeta) -> None:
         del row
+
+    def drop_hit(self, row: RowMeta) -> None:
+        del row
+
+    nbytes = 0
+
+    def make_room(self, nbytes: int, rows: Sequence[RowMeta] = ()) -> bool:
+        del rows
+        return nbytes >= 0
+
+    def set_room(self, nbytes: int) -> None:
+        del nbytes
 
     def group_caches(self, rows: list[RowMeta]) -> list[Any]:
         return self._make_caches(len(rows))
