@@ -3,12 +3,12 @@
     python -m bench qmm [--quick] [--sweep] [--rows 1 2 4] [--shapes 4096x4096 ...] [--out DIR]
     python -m bench qmm --model DIR          (or --random-shape llama-3-8b: built in memory)
 
-Kernel mode, for 4-bit group-64 bfloat16 weights of an 8B llama (4096x4096, 14336x4096,
-4096x14336, and the fused q/k/v 6144x4096 and gate/up 28672x4096) and 1, 2, 3, 4, 5, 8, 16 rows:
+Kernel mode, for 4-bit group-64 bfloat16 weights of 8B-llama shapes (4096x4096, 14336x4096,
+4096x14336, 6144x4096 and 28672x4096) and 1, 2, 3, 4, 5, 8, 16 rows of a 2-D x:
 
-- "mlx": ``mx.quantized_matmul``; "pad8" (2..7 rows): the rows padded to 8 (MLX's multi-row
-  kernel) and sliced back; "ours": kernels.affine's kernel with the layout ``pick_config`` gives;
-  "compiled": the same through ``mx.compile``, as FewRowQuantizedLinear calls it.
+- "mlx": ``mx.quantized_matmul``; "ours": kernels.affine's kernel with the layout
+  ``pick_config`` gives; "compiled": the same through ``mx.compile``, as FewRowQuantizedLinear
+  calls it.
 - Timing: CALLS calls in one graph, each on a different copy of the weight (the copies together
   over 512 MiB, so the 50 MB L2 holds none of them), one warm-up, the median of REPEATS evals.
   µs per call include MLX's dispatch, as a model pays it; GB/s = packed weight, scales and
@@ -23,12 +23,14 @@ Kernel mode, for 4-bit group-64 bfloat16 weights of an 8B llama (4096x4096, 1433
 
 Every call of ours is checked against MLX first; any mismatch is printed and the run exits 1.
 
-Model mode (``--model`` / ``--random-shape``): a decode step of B = 1, 2, 4, 8 rows and a forward
-of W = 1..6 tokens (the verify shape) of one sequence, each on a 32-token cache, with (a) MLX's
-QuantizedLinear, (b) the rows padded to 8, (c) our kernel installed (siblings fused) and (d) our
-kernel unfused; ms and the ratio to the same variant's one-row step. Before that, greedy tokens
-over GREEDY_STEPS steps of (a) and (c) are compared and the first divergence reported (bf16 may
-differ in the last bits: a report, not a failure).
+Model mode (``--model`` / ``--random-shape``): a decode step of B = 1, 2, 4, 8, 16 rows and a
+forward of W = 2..6 tokens (the verify shape) of one sequence, each on a 32-token cache, with
+the variants "stock" (MLX's QuantizedLinear as loaded), "flat" (MLX's quantized_matmul with x
+flattened to [rows, K]: the flattening alone) and "mlxd" (what ``kernels.affine.install`` gives:
+the kernel or MLX's flattened, as its ROUTE says); ms and the ratio to the same variant's
+one-row decode step. Before that, greedy tokens over GREEDY_STEPS steps of "stock" and "mlxd" are
+compared and the first divergence reported (bf16 may differ in the last bits: a report, not a
+failure).
 
 Writes DIR/qmm.json and DIR/qmm.png; prints a compact table.
 """
@@ -102,14 +104,6 @@ def mlx_call(x: mx.array, w: tuple[mx.array, mx.array, mx.array]) -> mx.array:
     return qmm.twin(x, *w, bits=BITS, group=GROUP)
 
 
-def pad8_call(x: mx.array, w: tuple[mx.array, mx.array, mx.array]) -> mx.array:
-    m = x.shape[0]
-    if not 2 <= m <= 7:
-        return mlx_call(x, w)
-    xp = mx.concatenate([x, mx.zeros((8 - m, x.shape[1]), dtype=x.dtype)], axis=0)
-    return mlx_call(xp, w)[:m]
-
-
 def ours_call(config: qmm.LaunchConfig | None) -> Callable[[mx.array, tuple], mx.array]:
     def call(x: mx.array, w: tuple[mx.array, mx.array, mx.array]) -> mx.array:
         return qmm.affine_qmm(x, *w, bits=BITS, group=GROUP, config=config)
@@ -161,8 +155,6 @@ def bench_kernels(args: argparse.Namespace, result: dict[str, Any], save: Callab
             x = (mx.random.normal((m, k), key=mx.random.key(m)) * 0.5).astype(DTYPE)
             row: dict[str, Any] = {"shape": [n, k], "rows": m, "copies": len(copies)}
             row["mlx_us"] = round(time_calls(mlx_call, x, copies), 2)
-            if 2 <= m <= 7:
-                row["pad8_us"] = round(time_calls(pad8_call, x, copies), 2)
             sweeping = args.sweep and time.perf_counter() - t_start <= args.budget_s
             if args.sweep and not sweeping:
                 print(f"budget spent: {n}x{k} rows {m} not swept (the table's or default layout)", flush=True)
@@ -203,7 +195,7 @@ def bench_kernels(args: argparse.Namespace, result: dict[str, Any], save: Callab
 
 
 def kernel_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["shape        rows   mlx µs  pad8 µs  ours µs  compiled  ours/mlx  ours/1row  ours GB/s  layout"]
+    lines = ["shape        rows   mlx µs  ours µs  compiled  ours/mlx  ours/1row  ours GB/s  layout"]
     one: dict[tuple[int, int], float] = {}
     for r in rows:
         shape = tuple(r["shape"])
@@ -213,7 +205,7 @@ def kernel_table(rows: list[dict[str, Any]]) -> str:
         speed = f"{r['mlx_us'] / ours:8.2f}x" if ours else "       -"
         rel = f"{ours / one[shape]:9.2f}" if ours and shape in one else "        -"
         lines.append(
-            f"{shape[0]:>5}x{shape[1]:<6} {r['rows']:>4} {r['mlx_us']:>8.1f} {r.get('pad8_us', float('nan')):>8.1f} "
+            f"{shape[0]:>5}x{shape[1]:<6} {r['rows']:>4} {r['mlx_us']:>8.1f} "
             f"{ours if ours else float('nan'):>8.1f} {r.get('ours_compiled_us', float('nan')):>9.1f} {speed} {rel} "
             f"{r.get('ours_GBps', float('nan')):>10.1f}  {r.get('ours_layout', 'FAILED')}"
         )
@@ -223,16 +215,28 @@ def kernel_table(rows: list[dict[str, Any]]) -> str:
 # ---- model mode ---------------------------------------------------------------------------
 
 
-class PadTo8QuantizedLinear(nn.QuantizedLinear):
-    """Item "pad to 8 rows": x with 2..7 rows in all padded to 8 (MLX-CUDA's multi-row kernel)."""
+class FlatQuantizedLinear(nn.QuantizedLinear):
+    """Variant "flat": MLX's quantized_matmul with x flattened to [rows, K] (on CUDA, as the
+    product's MLX calls are), never the kernel: what the flattening alone is worth."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        k = x.shape[-1]
-        m = x.size // k
-        if not 2 <= m <= 7:
-            return super().__call__(x)
-        flat = mx.concatenate([x.reshape(m, k), mx.zeros((8 - m, k), dtype=x.dtype)], axis=0)
-        return super().__call__(flat)[:m].reshape(*x.shape[:-1], -1)
+        y = linear.mlx_matmul(x, self["weight"], self["scales"], self.get("biases"), self.bits, self.group_size,
+                              self.mode)
+        return y + self["bias"] if "bias" in self else y
+
+
+class FlatQuantizedEmbedding(nn.QuantizedEmbedding):
+    """Variant "flat" for a tied head."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return linear.mlx_matmul(x, self["weight"], self["scales"], self.get("biases"), self.bits, self.group_size,
+                                 self.mode)
+
+
+FLAT: dict[type, type] = {nn.QuantizedLinear: FlatQuantizedLinear, nn.QuantizedEmbedding: FlatQuantizedEmbedding}
+VARIANTS = ("stock", "flat", "mlxd")
+DECODE_ROWS = (1, 2, 4, 8, 16)
+VERIFY_WIDTHS = (2, 3, 4, 5, 6)
 
 
 def build_model(args: argparse.Namespace) -> tuple[Any, str]:
@@ -290,16 +294,15 @@ def greedy_tokens(model: Any, prompt: list[int], steps: int) -> list[int]:
 
 
 def set_variant(model: Any, variant: str) -> None:
-    """Put the model's QuantizedLinear layers in one of the variants (from any other)."""
+    """Put the model's quantized layers in one of VARIANTS (from any other)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}")
     linear.uninstall(model)
-    swap_classes(model, {PadTo8QuantizedLinear: nn.QuantizedLinear})
-    if variant == "pad8":
-        swap_classes(model, {nn.QuantizedLinear: PadTo8QuantizedLinear})
-    elif variant in ("ours", "ours-unfused"):
-        swap_classes(model, {nn.QuantizedLinear: linear.FewRowQuantizedLinear,
-                             nn.QuantizedEmbedding: linear.FewRowQuantizedEmbedding})
-        if variant == "ours":
-            linear.fuse_siblings(model)
+    swap_classes(model, {v: k for k, v in FLAT.items()})
+    if variant == "flat":
+        swap_classes(model, FLAT)
+    elif variant == "mlxd":
+        linear.install(model, force=True)
 
 
 def bench_model(args: argparse.Namespace, result: dict[str, Any], save: Callable[[], None]) -> list[str]:
@@ -308,21 +311,21 @@ def bench_model(args: argparse.Namespace, result: dict[str, Any], save: Callable
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, 8000, 24)]
     set_variant(model, "stock")
     stock = greedy_tokens(model, prompt, GREEDY_STEPS)
-    set_variant(model, "ours")
+    set_variant(model, "mlxd")
     ours = greedy_tokens(model, prompt, GREEDY_STEPS)
     first = next((i for i, (a, b) in enumerate(zip(stock, ours, strict=True)) if a != b), None)
-    result["greedy"] = {"stock": stock, "ours": ours, "first_divergence": first}
+    result["greedy"] = {"stock": stock, "mlxd": ours, "first_divergence": first}
     print(f"greedy over {GREEDY_STEPS} steps: " + ("identical" if first is None else f"first divergence at step {first}"), flush=True)
     rows = []
-    for variant in ("stock", "pad8", "ours", "ours-unfused"):
+    for variant in VARIANTS:
         set_variant(model, variant)
         base = 0.0
-        for batch in (1, 2, 4, 8):
+        for batch in DECODE_ROWS:
             ms = step_ms(model, batch, 1, args.steps)
             base = base or ms
             rows.append({"variant": variant, "kind": "decode", "rows": batch, "ms": round(ms, 3), "ratio": round(ms / base, 2)})
             print(json.dumps(rows[-1]), flush=True)
-        for width in range(2, 7):
+        for width in VERIFY_WIDTHS:
             ms = step_ms(model, 1, width, args.steps)
             rows.append({"variant": variant, "kind": "verify", "rows": width, "ms": round(ms, 3), "ratio": round(ms / base, 2)})
             print(json.dumps(rows[-1]), flush=True)
@@ -352,7 +355,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     if rows:
         labels = [f"{r['shape'][0]}x{r['shape'][1]}\n{r['rows']}" for r in rows]
         xs = np.arange(len(rows))
-        for i, (key, name) in enumerate([("mlx_us", "mx.quantized_matmul"), ("pad8_us", "padded to 8"), ("ours_us", "ours")]):
+        for i, (key, name) in enumerate([("mlx_us", "mx.quantized_matmul"), ("ours_us", "ours"),
+                                         ("ours_compiled_us", "ours, compiled")]):
             ax.bar(xs + i * 0.27, [r.get(key, 0) for r in rows], 0.27, label=name)
         ax.set_xticks(xs + 0.27)
         ax.set_xticklabels(labels, fontsize=6)

@@ -1,14 +1,17 @@
-"""kernels/affine: the few-row affine quantized matmul (CUDA kernel, MLX twin, layer swap, fusion).
+"""kernels/affine: the few-row affine quantized matmul (CUDA kernel, MLX twin, layer swap, routing).
 
 On the CPU: the kernel's index math (its packing and group reads, and the mma body's fragment
 layout, emulated lane by lane) against mx.dequantize; FewRowQuantizedLinear equals
-QuantizedLinear exactly (the twin runs); the install swap; fused siblings equal unfused; and the
-engine's exact tier with the swap forced. The CUDA sources compile for sm_90 with nvcc when it is
+QuantizedLinear exactly (the twin runs); the install swap; the ROUTE table and, with CUDA
+forced (the kernel call replaced by MLX's twin), which rows go where and with which shapes; and
+the engine's exact tier with the swap and the CUDA routing forced. The CUDA sources compile for sm_90 with nvcc when it is
 installed. The `gpu` tests compare the CUDA kernel with mx.quantized_matmul on the H200.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import re
 import shutil
 import subprocess
@@ -155,35 +158,111 @@ def test_install_only_when_forced_or_cuda_and_leaves_other_layers():
     assert not any(isinstance(m, linear.FewRowQuantizedLinear) for _, m in model.named_modules())
 
 
-def test_fused_siblings_equal_unfused_on_cpu():
-    model, _ = _tiny_quantized()
-    tokens = mx.array([[3, 4, 5, 6, 7], [7, 8, 9, 10, 11]], dtype=mx.int32)
-    want = model(tokens)
-    linear.install(model, force=True)
-    attn = model.model.layers[0].self_attn
-    group = attn.q_proj.__dict__["_fused_group"]
-    assert group is attn.k_proj.__dict__["_fused_group"] is attn.v_proj.__dict__["_fused_group"]
-    assert "_fused_group" in model.model.layers[0].mlp.gate_proj.__dict__
-    assert "_fused_group" not in attn.o_proj.__dict__
-    # the members' parameters are views of the stacked buffer, under their own names
-    names = {k for k, _ in __import__("mlx.utils").utils.tree_flatten(model.parameters())}
-    assert "model.layers.0.self_attn.k_proj.weight" in names and not any("_fused" in n for n in names)
-    got = model(tokens)
-    assert mx.array_equal(got, want)
-    # one member alone, with an x the group has not seen: its own rows
-    x = mx.random.normal((2, 64))
-    assert mx.array_equal(attn.k_proj(x), attn.k_proj._own(x))
-    # a replaced weight (a reload) unfuses the group: no stale stacked copy is used
-    attn.v_proj.weight = mx.zeros_like(attn.v_proj.weight)
-    assert not group.intact()
-    assert mx.array_equal(attn.q_proj(x), attn.q_proj._own(x))
-    linear.uninstall(model)
+def test_route_table():
+    """One row on MLX's one-row kernel, 2..16 rows on ours, anything else on MLX's."""
+    assert linear.ROUTE == {1: "mlx", **{m: "ours" for m in range(2, 17)}}
+    assert qmm.MAX_ROWS == 16
+    assert linear.route(mx.zeros((1, 1, 64))) == "mlx"
+    assert linear.route(mx.zeros((4, 1, 64))) == "ours"
+    assert linear.route(mx.zeros((4, 4, 64))) == "ours"  # 16 rows in all
+    assert linear.route(mx.zeros((17, 64))) == "mlx"
+    assert linear.route(mx.zeros((0, 64))) == "mlx"
+
+
+class _Calls:
+    """Records the x shapes of mx.quantized_matmul and of the kernel entry (the twin stands in)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.mlx: list[tuple[int, ...]] = []
+        self.ours: list[tuple[int, ...]] = []
+        real = mx.quantized_matmul
+
+        def spy(x, *args, **kwargs):
+            self.mlx.append(tuple(x.shape))
+            return real(x, *args, **kwargs)
+
+        def compiled(bits, group, with_bias):
+            def call(x, w, scales, biases, b=None):
+                self.ours.append(tuple(x.shape))
+                y = real(x, w, scales, biases, transpose=True, group_size=group, bits=bits)
+                return y if b is None else y + b
+
+            return call
+
+        monkeypatch.setattr(linear, "gpu_backend", lambda: "cuda")
+        monkeypatch.setattr(qmm, "ANY_DEVICE", True)
+        monkeypatch.setattr(linear, "_compiled", compiled)
+        monkeypatch.setattr(mx, "quantized_matmul", spy)
+
+    def take(self) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        out = (self.mlx, self.ours)
+        self.mlx, self.ours = [], []
+        return out
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_forced_cuda_routes_rows_and_flattens_mlx_calls(monkeypatch, bias):
+    """CUDA forced: 1 and 17+ rows go to mx.quantized_matmul with x flattened to 2-D, 2..16 rows
+    to the kernel entry with x as given; every output equals QuantizedLinear's, shape included."""
+    ql = nn.QuantizedLinear(128, 40, bias=bias, group_size=64, bits=4)
+    if bias:
+        ql.bias = mx.random.normal((40,))
+    shapes = [(1, 128), (1, 1, 128), (2, 1, 128), (1, 5, 128), (16, 1, 128), (4, 4, 128), (17, 1, 128),
+              (3, 7, 128), (40, 128)]
+    xs = [mx.random.normal(s, key=mx.random.key(i)) for i, s in enumerate(shapes)]
+    want = [ql(x) for x in xs]
+    calls = _Calls(monkeypatch)
+    ql.__class__ = linear.FewRowQuantizedLinear
+    for x, w in zip(xs, want, strict=True):
+        got = ql(x)
+        mlx_calls, ours = calls.take()
+        rows = x.size // x.shape[-1]
+        if 2 <= rows <= 16:
+            assert (mlx_calls, ours) == ([], [tuple(x.shape)])
+        else:
+            assert (mlx_calls, ours) == ([(rows, 128)], [])
+        assert got.shape == w.shape and mx.array_equal(got, w), x.shape
+
+
+def test_forced_cuda_routes_a_tied_head_and_other_modes(monkeypatch):
+    """The tied lm_head (QuantizedEmbedding.as_linear) routes the same way; a layer in another
+    mode never takes the kernel but still gets x flattened."""
+    emb = nn.QuantizedEmbedding(50, 64, group_size=32, bits=4)
+    other = nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=4, mode="mxfp4")
+    xs = [mx.random.normal((b, 1, 64), key=mx.random.key(b)) for b in (1, 3, 20)]
+    want_emb = [emb.as_linear(x) for x in xs]
+    want_other = [other(x) for x in xs]
+    calls = _Calls(monkeypatch)
+    emb.__class__ = linear.FewRowQuantizedEmbedding
+    other.__class__ = linear.FewRowQuantizedLinear
+    for x, we, wo in zip(xs, want_emb, want_other, strict=True):
+        b = x.shape[0]
+        assert mx.array_equal(emb.as_linear(x), we)
+        assert calls.take() == (([], [(b, 1, 64)]) if b == 3 else ([(b, 64)], []))
+        assert mx.array_equal(other(x), wo)
+        assert calls.take() == ([(b, 64)], [])
+
+
+def test_cpu_calls_are_mlx_calls_unchanged(monkeypatch):
+    """Off CUDA nothing is flattened and the kernel is never called."""
+    if gpu_backend() == "cuda":
+        pytest.skip("the CPU path")
+    ql = nn.QuantizedLinear(128, 40, bias=False, group_size=64, bits=4)
+    x = mx.random.normal((4, 1, 128))
+    want = ql(x)
+    real = mx.quantized_matmul
+    seen: list[tuple[int, ...]] = []
+    monkeypatch.setattr(mx, "quantized_matmul", lambda x, *a, **k: seen.append(tuple(x.shape)) or real(x, *a, **k))
+    ql.__class__ = linear.FewRowQuantizedLinear
+    assert mx.array_equal(ql(x), want)
+    assert seen == [(4, 1, 128)]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_engine_exact_tier_with_the_swap_forced(arch):
+def test_engine_exact_tier_with_the_swap_forced(arch, monkeypatch):
     """Batched rows equal rows run alone and greedy speculation equals plain greedy, float32,
-    with every quantized layer swapped and siblings fused (on the CPU: through MLX's twin)."""
+    with every quantized layer swapped and the CUDA routing forced (on the CPU: the kernel entry
+    and MLX's calls through MLX's twin, MLX's with x flattened)."""
     from engine.spec import SpecConfig
     from tests.test_spec_engine import _check, _outputs, _repetitive_prompts
     from tests.tiny_models import greedy, loaded
@@ -193,6 +272,7 @@ def test_engine_exact_tier_with_the_swap_forced(arch):
     prompts = _repetitive_prompts(cfg["vocab_size"], 4, seed=7)
     reqs = [greedy(f"q{i}", p, max_tokens=20 + 4 * i) for i, p in enumerate(prompts)]
     want, _ = _outputs(lm, None, reqs, prefill_chunk=32)  # MLX's QuantizedLinear, batched
+    calls = _Calls(monkeypatch)
     assert linear.install(model, force=True) > 0
     try:
         alone = {}
@@ -203,6 +283,9 @@ def test_engine_exact_tier_with_the_swap_forced(arch):
         st = _check(lm, SpecConfig("ngram", num_draft_tokens=4, adaptive=False), reqs, want, prefill_chunk=32)
     finally:
         linear.uninstall(model)
+    mlx_calls, ours = calls.take()
+    assert ours and all(2 <= math.prod(s[:-1]) <= 16 for s in ours)  # decode batches and verifies
+    assert mlx_calls and all(len(s) == 2 for s in mlx_calls)  # flattened: one row, prefill chunks
     assert st.spec_steps > 0
     for r in reqs:
         assert batched[r.req_id] == alone[r.req_id] == want[r.req_id], r.req_id
@@ -210,7 +293,7 @@ def test_engine_exact_tier_with_the_swap_forced(arch):
 
 # ---- the CUDA source, built by nvcc (no GPU needed) -----------------------------------------
 
-_NVCC = shutil.which("nvcc") or ("/usr/local/cuda-13.0/bin/nvcc" if shutil.os.path.exists("/usr/local/cuda-13.0/bin/nvcc") else None)
+_NVCC = shutil.which("nvcc") or ("/usr/local/cuda-13.0/bin/nvcc" if os.path.exists("/usr/local/cuda-13.0/bin/nvcc") else None)
 
 
 @pytest.mark.skipif(_NVCC is None, reason="no nvcc")
@@ -306,16 +389,18 @@ def test_cuda_float32_rows_equal_rows_alone():
 
 
 @pytest.mark.gpu
-def test_cuda_linear_and_fusion_match_mlx():
+def test_cuda_linear_matches_mlx():
+    """Every route on MLX-CUDA: one row and 20 rows (MLX's, flattened), 4 and 8 rows (ours)."""
     _needs_cuda()
     model, _ = _tiny_quantized()
     model.set_dtype(mx.bfloat16)
-    tokens = mx.array([[3, 4, 5, 6]], dtype=mx.int32)
-    want = model(tokens).astype(mx.float32)
-    assert linear.install(model) > 0
-    got = model(tokens).astype(mx.float32)
-    linear.uninstall(model)
-    assert float(mx.abs(got - want).max()) <= 0.05 * float(mx.abs(want).max())
+    for shape in ((1, 1), (1, 4), (8, 1), (2, 10)):
+        tokens = mx.random.randint(0, 60, shape, key=mx.random.key(shape[0])).astype(mx.int32)
+        want = model(tokens).astype(mx.float32)
+        assert linear.install(model) > 0
+        got = model(tokens).astype(mx.float32)
+        linear.uninstall(model)
+        assert float(mx.abs(got - want).max()) <= 0.05 * float(mx.abs(want).max()), shape
 
 
 @pytest.mark.gpu
@@ -333,36 +418,33 @@ def test_cuda_kernel_reads_x_views_at_any_offset():
             assert float(mx.abs(got - want).max()) <= _TOL[dtype] * float(mx.abs(want).max())
 
 
-def test_bench_pad_to_8_and_table():
-    """bench qmm's "pad to 8 rows" layer computes the same rows; its table marks a failed check."""
+def test_bench_variants_and_table(monkeypatch):
+    """bench qmm's variants: "flat" is MLX's with x flattened (never the kernel), "mlxd" the
+    install, "stock" MLX's classes back from either; its kernel table marks a failed check."""
     from bench import qmm as bench_qmm
 
-    ql = nn.QuantizedLinear(128, 24, bias=False, group_size=64, bits=4)
-    x = mx.random.normal((1, 3, 128))
-    want = ql(x)
-    ql.__class__ = bench_qmm.PadTo8QuantizedLinear
-    got = ql(x)
-    assert got.shape == want.shape
-    assert float(mx.abs(got - want).max()) <= 1e-5 * float(mx.abs(want).max())
+    model, _ = _tiny_quantized()
+    tokens = mx.array([[3, 4, 5], [6, 7, 8]], dtype=mx.int32)
+    want = model(tokens)
+    calls = _Calls(monkeypatch)
+    for variant, cls in (("flat", bench_qmm.FlatQuantizedLinear), ("mlxd", linear.FewRowQuantizedLinear),
+                         ("stock", nn.QuantizedLinear), ("flat", bench_qmm.FlatQuantizedLinear)):
+        bench_qmm.set_variant(model, variant)
+        assert type(model.model.layers[0].mlp.up_proj) is cls
+        calls.take()
+        assert mx.array_equal(model(tokens), want), variant
+        mlx_calls, ours = calls.take()
+        if variant == "flat":
+            assert not ours and mlx_calls and all(len(s) == 2 for s in mlx_calls)
+        if variant == "mlxd":
+            assert ours  # 6 rows in all: the kernel entry
+    with pytest.raises(ValueError, match="variant"):
+        bench_qmm.set_variant(model, "pad8")
+    bench_qmm.set_variant(model, "stock")
     rows = [
         {"shape": [64, 64], "rows": 1, "mlx_us": 20.0, "ours_us": 10.0, "ours_compiled_us": 8.0, "ours_GBps": 1.0, "ours_layout": "mma-t1-w2-u1"},
-        {"shape": [64, 64], "rows": 4, "mlx_us": 40.0, "pad8_us": 30.0},
+        {"shape": [64, 64], "rows": 4, "mlx_us": 40.0},
     ]
     table = bench_qmm.kernel_table(rows).splitlines()
     assert "2.00x" in table[1] and table[2].endswith("FAILED")
-
-
-@pytest.mark.parametrize("rows", [2, 5, 7])
-def test_padded_matmul_equals_quantized_matmul(rows):
-    """The pad-to-8 route: x's rows (leading dims too) padded to 8 and sliced back."""
-    from kernels.affine import linear
-
-    rng = np.random.default_rng(rows)
-    w = mx.array(rng.normal(size=(96, 128)).astype(np.float32))
-    wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
-    x = mx.array(rng.normal(size=(1, rows, 128)).astype(np.float32))
-    want = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=64, bits=4)
-    got = linear.padded_matmul(x, wq, scales, biases, 4, 64)
-    assert got.shape == want.shape == (1, rows, 96)
-    assert float(mx.abs(got - want).max()) < 1e-5
-    assert set(linear.ROUTE) == set(range(1, 17)) and set(linear.ROUTE.values()) <= {"ours", "pad8", "mlx"}
+    assert "pad8" not in table[0]

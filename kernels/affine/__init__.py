@@ -2,32 +2,32 @@
 
 See docs/kernels.md. Public entry points:
 
-- ``affine_qmm`` (the CUDA kernel, 1..16 rows) and ``quantized_matmul`` (kernel or MLX's twin).
-- ``FewRowQuantizedLinear`` / ``install(model)``: QuantizedLinear swapped to the kernel on CUDA.
-- ``fuse_siblings(model)``: q/k/v and gate/up projections in one launch.
+- ``affine_qmm`` (the CUDA kernel, 1..16 rows), ``takes`` (whether it applies) and ``twin``
+  (MLX's ``mx.quantized_matmul``, the reference).
+- ``FewRowQuantizedLinear`` / ``install(model)``: QuantizedLinear swapped to the layer that sends
+  each call where ``ROUTE`` says on CUDA (the kernel for 2..16 rows, MLX's otherwise).
 """
 
 from __future__ import annotations
 
 from .linear import (
+    ROUTE,
     FewRowQuantizedEmbedding,
     FewRowQuantizedLinear,
-    fuse_siblings,
     install,
     uninstall,
 )
-from .qmm import MAX_ROWS, LaunchConfig, affine_qmm, pick_config, quantized_matmul, takes, twin
+from .qmm import MAX_ROWS, LaunchConfig, affine_qmm, pick_config, takes, twin
 
 __all__ = [
     "MAX_ROWS",
+    "ROUTE",
     "FewRowQuantizedEmbedding",
     "FewRowQuantizedLinear",
     "LaunchConfig",
     "affine_qmm",
-    "fuse_siblings",
     "install",
     "pick_config",
-    "quantized_matmul",
     "takes",
     "twin",
     "uninstall",

@@ -1,24 +1,23 @@
-"""QuantizedLinear on CUDA through the fused few-row kernel, and fusion of sibling projections.
+"""QuantizedLinear on CUDA: the fused few-row kernel where it pays, MLX's kernels elsewhere.
 
 ``install(model)`` (CUDA only, or ``force``) swaps the class of every exact ``nn.QuantizedLinear``
-in affine mode to ``FewRowQuantizedLinear`` (parameters, names and saving unchanged) and every
-``nn.QuantizedEmbedding`` to ``FewRowQuantizedEmbedding`` (its ``as_linear``, a tied lm_head).
-x with 1..MAX_ROWS rows in all goes through the kernel (inside ``mx.compile`` on CUDA: the traced
-call is replayed without Python work); more rows, other dtypes, other modes, the CPU and Metal go
-to ``mx.quantized_matmul``.
+to ``FewRowQuantizedLinear`` and every ``nn.QuantizedEmbedding`` to ``FewRowQuantizedEmbedding``
+(its ``as_linear``, a tied lm_head); parameters, names and saving are unchanged, and
+``uninstall`` swaps them back. On CUDA a call with x of affine-quantized weights goes where
+``ROUTE`` says for its rows in all (leading dims flattened): "ours", the fused kernel inside
+``mx.compile`` (the traced call is replayed without Python work), or "mlx",
+``mx.quantized_matmul``. Every other call (other modes, dtypes or bits, no biases) goes to MLX's.
 
-``fuse_siblings(model)`` joins projections that read the same input (q/k/v of an attention,
-gate/up of an MLP, by those attribute names) into one launch: their packed weights, scales and
-biases are stacked along N in one buffer, and each member keeps a view of its rows (no second
-copy). The first member called with a given x computes every member's output in one call and
-the others take theirs for the same x (any order); a member called with another x computes
-alone. A member whose weight was replaced after fusing (a reload) computes alone. Each output row is computed from its own weight row only, so a member's result equals
-its unfused result; in float32 bit for bit (one layout for every shape), in 16-bit activations up
-to the summation order of the layout picked for the stacked shape.
+On CUDA, MLX's call gets x flattened to ``[rows, K]`` and the result reshaped back:
+MLX-CUDA's quantized_matmul treats x's leading dims as a batch of M-row problems (M = x's
+second-to-last dim), so a decode batch ``[B, 1, K]`` is B one-row problems, each reading the
+whole weight; flattened it is one problem of B rows. For contiguous x the reshape is free.
+On the CPU and Metal the layers compute exactly as MLX's (no flattening, no kernel).
 """
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from typing import Any
 
@@ -57,156 +56,79 @@ def _compiled(bits: int, group: int, with_bias: bool) -> Any:
     return mx.compile(call_bias if with_bias else call)
 
 
-# Which path x with this many rows in all takes on CUDA where the kernel applies: "ours" (the
-# fused kernel), "pad8" (rows padded to 8: MLX-CUDA runs its one-row kernel once per row from 2
-# to 7 rows and a multi-row kernel from 8 on, which costs about one one-row call) or "mlx".
-ROUTE: dict[int, str] = dict.fromkeys(range(1, qmm.MAX_ROWS + 1), "ours")
-PAD_ROWS = 8
+# Which kernel x with this many rows in all takes on CUDA: "ours" (the fused kernel, compiled) or
+# "mlx" (mx.quantized_matmul, x flattened); rows not listed take "mlx". This table is the one place
+# that decides. Measured on an H200 (MLX-CUDA 0.32.4), 8B-shape llama, 4-bit g64 bf16, a whole
+# forward on a 32-token cache, ms (python -m bench qmm --random-shape llama-3-8b):
+#   decode rows             1      2      4      8    verify of 2..6 tokens
+#   MLX's, as loaded     9.17  13.25  21.59  32.52    12.46 .. 29.09
+#   ours                11.39  11.89  11.46  14.04    11.89 .. 12.89
+# and per call alone, 14336x4096 (python -m bench qmm --sweep), µs, MLX's / ours compiled:
+#   1 row 42.5 / 44.7, 2 rows 75.6 / 44.3, 5 rows 171.7 / 49.2, 8 rows 38.1 / 60.5.
+# One row stays on MLX's one-row kernel (a whole step with ours costs 11.39 ms, not 9.17).
+# MLX-CUDA runs that one-row kernel once per row up to 7 rows in all; from 8 rows of a 2-D x it
+# takes a multi-row kernel, faster than ours alone (above), not yet measured in whole steps
+# flattened: the bench's "flat" variant is MLX's with the flattening only.
+ROUTE: dict[int, str] = {1: "mlx", **dict.fromkeys(range(2, qmm.MAX_ROWS + 1), "ours")}
 
 
-def padded_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, bits: int,
-                  group: int) -> mx.array:
-    """mx.quantized_matmul with x's rows (leading dims flattened) padded to `PAD_ROWS`."""
-    k = x.shape[-1]
-    rows = x.size // k
-    flat = x.reshape(rows, k)
-    padded = mx.concatenate([flat, mx.zeros((PAD_ROWS - rows, k), x.dtype)])
-    y = mx.quantized_matmul(padded, w, scales=scales, biases=biases, transpose=True,
-                            group_size=group, bits=bits)
-    return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
+def route(x: mx.array) -> str:
+    """ROUTE's answer for x's rows in all."""
+    k = x.shape[-1] if x.ndim else 0
+    return ROUTE.get(x.size // k if k else 0, "mlx")
+
+
+def mlx_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, bits: int, group: int,
+               mode: str = "affine") -> mx.array:
+    """mx.quantized_matmul(x, W, transpose=True); on CUDA x's leading dims flattened first
+    (one M-row problem instead of a batch of one-row problems, module doc)."""
+    lead = x.shape[:-1]
+    flat = x.ndim > 2 and gpu_backend() == "cuda"
+    if flat:
+        x = x.reshape(math.prod(lead), x.shape[-1])
+    y = mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group, bits=bits, mode=mode)
+    return y.reshape(*lead, y.shape[-1]) if flat else y
 
 
 def affine_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, bits: int, group: int,
                   bias: mx.array | None = None) -> mx.array:
-    """x @ W.T (+ bias): the fused kernel (compiled) or MLX's padded to 8 rows where `ROUTE`
-    says so and the kernel takes the call, else MLX's."""
-    if biases is not None and qmm.takes(x, w, scales, bits, group) and gpu_backend() == "cuda":
-        route = ROUTE.get(x.size // x.shape[-1], "mlx")
-        if route == "ours":
-            fn = _compiled(bits, group, bias is not None)
-            return fn(x, w, scales, biases) if bias is None else fn(x, w, scales, biases, bias)
-        if route == "pad8" and x.size // x.shape[-1] < PAD_ROWS:
-            y = padded_matmul(x, w, scales, biases, bits, group)
-            return y if bias is None else y + bias
-    y = mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group, bits=bits)
+    """x @ W.T (+ bias) for affine W: the fused kernel where `ROUTE` says "ours" and the kernel
+    takes the call (CUDA), else MLX's (flattened on CUDA)."""
+    if biases is not None and gpu_backend() == "cuda" and route(x) == "ours" and qmm.takes(x, w, scales, bits, group):
+        fn = _compiled(bits, group, bias is not None)
+        return fn(x, w, scales, biases) if bias is None else fn(x, w, scales, biases, bias)
+    y = mlx_matmul(x, w, scales, biases, bits, group)
     return y if bias is None else y + bias
 
 
 class FewRowQuantizedLinear(nn.QuantizedLinear):
-    """nn.QuantizedLinear whose few-row calls on CUDA take the fused kernel (module doc)."""
+    """nn.QuantizedLinear whose calls on CUDA take the path `ROUTE` gives (module doc)."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        group = getattr(self, "_fused_group", None)
-        if group is not None:
-            return group.output(self, x)
-        return self._own(x)
-
-    def _own(self, x: mx.array) -> mx.array:
-        if self.mode != "affine":
-            return super().__call__(x)
         bias = self["bias"] if "bias" in self else None
-        return affine_matmul(x, self["weight"], self["scales"], self.get("biases"), self.bits, self.group_size, bias)
+        if self.mode == "affine":
+            return affine_matmul(x, self["weight"], self["scales"], self.get("biases"), self.bits, self.group_size, bias)
+        y = mlx_matmul(x, self["weight"], self["scales"], self.get("biases"), self.bits, self.group_size, self.mode)
+        return y if bias is None else y + bias
 
 
 class FewRowQuantizedEmbedding(nn.QuantizedEmbedding):
+    """nn.QuantizedEmbedding whose ``as_linear`` (a tied lm_head) routes as FewRowQuantizedLinear."""
+
     def as_linear(self, x: mx.array) -> mx.array:
-        if self.mode != "affine":
-            return super().as_linear(x)
-        return affine_matmul(x, self["weight"], self["scales"], self.get("biases"), self.bits, self.group_size)
+        if self.mode == "affine":
+            return affine_matmul(x, self["weight"], self["scales"], self.get("biases"), self.bits, self.group_size)
+        return mlx_matmul(x, self["weight"], self["scales"], self.get("biases"), self.bits, self.group_size, self.mode)
 
 
 def install(model: Any, force: bool = False) -> int:
-    """Swap QuantizedLinear / QuantizedEmbedding to the few-row classes and fuse sibling
-    projections; returns how many modules were swapped (0 unless `enabled()` or `force`)."""
+    """Swap QuantizedLinear / QuantizedEmbedding to the few-row classes; returns how many modules
+    were swapped (0 unless `enabled()` or `force`)."""
     if not (force or enabled()):
         return 0
-    count = swap_classes(model, {nn.QuantizedLinear: FewRowQuantizedLinear, nn.QuantizedEmbedding: FewRowQuantizedEmbedding})
-    fuse_siblings(model)
-    return count
+    return swap_classes(model, {nn.QuantizedLinear: FewRowQuantizedLinear, nn.QuantizedEmbedding: FewRowQuantizedEmbedding})
 
 
 def uninstall(model: Any) -> int:
-    """Back to MLX's classes (for A/B measurements; fused members keep their views, unfused)."""
-    for _, module in model.named_modules():
-        if isinstance(module, FewRowQuantizedLinear) and "_fused_group" in module.__dict__:
-            del module.__dict__["_fused_group"]
+    """Back to MLX's classes (for A/B measurements); returns how many modules were swapped."""
     return swap_classes(model, {FewRowQuantizedLinear: nn.QuantizedLinear, FewRowQuantizedEmbedding: nn.QuantizedEmbedding})
-
-
-SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-class FusedGroup:
-    """Sibling projections sharing one stacked weight (module doc). Plain attribute of each
-    member (not a Module child: it holds no parameters of its own to save or load)."""
-
-    __slots__ = ("members", "bounds", "views", "weight", "scales", "biases", "bits", "group", "_x", "_ys")
-
-    def __init__(self, members: list[FewRowQuantizedLinear]) -> None:
-        first = members[0]
-        self.members = members
-        self.bits, self.group = first.bits, first.group_size
-        self.weight = mx.concatenate([m["weight"] for m in members], axis=0)
-        self.scales = mx.concatenate([m["scales"] for m in members], axis=0)
-        self.biases = mx.concatenate([m["biases"] for m in members], axis=0)
-        mx.eval(self.weight, self.scales, self.biases)
-        self.bounds: list[tuple[int, int]] = []
-        self.views: list[mx.array] = []
-        start = 0
-        for m in members:
-            stop = start + int(m["weight"].shape[0])
-            self.bounds.append((start, stop))
-            # a view of the stacked buffer: the member's parameters stay where saving finds them
-            m.weight, m.scales, m.biases = self.weight[start:stop], self.scales[start:stop], self.biases[start:stop]
-            self.views.append(m["weight"])
-            start = stop
-        self._x: mx.array | None = None
-        self._ys: dict[int, mx.array] = {}
-
-    def intact(self) -> bool:
-        """Whether every member still holds its view (weights loaded later replace them)."""
-        return all(m["weight"] is v for m, v in zip(self.members, self.views, strict=True))
-
-    def output(self, member: FewRowQuantizedLinear, x: mx.array) -> mx.array:
-        if not self.intact():
-            return member._own(x)
-        key = id(member)
-        if self._x is not x or key not in self._ys:
-            y = affine_matmul(x, self.weight, self.scales, self.biases, self.bits, self.group)
-            self._x = x
-            self._ys = {}
-            for m, (start, stop) in zip(self.members, self.bounds, strict=True):
-                part = y[..., start:stop]
-                self._ys[id(m)] = part + m["bias"] if "bias" in m else part
-        out = self._ys.pop(key)
-        if not self._ys:
-            self._x = None
-        return out
-
-
-def _fusable(members: list[Any]) -> bool:
-    if not all(type(m) is FewRowQuantizedLinear for m in members):
-        return False
-    first = members[0]
-    return all(
-        m.mode == "affine" and m.get("biases") is not None and m.bits == first.bits
-        and m.group_size == first.group_size and m["weight"].shape[1] == first["weight"].shape[1]
-        and m["scales"].dtype == first["scales"].dtype and "_fused_group" not in m.__dict__
-        for m in members
-    )
-
-
-def fuse_siblings(model: Any) -> int:
-    """Fuse every q/k/v and gate/up set of FewRowQuantizedLinear siblings; returns how many sets."""
-    count = 0
-    for _, module in model.named_modules():
-        for names in SIBLINGS:
-            found = [getattr(module, n, None) for n in names]
-            members = [m for m in found if m is not None]
-            if len(members) == len(names) and _fusable(members):
-                group = FusedGroup(members)
-                for m in members:
-                    # in the instance __dict__, not the Module's items: not a parameter or child
-                    m.__dict__["_fused_group"] = group
-                count += 1
-    return count

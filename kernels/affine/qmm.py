@@ -2,9 +2,9 @@
 
 ``affine_qmm`` launches the kernel of source.py (CUDA only) with a layout from ``pick_config``:
 the measured winner in tuned_cuda.json for the nearest swept shape class (written by
-``python -m bench qmm``), else a default. ``quantized_matmul`` is the entry point layers use:
-the kernel where ``takes`` says it applies, MLX's ``mx.quantized_matmul`` (the twin and the
-reference) everywhere else, including the CPU and Metal.
+``python -m bench qmm --sweep``), else a default. ``takes`` says whether the kernel applies to
+a call; ``twin`` is MLX's ``mx.quantized_matmul``, the reference. Which calls take the kernel
+in a model is decided in linear.py (``ROUTE``).
 
 Float32 activations always take one layout (``FLOAT32``), whatever the row count: a row's sums
 are then added in the same order whether it is alone or in a batch (the exact tier).
@@ -222,15 +222,6 @@ def takes(x: mx.array, w: mx.array, scales: mx.array, bits: int, group: int) -> 
     if k == 0 or k % group or w.ndim != 2 or w.shape[1] * 32 // bits != k or scales.dtype != x.dtype:
         return False
     return 1 <= x.size // k <= MAX_ROWS and (ANY_DEVICE or gpu_backend() == "cuda")
-
-
-def quantized_matmul(
-    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, bits: int, group: int
-) -> mx.array:
-    """x @ W.T: the fused kernel on CUDA for few rows, MLX's quantized_matmul otherwise."""
-    if takes(x, w, scales, bits, group) and gpu_backend() == "cuda":
-        return affine_qmm(x, w, scales, biases, bits=bits, group=group)
-    return twin(x, w, scales, biases, bits=bits, group=group)
 
 
 # ---- references on the host (numpy), with the kernel's indexing -----------------------------
