@@ -285,6 +285,7 @@ def test_loader_leaves_attention_alone_off_cuda():
 
 
 SPEC_BF16_SCRIPT = r"""
+import os
 import sys
 from engine.api import SamplingParams
 from engine.core import Engine, EngineConfig
@@ -311,7 +312,11 @@ try:
     assert eng.stats().spec.spec_steps > 20, eng.stats().spec
 finally:
     eng.stop()
-print("ok")
+print("ok", flush=True)
+# On the H200 this bare script once aborted in interpreter teardown after printing ok
+# ("terminate called without an active exception"; `mlxd serve` exits cleanly): leave without
+# teardown, so the test judges the run itself.
+os._exit(0)
 """
 
 

@@ -179,6 +179,16 @@ def test_loader_serves_adapters_and_the_engine_refuses_unknown_names(tmp_path, t
         eng.stop()
 
 
+def _engine_blocks_of_16(lm):
+    """An engine whose prefix cache stores 16-token blocks (these prompts are short)."""
+    from engine.core import Engine, EngineConfig
+    from engine.scheduler import SchedulerConfig
+
+    eng = Engine(lm, EngineConfig(SchedulerConfig(prefill_chunk=32), prefix_block_size=16))
+    eng.start()
+    return eng
+
+
 def test_prefix_cache_keys_on_the_adapter(tmp_path):
     model, cfg = tiny_model("llama")
     path = write_adapter(tmp_path / "a", model, rank=4, scale=2.0, num_layers=-1, keys=None, seed=4)
@@ -186,7 +196,7 @@ def test_prefix_cache_keys_on_the_adapter(tmp_path):
     lora.load(model, [("a", str(path))])
     rng = random.Random(0)
     shared = [rng.randrange(3, cfg["vocab_size"]) for _ in range(40)]
-    eng = make_engine(lm, prefill_chunk=32)
+    eng = _engine_blocks_of_16(lm)
     try:
         first = run_alone(eng, greedy("base", shared + [9], 4))
         with_adapter = greedy("ad", shared + [9], 4)
@@ -381,7 +391,7 @@ def test_a_finished_adapter_answer_is_cached_under_its_adapter(tmp_path):
     lora.load(model, [("a", str(path))])
     rng = random.Random(1)
     prompt = [rng.randrange(3, cfg["vocab_size"]) for _ in range(20)]
-    eng = make_engine(lm, prefill_chunk=32)
+    eng = _engine_blocks_of_16(lm)
     try:
         turn1 = greedy("t1", prompt, 30)
         turn1.adapter = "a"
