@@ -57,8 +57,7 @@ import numpy as np
 
 from bench import common
 from kernels.affine import linear, qmm
-from kernels.affine.linear import swap_classes
-from kernels.common import gpu_backend
+from kernels.common import gpu_backend, swap_classes
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096), (28672, 4096)]
 QUICK_SHAPES = [(4096, 4096), (14336, 4096)]

@@ -91,7 +91,32 @@ SNAPSHOT_EVERY_S = 0.05  # while busy, stats() sees the engine's state at most t
 WARM_DECODE_ROWS = 16  # the warm-up runs the decode batch at 1..this many rows
 
 
-class Engine:
+class EngineThread:
+    """The one thread that owns MLX: `start` runs the subclass's `_loop` on it, `stop` sets
+    `_stopping`, wakes it through `_wake` and joins it (the engine, the pool of engines)."""
+
+    _thread: threading.Thread | None
+    _wake: threading.Condition
+    _stopping: bool
+
+    def _loop(self) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="mlxd-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+
+class Engine(EngineThread):
     """Owns MLX on one thread. Thread-safe entry points: `add`, `abort`, `stats`, `stop`."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
@@ -149,18 +174,6 @@ class Engine:
         self._publish()
 
     # -- thread-safe API -------------------------------------------------------------------
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="mlxd-engine", daemon=True)
-            self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
 
     def add(self, request: Request, sink: EventSink) -> None:
         self.enqueue(self._validate(request), sink)

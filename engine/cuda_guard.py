@@ -37,8 +37,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.modswap import swap_classes
-from kernels.common import gpu_backend
+from kernels.common import gpu_backend, swap_classes
 
 ROWS = 256  # most rows (batch x heads) of one-query RoPE that launched (512 failed)
 SMALL_HEAD = 64  # head dims below this are affected (16 failed, 64 never did)

@@ -35,8 +35,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.modswap import swap_classes
-from kernels.common import gpu_backend
+from kernels.common import gpu_backend, swap_classes
 
 MIN_ROWS = 3  # 2 rows measured slower gathered than through cuBLASLt (module doc)
 MAX_ROWS = 16  # more rows (a prefill chunk) go to cuBLASLt

@@ -52,7 +52,7 @@ from engine.api import (
     ModelInfo,
     ModelStatus,
 )
-from engine.core import AsyncEngine, Engine, EngineConfig
+from engine.core import AsyncEngine, Engine, EngineConfig, EngineThread
 from engine.kv.memory import device_memory_bytes
 from engine.loader import LoadedModel, ModelFiles, build_model, read_model_files
 
@@ -198,7 +198,7 @@ def load_error(name: str, exc: BaseException) -> EngineError:
                        code="model_load_failed")
 
 
-class EnginePool:
+class EnginePool(EngineThread):
     """The models and the one thread that drives their engines (thread-safe entry points:
     `request_load`, `pin`, `unpin`, `statuses`, `stop`)."""
 
@@ -252,19 +252,6 @@ class EnginePool:
                  size_text(engine.budget.weights))
 
     # -- thread-safe API -----------------------------------------------------------------------
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="mlxd-engine", daemon=True)
-            self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-
     def slot(self, name: str | None) -> ModelSlot:
         """The configured model `name` (None: the default); EngineError 404 otherwise."""
         if name is None:

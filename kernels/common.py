@@ -9,6 +9,9 @@ qualifier, the unroll pragma and the shuffle, so the text serves CUDA, Metal and
 
 `gpu_backend` says which GPU backend the default device has ("cuda", "metal" or None).
 
+`swap_classes` gives a model's modules a subclass in place (the few-row matmuls, the CUDA
+guards, the affine kernel's layer).
+
 `compile_cpu_library` builds a kernel body behind a CPU prelude into a shared library (cached
 per source digest under the temp dir) for the g++ harnesses that check the arithmetic on CI.
 """
@@ -22,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
@@ -115,3 +119,17 @@ def compile_cpu_library(source: str, tag: str, flags: tuple[str, ...] = ("-O2",)
         subprocess.run([cxx, *flags, "-std=c++17", "-shared", "-fPIC", str(cpp), "-o", str(tmp)], check=True)
         tmp.replace(lib)  # atomic: a parallel test process never loads a half-written library
     return ctypes.CDLL(str(lib))
+
+
+def swap_classes(model: Any, mapping: dict[type, type]) -> int:
+    """Give every module of `model` whose exact type is a key of `mapping` the class it maps
+    to (subclasses of a key are left alone); returns how many were swapped. A subclass that
+    changes only how a module computes (the few-row matmuls, the CUDA guards, the affine
+    kernel's layer) is installed this way, so parameters, names and saving stay as they were."""
+    count = 0
+    for _, module in model.named_modules():
+        new = mapping.get(type(module))
+        if new is not None:
+            module.__class__ = new
+            count += 1
+    return count

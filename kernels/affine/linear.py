@@ -24,21 +24,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from kernels.common import gpu_backend
+from kernels.common import gpu_backend, swap_classes
 
 from . import qmm
-
-
-def swap_classes(model: Any, mapping: dict[type, type]) -> int:
-    """Give every module whose exact type is a key of `mapping` the mapped class (in place, as
-    engine/modswap.py does; kernels/ does not import the engine); returns how many."""
-    count = 0
-    for _, module in model.named_modules():
-        new = mapping.get(type(module))
-        if new is not None:
-            module.__class__ = new
-            count += 1
-    return count
 
 
 def enabled() -> bool:
