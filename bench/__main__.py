@@ -4,6 +4,7 @@
     agent        multi-turn agent sessions (tools, growing prompts) against mlxd and its peers
     prefill      prefill tok/s of one long prompt, servers against raw mlx-lm
     coldstart    TTFT of the first requests on a freshly started server (kernel compilation)
+    embed        /v1/embeddings throughput at each batch size
     load         drive a server that is already running
     spec         the engine with and without speculative decoding, same prompts
     kv           KV cache memory per row and prefix-cache TTFT (memory); quantized-KV quality
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         agent,
         coldstart,
         constrained,
+        embed,
         kv,
         modelprep,
         models,
@@ -48,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
-    for module in (sweep, agent, coldstart, spec, kv, constrained, trellis, qmm, plot, modelprep,
-                   widetwin, models, tp, switch):
+    for module in (sweep, agent, coldstart, embed, spec, kv, constrained, trellis, qmm, plot,
+                   modelprep, widetwin, models, tp, switch):
         module.add_parsers(sub)
     return parser
 

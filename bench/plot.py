@@ -22,6 +22,7 @@ PLOTTERS = {
     "agent": "bench.agent:plot_agent",
     "prefill": "bench.agent:plot_prefill",
     "coldstart": "bench.coldstart:plot",
+    "embed": "bench.embed:plot",
     "spec": "bench.spec:plot",
     "kv-memory": "bench.kv_memory:plot",
     "kv-quality": "bench.kv_quality:plot",

@@ -303,3 +303,17 @@ def test_coldstart_toy(tmp_path: Path):
         assert all(r["ok"] and r["ttft_s"] > 0 for r in recs)
     assert [r["prompt_tokens"] for r in entry["phases"]["warm_burst"]["requests"]] == [16, 64]
     _png(out / "coldstart.png")
+
+
+def test_embed_toy(tmp_path: Path):
+    """The embeddings bench on the bundled model: every batch answered, its JSON and PNG."""
+    out = tmp_path / "embed"
+    assert main(["embed", "--batches", "1,4", "--tokens", "16", "--repeats", "2",
+                 "--mlxd-args=--no-warmup", "--out", str(out)]) == 0
+    result = _result(out / "embed.json", "embed")
+    for b in ("1", "4"):
+        entry = result["batches"][b]
+        assert len(entry["seconds"]) == 2 and entry["best_s"] == min(entry["seconds"])
+        assert entry["prompt_tokens"] == 16 * int(b)
+        assert entry["inputs_per_s"] == pytest.approx(int(b) / entry["best_s"])
+    _png(out / "embed.png")
