@@ -360,10 +360,11 @@ def interp(xs: list[int], ys: list[float], x: float) -> float | None:
 
 def calib_prompts(model: str, sizes: list[int], repeats: int, seed: int) -> dict[int, list[str]]:
     """Fresh random prompts of each size (distinct, so that no prefix cache hits them)."""
-    from bench.workload import make_prompts
+    from bench.workload import prompts_of_lengths
 
-    return {n: [p.text for p in make_prompts(model, repeats, n, seed=seed + 7919 * n)]
-            for n in sizes}
+    texts = iter(p.text for p in prompts_of_lengths(model, [n for n in sizes for _ in range(repeats)],
+                                                    seed))
+    return {n: [next(texts) for _ in range(repeats)] for n in sizes}
 
 
 def calibrate(srv: ServerProcess, prompts: dict[int, list[str]],

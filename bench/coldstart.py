@@ -43,15 +43,13 @@ def burst_lengths(prompt_tokens: int, burst: int) -> list[int]:
 
 def phase_prompts(model: str, prompt_tokens: int, burst: int, seed: int) -> dict[str, list[str]]:
     """Fresh prompts for every phase (a pure function of the seed)."""
-    from bench.workload import make_prompts
+    from bench.workload import prompts_of_lengths
 
     lengths = {"first": [prompt_tokens], "first_burst": burst_lengths(prompt_tokens, burst)}
     lengths["warm"], lengths["warm_burst"] = lengths["first"], lengths["first_burst"]
-    out: dict[str, list[str]] = {}
-    for i, phase in enumerate(PHASES):
-        out[phase] = [make_prompts(model, 1, n, seed=seed * 1000 + i * 100 + j)[0].text
-                      for j, n in enumerate(lengths[phase])]
-    return out
+    texts = iter(p.text for p in prompts_of_lengths(
+        model, [n for phase in PHASES for n in lengths[phase]], seed))
+    return {phase: [next(texts) for _ in lengths[phase]] for phase in PHASES}
 
 
 async def _phase(srv: ServerProcess, prompts: list[str], max_tokens: int,

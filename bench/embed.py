@@ -23,12 +23,15 @@ from bench import common
 from bench.servers import ServerProcess, mlxd_spec
 
 
-def batch_prompts(model: str, batch: int, tokens: int, repeats: int, seed: int) -> list[list[str]]:
-    """`repeats` lists of `batch` fresh texts of `tokens` tokens (a pure function of the seed)."""
-    from bench.workload import make_prompts
+def batch_prompts(model: str, batches: list[int], tokens: int, repeats: int,
+                  seed: int) -> dict[int, list[list[str]]]:
+    """Per batch size, `repeats` lists of that many fresh texts of `tokens` tokens, plus one
+    more list first for the warm-up (a pure function of the seed)."""
+    from bench.workload import prompts_of_lengths
 
-    texts = [p.text for p in make_prompts(model, batch * repeats, tokens, seed=seed * 7919 + batch)]
-    return [texts[i * batch : (i + 1) * batch] for i in range(repeats)]
+    total = sum(b * (repeats + 1) for b in batches)
+    texts = iter(p.text for p in prompts_of_lengths(model, [tokens] * total, seed))
+    return {b: [[next(texts) for _ in range(b)] for _ in range(repeats + 1)] for b in batches}
 
 
 def post(client: httpx.Client, url: str, model_id: str, texts: list[str]) -> tuple[float, int]:
@@ -45,13 +48,13 @@ def post(client: httpx.Client, url: str, model_id: str, texts: list[str]) -> tup
 def run(srv: ServerProcess, model: str, batches: list[int], tokens: int, repeats: int,
         seed: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    prompts = batch_prompts(model, batches, tokens, repeats, seed)
     with httpx.Client(timeout=600.0) as client:
         model_id = srv.model_id or "default"
         for b in batches:  # warm-up: each batch shape once, never measured
-            post(client, srv.url, model_id, batch_prompts(model, b, tokens, 1, seed + 1)[0])
+            post(client, srv.url, model_id, prompts[b][0])
         for b in batches:
-            runs = [post(client, srv.url, model_id, texts)
-                    for texts in batch_prompts(model, b, tokens, repeats, seed)]
+            runs = [post(client, srv.url, model_id, texts) for texts in prompts[b][1:]]
             best, ntok = min(runs)
             out[str(b)] = {"seconds": [s for s, _ in runs], "prompt_tokens": ntok,
                            "best_s": best, "inputs_per_s": b / best, "tokens_per_s": ntok / best}

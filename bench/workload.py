@@ -9,6 +9,7 @@ encodes to exactly the target number of tokens. The servers report the count the
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,11 +66,17 @@ def exact_prompt(tok: Any, num_tokens: int, rng: random.Random, pool: list[int])
     return best
 
 
-def make_prompts(model_dir: str | Path, count: int, num_tokens: int, seed: int = 0) -> list[Prompt]:
+def prompts_of_lengths(model_dir: str | Path, lengths: Sequence[int], seed: int = 0) -> list[Prompt]:
+    """One prompt per entry of `lengths`, from one tokenizer load and one scan of its
+    vocabulary (`_usable_ids` decodes every id: seconds for a 128k vocabulary)."""
     tok = load_tokenizer(model_dir)
     pool = _usable_ids(tok)
     rng = random.Random(seed)
-    return [exact_prompt(tok, num_tokens, rng, pool) for _ in range(count)]
+    return [exact_prompt(tok, n, rng, pool) for n in lengths]
+
+
+def make_prompts(model_dir: str | Path, count: int, num_tokens: int, seed: int = 0) -> list[Prompt]:
+    return prompts_of_lengths(model_dir, [num_tokens] * count, seed)
 
 
 def eos_token_ids(model_dir: str | Path) -> list[int]:
