@@ -141,7 +141,8 @@ def test_disconnect_frees_row(real_server):
             if not alive:  # finished before we looked: it must have ended cleanly; try again
                 rest = [x for x in stream if x.startswith("data: ")]
                 assert rest and rest[-1] == "data: [DONE]", (observed, rest[-3:])
-                assert not any(_is_error_event(x) for x in rest), (observed, [x for x in rest if _is_error_event(x)])
+                errors = [x for x in rest if _is_error_event(x)]
+                assert not errors, (observed, errors)
                 continue
         break  # left the stream while the row was decoding
     else:

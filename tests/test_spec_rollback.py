@@ -71,12 +71,12 @@ def _next_logits(model, cache, tokens: list[int]) -> np.ndarray:
     return np.array(model(mx.array([tokens]), cache=cache)[:, -1, :].astype(mx.float32))
 
 
-def _check_against_fresh(model, bits, batch, histories, rng):
-    """Float tolerance for plain KV. Quantized KV allows a few quantization steps: the batch's
-    keys and values come out of a batched forward, the fresh row's out of its own, and a
-    last-bit difference rounds some 8-bit codes the other way (up to 1.1e-2 on a logit with
+def _check_against_fresh(model, bits, batch, histories, rng, quantized_tol=3e-2):
+    """Float tolerance (2e-3) for plain KV. Quantized KV allows a few quantization steps: the
+    batch's keys and values come out of a batched forward, the fresh row's out of its own, and
+    a last-bit difference rounds some 8-bit codes the other way (up to 1.1e-2 on a logit with
     OpenBLAS). The number of kept columns is checked exactly."""
-    tol = 3e-2 if bits < 16 else 2e-3
+    tol = quantized_tol if bits < 16 else 2e-3
     probe = [int(t) for t in rng.integers(1, 256, len(histories))]
     got = np.array(model(mx.array(probe)[:, None], cache=batch)[:, -1, :].astype(mx.float32))
     assert kvb.num_tokens(batch) == [len(h) + 1 for h in histories]
@@ -196,6 +196,6 @@ def test_target_rounds_on_rings_without_slack_write_only_the_kept_columns(
     # 8-bit KV: a cache fed token by token and one prefilled at once differ by up to ~5e-3 in
     # a few logits (with OpenBLAS, e.g. prompt_lengths [2, 2, 2], seed 93 — the slack
     # rollback pattern above too); a wrong kept column moves them by far more
-    _check_against_fresh(model, bits, batch, histories, rng)
+    _check_against_fresh(model, bits, batch, histories, rng, quantized_tol=1e-2)
 
 
