@@ -84,6 +84,9 @@ class EngineConfig:
     # run the first requests' shapes at start-up (Runner.warm_up); `mlxd serve` turns it on
     # (--no-warmup: off), engines built in code (tests, benchmarks) start without it
     warmup: bool = False
+    # with the warm-up, also the long-prompt chunk widths the measured budget gives (off where
+    # ranks must agree on that budget first: engine.distributed warms them after)
+    warm_chunks: bool = True
     embed_batch_tokens: int = 4096  # padded tokens per embedding batch (one longer input: alone)
 
 
@@ -360,10 +363,23 @@ class Engine(EngineThread):
             self.scheduler.prefill_budget = auto_prefill_budget(
                 warm.prefill_tokens_per_s, chunk, sched.prefill_step_s)
             budget = f"auto, {sched.prefill_step_s * 1e3:.0f} ms of prefill per step"
+        self.scheduler.size_idle_chunk(warm.prefill_tokens_per_s)
+        widths = self.scheduler.chunk_widths()
+        if self.config.warm_chunks:
+            self.warm_chunks()
         log.info("warm-up done in %.2f s (%d shapes); prefill %.0f tokens/s; prefill budget %d "
-                 "row-tokens per step (%s)", warm.seconds, len(warm.shapes),
-                 warm.prefill_tokens_per_s, self.scheduler.prefill_budget, budget)
+                 "row-tokens per step (%s); long prompts in chunks of %s tokens",
+                 warm.seconds, len(warm.shapes), warm.prefill_tokens_per_s,
+                 self.scheduler.prefill_budget, budget,
+                 "/".join(str(w) for w in [chunk, *widths]))
         return warm
+
+    def warm_chunks(self) -> None:
+        """Run the long-prompt chunk widths the prefill budget gives (`Scheduler.chunk_widths`)
+        once, so that a long prompt's first chunks build nothing."""
+        widths = self.scheduler.chunk_widths()
+        if widths:
+            self.runner.warm_prefill(widths, self.loaded.vocab_size)
 
     def _warm_up_spec(self) -> None:
         """The speculative shapes built now, not while serving (on a GPU unless configured)."""

@@ -10,7 +10,8 @@ to run the same forwards with the same inputs, so every decision that depends on
 * requests admitted (the request, its output limit and stop ids; an unseeded request gets its
   seed here, so that every rank samples the same token) and aborted, in inbox order;
 * which waiting rows the scheduler looked up in the prefix cache and picked for the next
-  prefill group (the pick depends on the measured prefill budget and on memory admission);
+  prefill group, with its chunk (the pick depends on the measured prefill budget and on memory
+  admission), and the prefill budget itself (it sizes each step's chunk);
 * what the speculation learned from each step's measured cost (`Speculation.record`), so its
   width and draft ceilings come out the same everywhere.
 
@@ -59,7 +60,8 @@ HEARTBEAT_S = 2.0  # an idle rank 0 tells the others it is alive this often
 EXIT_GRACE_S = 1.0  # after a failure, the 503 responses get this long to go out before exit
 HEAD_WORDS = 512  # int32 words of the first collective of a message (longer ones take two)
 
-Pick = tuple[list[str], list[str], list[int]]  # (looked up, picked, their cached tokens)
+# (looked up, picked, their cached tokens, the most columns a step of the group runs)
+Pick = tuple[list[str], list[str], list[int], int]
 
 
 class GroupError(RuntimeError):
@@ -180,6 +182,16 @@ def agree_on_memory(channel: Channel, engine: Engine) -> None:
                          "--prefix-cache-bytes 0")
 
 
+def agree_on_budget(channel: Channel, engine: Engine) -> None:
+    """Every rank takes rank 0's measured prefill budget and idle chunk (they size each step's
+    prefill) and, after a warm-up, runs the long-prompt chunk widths they give, in lockstep."""
+    sched = engine.scheduler
+    every = channel.gather_ints([sched.prefill_budget, sched.idle_chunk])
+    sched.prefill_budget, sched.idle_chunk = every[0]
+    if engine.config.warmup:
+        engine.warm_chunks()
+
+
 # -- rank 0 ----------------------------------------------------------------------------------
 
 
@@ -192,6 +204,7 @@ class StepMessage:
     picks: list[Pick] = field(default_factory=list)  # the scheduler's `_pick` calls this step
     record: tuple[int, int, float, bool] | None = None  # the last step's `Speculation.record`
     check: list[tuple[str, list[int]]] | None = None  # the last step's tokens per row
+    budget: tuple[int, int] = (0, 0)  # rank 0's prefill budget and idle chunk (sizes chunks)
 
 
 class _LookupRecorder:
@@ -240,7 +253,7 @@ class LeaderScheduler(Scheduler):
         finally:
             self.prefix = prefix
         self.pending.picks.append((looked, [r.req_id for r in rows],
-                                   [r.num_cached_tokens for r in rows]))
+                                   [r.num_cached_tokens for r in rows], self._picked_chunk))
         return rows
 
     def schedule(self) -> Plan:
@@ -256,6 +269,7 @@ class LeaderScheduler(Scheduler):
     def send(self, kind: str) -> None:
         msg, self.pending = self.pending, StepMessage("step")
         msg.kind = kind
+        msg.budget = (self.prefill_budget, self.idle_chunk)
         self.channel.broadcast(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
         self.last_sent = time.monotonic()
 
@@ -297,6 +311,7 @@ class DistributedEngine(Engine):
         leader = LeaderScheduler(old.config, None, old.vocab_size, old.budget, old.prefix,
                                  old.spec)
         leader.prefill_budget = old.prefill_budget  # the warm-up's measured budget
+        leader.idle_chunk = old.idle_chunk
         leader.attach(channel)
         self.scheduler = leader
         self.spec = _RecordingSpec(self.spec, leader)  # type: ignore[assignment]
@@ -432,7 +447,7 @@ class FollowerScheduler(Scheduler):
 
     def _pick(self, long_ok: bool) -> list[RowMeta]:
         del long_ok
-        looked, picked, cached = self.script.pop(0)
+        looked, picked, cached, self._picked_chunk = self.script.pop(0)
         by_id = {r.req_id: r for r in self.waiting}
         for req_id in looked:
             self.prefix.lookup(by_id[req_id])
@@ -492,6 +507,8 @@ class Follower:
     def _apply(self, msg: StepMessage) -> None:
         if msg.record is not None:
             self.engine.spec.record(*msg.record)
+        if msg.budget[0]:
+            self.scheduler.prefill_budget, self.scheduler.idle_chunk = msg.budget
         if msg.check is not None and msg.check != self._last:
             raise GroupError(f"rank {self.channel.rank} diverged from rank 0 at step "
                              f"{self.num_steps}: its tokens {self._last[:4]} ... vs rank 0's "

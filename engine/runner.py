@@ -241,6 +241,18 @@ class Runner:
             self.prefix, self.spec = saved
         return WarmUp(order, time.perf_counter() - t0, rate)
 
+    def warm_prefill(self, widths: list[int], vocab_size: int) -> None:
+        """One row's prefill chunk at each of `widths` (the long-prompt chunks the measured
+        budget gives, engine.scheduler), so that their first use builds nothing."""
+        saved = self.prefix, self.spec
+        self.prefix, self.spec = NoPrefix(self.new_caches), NoSpec()
+        try:
+            for width in widths:
+                self._prefill(self._warm_plan([width + 1], vocab_size))
+        finally:
+            self.reset()
+            self.prefix, self.spec = saved
+
     def _warm_plan(self, prompt_lens: list[int], vocab_size: int) -> Plan:
         """A plan that prefills rows of these prompt lengths in one chunk and joins them to an
         empty batch; odd rows greedy, even rows sampled (temperature, top-p: the sampling

@@ -7,11 +7,15 @@ several steps) → `running` (decoding). Each step:
     result = runner.run(plan)                # forwards (engine.runner)
     events = scheduler.update(plan, result)  # tokens out, finished rows dropped at once
 
-A prefill group is either several short prompts that fit one chunk together (one right-padded
-forward) or one long prompt prefilled alone in chunks of `prefill_chunk` tokens, so long
-prompts interleave with the running decodes instead of stalling them. Prefill covers the prompt
-minus its last token; the last token is the row's first decode input, so every sampled token
-comes from the batched decode step. A group joins the running batch in the step its prefill
+A prefill group is either several short prompts that fit one chunk together (one
+right-padded forward) or one long prompt (longer than `prefill_chunk`) prefilled alone in
+chunks of `prefill_chunk` tokens, so long prompts interleave with the running decodes instead
+of stalling them. While no rows decode, nobody waits on a step, and a long prompt's chunks
+(`step_chunk`) are the idle group budget in columns (what the device prefills in about
+`idle_budget_factor` x `prefill_step_s` at the rate measured at start-up, at most what the
+prefix cache's layouts allow, `PrefixIndex.max_chunk`, on block boundaries). Prefill covers the prompt minus its last
+token; the last token is the row's first decode input, so every sampled token comes from the
+batched decode step. A group joins the running batch in the step its prefill
 completes, and decodes in that same step.
 
 Which prompts start, and when (`_next_group`, `_order`, `_pick`):
@@ -93,6 +97,7 @@ class PrefillGroup:
     batch: RunningBatch  # rows, last prompt tokens, sampler and spec state, the caches filled
     token_lists: list[list[int]]  # what goes through prefill: prompt[cached:-1] per row
     done: int = 0  # columns already processed
+    chunk: int = 0  # the most columns one step of it runs (its activations were admitted)
 
     @property
     def rows(self) -> list[RowMeta]:
@@ -152,11 +157,15 @@ class Scheduler:
         self.prefill: PrefillGroup | None = None
         self.running = RunningBatch()
         self.prefill_budget = config.prefill_budget or DEFAULT_PREFILL_BUDGET
+        # a long prompt's chunk while no rows decode: `prefill_chunk` until the start-up
+        # measurement sizes it (`size_idle_chunk`)
+        self.idle_chunk = self.prefix.chunk
         if isinstance(self.spec, Speculation):  # a verify step writes its drafts' columns too
             budget.max_draft = self.spec.max_draft
         self._passed: dict[str, int] = {}  # waiting req_id -> steps in which later ones started
         self._interleaved = False  # the last step ran a short group between a long one's chunks
         self._failed: list[TokenEvent] = []  # rows failed while planning, out with the next update
+        self._picked_chunk = 0  # `_pick`: the most columns a step of the group it picked runs
 
     # -- admission -------------------------------------------------------------------------
     def add(self, row: RowMeta) -> None:
@@ -207,11 +216,12 @@ class Scheduler:
         plan = Plan(self.running)
         if group is not None:
             plan.prefill = group
-            plan.prefill_end = min(group.width, group.done + self.prefix.chunk)
+            cols = max(self.prefix.chunk, min(group.chunk, self.step_chunk()))
+            plan.prefill_end = min(group.width, group.done + cols)
             if plan.prefill_end >= group.width:
                 plan.join = group.batch
         # the prefix cache's inserts during this step leave room for what this step holds
-        self._give_prefix_room(group.rows if group is not None and group is not self.prefill else ())
+        self._give_prefix_room(group if group is not None and group is not self.prefill else None)
         return plan
 
     def _next_group(self) -> PrefillGroup | None:
@@ -249,6 +259,25 @@ class Scheduler:
             return self.prefill_budget
         return self.prefill_budget * self.config.idle_budget_factor
 
+    def step_chunk(self) -> int:
+        """Columns a long prompt's prefill runs this step: `prefill_chunk` while rows decode,
+        `idle_chunk` while none do."""
+        return self.prefix.chunk if len(self.running) else self.idle_chunk
+
+    def size_idle_chunk(self, tokens_per_s: float) -> None:
+        """`idle_chunk` from the measured prefill rate: what the device prefills in
+        `idle_budget_factor` x `prefill_step_s`, at least `prefill_chunk`, at most the prefix
+        cache's `max_chunk`, a multiple of its block size. (On a CPU, whose attention is not
+        fused, that stays at about `prefill_chunk`: longer chunks cost more per token there.)"""
+        cfg, prefix = self.config, self.prefix
+        cols = int(tokens_per_s * cfg.prefill_step_s * cfg.idle_budget_factor)
+        cols = min(cols, prefix.max_chunk) // prefix.block_size * prefix.block_size
+        self.idle_chunk = max(prefix.chunk, cols)
+
+    def chunk_widths(self) -> list[int]:
+        """The chunk widths long prompts run at past `prefill_chunk` (the idle one, if any)."""
+        return [self.idle_chunk] if self.idle_chunk > self.prefix.chunk else []
+
     def _pick(self, long_ok: bool) -> list[RowMeta]:
         """The next group's rows in `_order`: one long prompt alone (only when `long_ok`: no
         long one is in progress), or short ones up to the group budget, while their memory
@@ -267,13 +296,16 @@ class Scheduler:
             overdue = self._passed.get(row.req_id, 0) >= cfg.max_passed
             self.prefix.lookup(row)
             long = _need(row) > chunk
-            if (long and (rows or not long_ok)
-                    or rows and max(width, _need(row)) * (len(rows) + 1) > budget
-                    or not self._admits(rows, row, admitted)):
+            cols = 0
+            if not (long and (rows or not long_ok)
+                    or rows and max(width, _need(row)) * (len(rows) + 1) > budget):
+                cols = self._admits(rows, row, admitted, self.step_chunk() if long else chunk)
+            if not cols:
                 if overdue or not long:
                     break  # shortest first: what follows is no shorter
                 continue  # a long one waits for the long slot; shorter ones may go
             rows.append(row)
+            self._picked_chunk = cols
             width = max(width, _need(row))  # `_admits` may have dropped the row's prefix hit
             if _need(row) > chunk:
                 break
@@ -296,56 +328,68 @@ class Scheduler:
         and the prefix cache's blocks."""
         return self.kv_reserved() + self.prefix.nbytes
 
-    def _prefill_transient(self, rows: Sequence[RowMeta]) -> int:
-        """Activations of the costliest chunk a group of these rows runs: its last, whose
-        queries attend to the whole prompt."""
+    def _prefill_transient(self, rows: Sequence[RowMeta], chunk: int) -> int:
+        """Activations of the costliest chunk (at most `chunk` columns) a group of these rows
+        runs: its last, whose queries attend to the whole prompt."""
         if not rows:
             return 0
-        cols = min(max(_need(r) for r in rows), self.prefix.chunk)
+        cols = min(max(_need(r) for r in rows), chunk)
         return self.budget.transient(len(rows) * cols, max(r.num_prompt_tokens for r in rows))
 
-    def _step_transient(self, group: Sequence[RowMeta], tokens: list[int]) -> int:
+    def _step_transient(self, group: Sequence[RowMeta], tokens: list[int], chunk: int) -> int:
         """Activations of a step: a prefill chunk (the long prompt in progress or `group`,
         whichever costs more), the decode of every admitted row at its longest (`tokens`: the
-        columns each admitted row and each row of `group` may reach), and the copies attention
-        reads quantized KV through."""
+        columns each admitted row and each row of `group` may reach; `chunk`: the most columns
+        a step of `group` runs), and the copies attention reads quantized KV through."""
         decode = self.budget.transient(len(tokens), max(tokens, default=0))
-        started = self._prefill_transient(self.prefill.rows) if self.prefill is not None else 0
-        prefill = max(started, self._prefill_transient(group))
+        started = self.prefill
+        ongoing = self._prefill_transient(started.rows, started.chunk) if started else 0
+        prefill = max(ongoing, self._prefill_transient(group, chunk))
         return decode + prefill + self.budget.read_bytes(tokens)
 
-    def _free(self, group: Sequence[RowMeta] = (), admitted: list[int] | None = None) -> int:
+    def _free(self, group: Sequence[RowMeta] = (), admitted: list[int] | None = None,
+              chunk: int | None = None) -> int:
         """What the weights, the KV of the admitted rows and `group`, and a step's activations
         leave of the budget: the most the prefix cache may hold. `admitted`: the admitted
-        rows' `_row_tokens`, when the caller has them."""
+        rows' `_row_tokens`, when the caller has them; `chunk`: the most columns a step of
+        `group` runs (default `step_chunk`)."""
         if admitted is None:
             admitted = self._row_tokens(self._admitted())
+        if chunk is None:
+            chunk = self.step_chunk()
         tokens = admitted + self._row_tokens(list(group))
         held = self.budget.weights + self.budget.others + self.budget.kv_bytes(tokens)
-        return self.budget.budget - held - self._step_transient(group, tokens)
+        return self.budget.budget - held - self._step_transient(group, tokens, chunk)
 
-    def _admits(self, picked: list[RowMeta], row: RowMeta, admitted: list[int]) -> bool:
+    def _admits(self, picked: list[RowMeta], row: RowMeta, admitted: list[int], chunk: int) -> int:
         """Whether `row` may join the group `picked` now: its KV and activations fit next to
         what is admitted (`admitted`: those rows' `_row_tokens`), once least recently used
         prefix-cache blocks are evicted (never the blocks the group's own hits restore). Alone
         (nothing else admitted) it always starts, its own hit given up if that is what it
         takes: it fits the budget by itself (`MemoryBudget.fits_alone`, checked when the
-        request came in)."""
-        group = [*picked, row]
-        if self.prefix.make_room(self._free(group, admitted), group):
-            return True
-        if picked or admitted:
-            return False  # it waits; the rows that finish give their memory back
-        self.prefix.drop_hit(row)
-        self.prefix.make_room(max(0, self._free(group, admitted)))
-        return True
+        request came in, with `prefill_chunk`-column steps).
 
-    def _give_prefix_room(self, group: Sequence[RowMeta] = ()) -> None:
+        Returns the most columns a step of the group may run: `chunk`, or for a row alone
+        `prefill_chunk` when only that fits; 0 when the row does not fit now."""
+        group = [*picked, row]
+        least = self.prefix.chunk
+        for cols in dict.fromkeys((chunk,) if picked else (chunk, least)):
+            if self.prefix.make_room(self._free(group, admitted, cols), group):
+                return cols
+        if picked or admitted:
+            return 0  # it waits; the rows that finish give their memory back
+        self.prefix.drop_hit(row)
+        self.prefix.make_room(max(0, self._free(group, admitted, least)))
+        return least
+
+    def _give_prefix_room(self, group: PrefillGroup | None = None) -> None:
         """Tell the prefix cache what it may hold until the next step: what the budget leaves
-        (`_free`) less one prefill chunk's activations, so that work between steps (an
-        embedding batch) or a new short prompt finds room without evicting."""
+        (`_free`, with `group`: a group that starts this step) less one prefill chunk's
+        activations, so that work between steps (an embedding batch) or a new short prompt
+        finds room without evicting."""
         chunk = self.prefix.chunk
-        self.prefix.set_room(self._free(group) - self.budget.transient(chunk, chunk))
+        free = self._free(group.rows, chunk=group.chunk) if group is not None else self._free()
+        self.prefix.set_room(free - self.budget.transient(chunk, chunk))
 
     def _form_group(self, long_ok: bool = True) -> PrefillGroup | None:
         picked = self._pick(long_ok)
@@ -359,7 +403,8 @@ class Scheduler:
         last = mx.array([r.request.prompt_ids[-1] for r in rows], dtype=mx.int32)
         spec = self.spec.admit(rows, len(self.running) + len(rows))
         caches = self.prefix.group_caches(rows)
-        return PrefillGroup(RunningBatch(rows, last, sampler, caches, spec), token_lists)
+        batch = RunningBatch(rows, last, sampler, caches, spec)
+        return PrefillGroup(batch, token_lists, chunk=self._picked_chunk)
 
     def _take_waiting(self, picked: list[RowMeta]) -> None:
         """Move `picked` off the queue; every row still waiting that arrived before one of them

@@ -291,7 +291,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g = p.add_argument_group("scheduler")
     g.add_argument("--max-num-seqs", type=_int_in(1), default=128, help="rows decoding at once")
     g.add_argument("--prefill-chunk", type=_int_in(1), default=512,
-                   help="tokens per prefill forward for long prompts")
+                   help="tokens per prefill forward for long prompts while rows decode (with "
+                        "none decoding: what the device prefills in 200 ms, at least this)")
     g.add_argument("--prefill-budget", type=_budget, default=None,
                    help="rows x tokens of prefill work per engine step, or auto (default): "
                         "what the prefill rate measured at start-up does in 50 ms (one to 16 "

@@ -321,6 +321,7 @@ def _build(args: argparse.Namespace, rank: int, finish: Any) -> tuple[Any, Any]:
         Channel,
         DistributedAsyncEngine,
         DistributedEngine,
+        agree_on_budget,
         agree_on_memory,
         check_same_model,
         shard_model,
@@ -349,6 +350,7 @@ def _build(args: argparse.Namespace, rank: int, finish: Any) -> tuple[Any, Any]:
     def make_engine(loaded: Any, config: Any) -> Any:
         if config.spec is not None:  # measured per rank: the ranks' verify widths would differ
             config.spec.warmup = False
+        config.warm_chunks = False  # the widths follow rank 0's budget: agree_on_budget
         engine: Any
         if rank == 0:
             engine = DistributedEngine(loaded, config, channel, args.rank_timeout, finish)
@@ -357,6 +359,7 @@ def _build(args: argparse.Namespace, rank: int, finish: Any) -> tuple[Any, Any]:
             engine = Engine(loaded, config)
             client = AsyncEngine(engine)
         agree_on_memory(channel, engine)
+        agree_on_budget(channel, engine)
         return client
 
     budget = args.memory_budget

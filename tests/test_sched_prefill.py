@@ -1,6 +1,7 @@
 """Prefill order and budget, at the scheduler with a fake runner (no model): no request is passed
 by later ones in more than `max_passed` steps, short prompts interleave with a long one's chunks,
-and the long one still finishes its prefill within twice its chunks."""
+the long one still finishes its prefill within twice its chunks, and a step's chunk follows the
+prefill budget within what memory and the layouts allow."""
 
 from __future__ import annotations
 
@@ -63,11 +64,23 @@ class FakeRunner:
         return StepResult(rows, [[5] for _ in rows], width=1 if rows else 0)
 
 
-def _scheduler(**cfg) -> Scheduler:
+def _scheduler(memory: MemoryBudget | None = None, **cfg) -> Scheduler:
     cfg.setdefault("prefill_chunk", CHUNK)
     cfg.setdefault("prefill_budget", 4 * CHUNK)
-    budget = MemoryBudget(budget=1 << 40, weights=0, footprint=ModelFootprint(()))
+    budget = memory or MemoryBudget(budget=1 << 40, weights=0, footprint=ModelFootprint(()))
     return Scheduler(SchedulerConfig(**cfg), lambda n: [FakeLayer(n)], 100, budget)
+
+
+def _measured(memory: MemoryBudget | None = None) -> Scheduler:
+    """A scheduler whose start-up measurement gave an idle chunk of 16 chunks."""
+    sched = _scheduler(memory)
+    sched.size_idle_chunk(16 * CHUNK / (4 * 0.05))
+    return sched
+
+
+def _fixed(**cfg) -> Scheduler:
+    """Every long prompt in chunks of CHUNK (a budget of one chunk, busy or idle)."""
+    return _scheduler(prefill_budget=CHUNK, idle_budget_factor=1, **cfg)
 
 
 def _row(req_id: str, prompt_len: int, max_tokens: int) -> RowMeta:
@@ -138,8 +151,8 @@ def test_without_the_bound_a_long_prompt_starves_behind_short_ones():
 
     order = ["long"] + [f"s{s}" for s in range(40)]
     arrived = {"long": 0, **{f"s{s}": s for s in range(40)}}
-    unbounded = _drive(_scheduler(max_passed=10**9), arrivals())
-    bounded = _drive(_scheduler(max_passed=2), arrivals())
+    unbounded = _drive(_fixed(max_passed=10**9), arrivals())
+    bounded = _drive(_fixed(max_passed=2), arrivals())
     assert _passes(unbounded, arrived, order)["long"] > 10
     assert _passes(bounded, arrived, order)["long"] <= 2
     assert bounded.joined["long"] < unbounded.joined["long"]
@@ -153,7 +166,7 @@ def test_short_prompts_interleave_with_a_long_prefill():
     arrivals = {0: [_row("long", long_chunks * CHUNK + 1, 4)]}
     for s in (2, 5, 9):
         arrivals[s] = [_row(f"s{s}", 40, 4)]
-    runner = _drive(_scheduler(), arrivals)
+    runner = _drive(_fixed(), arrivals)
     long_steps = runner.prefill_steps["long"]
     assert len(long_steps) == long_chunks
     for s in (2, 5, 9):
@@ -166,7 +179,7 @@ def test_a_long_prompt_waits_for_the_long_slot_but_short_ones_do_not():
     """Two long prompts: the second starts after the first's prefill (one long one at a time);
     a short prompt arriving after both passes the second, not the first."""
     arrivals = {0: [_row("a", 4 * CHUNK + 1, 4), _row("b", 4 * CHUNK + 1, 4)], 1: [_row("s", 9, 4)]}
-    runner = _drive(_scheduler(max_passed=4), arrivals)
+    runner = _drive(_fixed(max_passed=4), arrivals)
     assert runner.started["b"] >= runner.joined["a"]
     assert runner.started["s"] < runner.started["b"]
 
@@ -192,3 +205,65 @@ def test_auto_budget_rule():
     assert auto_prefill_budget(20_000, 256, 0.05) == 992
     assert auto_prefill_budget(100, 256, 0.05) == 256  # at least one chunk
     assert auto_prefill_budget(1e9, 256, 0.05) == MAX_BUDGET_CHUNKS * 256
+
+
+def _chunks(runner: FakeRunner, sched_steps: list[tuple[int, int]], rid: str) -> list[int]:
+    return [cols for step, cols in sched_steps if step in runner.prefill_steps[rid]]
+
+
+def _drive_cols(sched: Scheduler, arrivals: dict[int, list[RowMeta]]) -> tuple[FakeRunner, list]:
+    """`_drive`, noting each step's prefill columns."""
+    runner, cols = FakeRunner(), []
+    while runner.step <= max(arrivals) or sched.has_work():
+        for row in arrivals.get(runner.step, []):
+            sched.add(row)
+        plan = sched.schedule()
+        if plan.prefill is not None:
+            cols.append((runner.step, plan.prefill_end - plan.prefill.done))
+        sched.update(plan, runner.run(plan))
+    return runner, cols
+
+
+def test_a_long_prompt_runs_in_chunks_of_the_idle_budget_while_nothing_decodes():
+    """With no rows decoding, a long prompt's chunks are the idle budget (4 x 4 chunks; the
+    last one what is left); while rows decode, prefill_chunk; and when rows start decoding
+    in the middle of its prefill, its chunks shrink back to prefill_chunk."""
+    n = 40 * CHUNK + 1  # 40 chunks of prefill
+    runner, cols = _drive_cols(_measured(), {0: [_row("long", n, 4)]})
+    assert _chunks(runner, cols, "long") == [16 * CHUNK, 16 * CHUNK, 8 * CHUNK]
+    busy = {0: [_row("d", 5, 400)], 1: [_row("long", n, 4)]}
+    runner, cols = _drive_cols(_measured(), busy)
+    assert _chunks(runner, cols, "long") == [CHUNK] * 40
+    assert runner.joined["long"] - runner.started["long"] == 39  # a chunk a step
+    later = {0: [_row("long", n, 4)], 1: [_row("s", 9, 400)]}
+    runner, cols = _drive_cols(_measured(), later)
+    long_cols = _chunks(runner, cols, "long")
+    assert long_cols[0] == 16 * CHUNK and set(long_cols[1:]) == {CHUNK}
+    assert sum(long_cols) == n - 1
+
+
+def test_the_idle_chunk_follows_the_measured_rate_within_the_layouts_limits():
+    sched = _scheduler()
+    assert sched.step_chunk() == CHUNK and sched.chunk_widths() == []  # not measured yet
+    sched.size_idle_chunk(20_100)  # 20,100 tokens/s x 4 x 50 ms = 4,020 -> 4,016 (block 16)
+    assert sched.step_chunk() == 4016 and sched.chunk_widths() == [4016]
+    sched.prefix.max_chunk = 5 * CHUNK + 7  # e.g. a ring: rounded down to the block size
+    sched.size_idle_chunk(20_000)
+    assert sched.step_chunk() == 5 * CHUNK
+    sched.size_idle_chunk(100)  # a slow device: never below prefill_chunk
+    assert sched.step_chunk() == CHUNK and sched.chunk_widths() == []
+
+
+def test_a_long_prompt_takes_small_chunks_when_big_ones_do_not_fit_memory():
+    """The idle chunk's activations would not fit the memory budget; alone, the prompt still
+    runs, in chunks of prefill_chunk, and the scheduler accounts those."""
+    per_token = 1 << 20
+    memory = MemoryBudget(budget=(8 * CHUNK) * per_token, weights=0,
+                          footprint=ModelFootprint(()), prefill_bytes_per_token=per_token)
+    n = 12 * CHUNK + 1
+    runner, cols = _drive_cols(_measured(memory), {0: [_row("long", n, 4)]})
+    assert _chunks(runner, cols, "long") == [CHUNK] * 12
+    roomy = MemoryBudget(budget=(32 * CHUNK) * per_token, weights=0,
+                         footprint=ModelFootprint(()), prefill_bytes_per_token=per_token)
+    runner, cols = _drive_cols(_measured(roomy), {0: [_row("long", n, 4)]})
+    assert _chunks(runner, cols, "long") == [12 * CHUNK]

@@ -107,6 +107,9 @@ class PrefixCounters:
     evicted_blocks: int = 0
 
 
+UNBOUNDED_CHUNK = 1 << 30  # `max_chunk` of a model whose layouts set no limit
+
+
 def chunk_ends(start: int, total: int, chunk: int, block_size: int) -> Iterator[int]:
     """Prefill chunk ends from `start` to `total` such that the last block boundary before
     `total` is a chunk end (so recurrent snapshots exist there). `chunk` should be a multiple
@@ -438,8 +441,10 @@ class PrefixIndex:
         self.cache = PrefixCache(template, block_size=block_size, max_bytes=max_bytes)
         self.block_size = block_size
         rings = [layer.ring_size for layer in template if getattr(layer, "ring_size", None)]
-        chunk = min([prefill_chunk, *[r - block_size for r in rings]])
-        self.chunk = max(block_size, chunk // block_size * block_size)
+        # a chunk ends on a block boundary and, with ring layers, leaves every block in the ring
+        limit = min([r - block_size for r in rings], default=UNBOUNDED_CHUNK)
+        self.max_chunk = max(block_size, limit // block_size * block_size)
+        self.chunk = min(self.max_chunk, max(block_size, prefill_chunk // block_size * block_size))
         self._make_caches = make_caches
         self._hits: dict[str, PrefixHit | None] = {}  # req_id -> hit (None: looked up, missed)
         # Ring and recurrent layers cannot give a finished row's earlier boundaries back (the
@@ -447,6 +452,8 @@ class PrefixIndex:
         # decoding, at most `_reach` tokens past it (ring: window - keep positions before the
         # boundary must still be held; recurrent: the state must be exactly at it).
         recurrent = any(isinstance(t, RecurrentLayout) for t in template)
+        if recurrent:  # its states are snapshotted at chunk ends only: keep them frequent
+            self.max_chunk = self.chunk
         ring_slack = [layer.slack for layer in template if getattr(layer, "ring_size", None)]
         self._capture = recurrent or bool(ring_slack)
         self._reach = 0 if recurrent else 1 + min(ring_slack, default=0)
@@ -561,11 +568,17 @@ class PrefixIndex:
 
 
 class NoPrefix:
-    """`PrefixIndex` with the cache off: nothing is looked up or kept."""
+    """`PrefixIndex` with the cache off: nothing is looked up or kept. Chunks grow past
+    `prefill_chunk` only for models without ring layers (a ring holds a whole chunk while it
+    is written)."""
+
+    block_size = 16
 
     def __init__(self, make_caches: MakeCaches, prefill_chunk: int = 512) -> None:
         self._make_caches = make_caches
         self.chunk = prefill_chunk
+        rings = any(getattr(layer, "ring_size", None) for layer in make_caches(0))
+        self.max_chunk = prefill_chunk if rings else UNBOUNDED_CHUNK
 
     def lookup(self, row: RowMeta) -> None:
         del row
