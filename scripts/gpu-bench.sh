@@ -1,16 +1,66 @@
-#!/bin/sh
-# The GPU-side benchmarks, as run on the H200 (see docs/benchmarks.md). Expects mlx[cuda] and the
-# project's dependencies importable, OUT set to a results folder, and DATA holding
-# tinycoder-draft-4m/ and tinycoder-dev.jsonl.
+#!/usr/bin/env bash
+# The GPU benchmarks of docs/benchmarks.md as run on an H200, stage by stage:
+#
+#   scripts/gpu-bench.sh [STAGE ...]     (default: every stage, in this order)
+#
+# coldstart (first: it needs a machine that has compiled nothing yet), prefill, sweep, agent,
+# switch, qmm, spec. Each stage runs under its own time limit (LIMIT_<STAGE>=seconds overrides
+# it); its log goes to $OUT/<stage>.log, its JSON and PNG to $OUT/<stage>/, and after every stage
+# $OUT is packed into $OUT.tgz, so that a run cut short keeps what finished.
+# Expects mlx[cuda] and mlxd's dependencies importable; DATA must hold tinycoder-draft-4m/ and
+# tinycoder-dev.jsonl (the spec stage); the models are written to /tmp on first use.
 set -u
-OUT=${OUT:-bench/results/gpu}; DATA=${DATA:-../shared}
+OUT=${OUT:-.bench/gpu}; DATA=${DATA:-../shared}
+MODEL=/tmp/llama-1b-32k; TWIN=/tmp/twin-8b4
+export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
-python3 -m bench.make_random_model --shape llama-3.2-1b --bits 4 /tmp/llama1b-4bit
-timeout ${SWEEP_S:-300} python3 -m bench serve-sweep --model /tmp/llama1b-4bit \
-  --concurrency 1,4,16,64 --peers mlx_lm --out "$OUT/sweep" > "$OUT/sweep.log" 2>&1
-echo "sweep rc=$?"; tail -n 25 "$OUT/sweep.log"
-timeout ${SPEC_S:-200} python3 -m bench.spec --draft-model "$DATA/tinycoder-draft-4m" \
-  --data "$DATA/tinycoder-dev.jsonl" --dtype bfloat16 --concurrency 1,4,16 --out "$OUT/spec" \
-  > "$OUT/spec.log" 2>&1
-echo "spec rc=$?"; tail -n 25 "$OUT/spec.log"
+
+need_model() {
+  [ -f "$MODEL/config.json" ] || python3 -m bench random-model "$MODEL" --shape llama-3.2-1b \
+    --bits 4 --context 32768 --vocab 128256 > "$OUT/model.log" 2>&1
+}
+
+run() {  # stage default_limit command...
+  local stage=$1 limit=$2; shift 2
+  local var="LIMIT_${stage^^}"; limit=${!var:-$limit}
+  local t0; t0=$(date +%s)
+  echo "=== $stage (limit ${limit} s)"
+  timeout "$limit" "$@" > "$OUT/$stage.log" 2>&1
+  echo "--- $stage rc=$? in $(( $(date +%s) - t0 )) s"
+  grep -v -e '^\[transformers\]' "$OUT/$stage.log" | tail -n 25
+  tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
+}
+
+stage() {
+  case $1 in
+    coldstart) need_model; run coldstart 180 python3 -m bench coldstart --model "$MODEL" \
+                 --prompt-tokens 1024 --burst 16 --out "$OUT/coldstart" ;;
+    prefill) need_model; run prefill 140 python3 -m bench prefill --model "$MODEL" --peers "" \
+               --sizes 1024,8192,32768 --repeats 2 --out "$OUT/prefill" ;;
+    sweep) need_model; run sweep 230 python3 -m bench sweep --model "$MODEL" --peers mlx_lm \
+             --prompt-tokens 1024 --output-tokens 128 --concurrency 64 --requests-per-level 128 \
+             --level-deadline 60 --out "$OUT/sweep" ;;
+    agent) need_model; run agent 250 python3 -m bench agent --model "$MODEL" --peers mlx_lm \
+             --tool-tokens 200,4000 --deadline 80 --out "$OUT/agent" ;;
+    switch) need_model; run switch 70 python3 -m bench switch \
+              --model coder=mlxd/models/tinycoder-16m --model "big=$MODEL" --rounds 2 \
+              --out "$OUT/switch" ;;
+    qmm) run qmm 170 python3 -m bench qmm --random-shape llama-3-8b --out "$OUT/qmm" ;;
+    spec)
+      [ -f "$TWIN/config.json" ] || python3 -m bench wide-twin mlxd/models/tinycoder-16m "$TWIN" \
+        --hidden 4608 --layers 32 --intermediate 14336 --heads 48 --kv-heads 16 --bits 4 \
+        > "$OUT/twin.log" 2>&1
+      run spec 270 python3 -m bench spec --model "$TWIN" --draft-model "$DATA/tinycoder-draft-4m" \
+        --data "$DATA/tinycoder-dev.jsonl" --dtype bfloat16 --concurrency 1,4 \
+        --edit-concurrency 1,4 --max-tokens 256 --num-draft-tokens 4 --ngram-draft-tokens 8 \
+        --requests-per-stream 2 --edit-requests 4 --modes plain,draft,ngram \
+        --edit-modes plain,ngram,draft --warmup --seconds 3 --repeats 2 --budget-s 190 --log \
+        --out "$OUT/spec" ;;
+    *) echo "unknown stage $1" >&2; return 2 ;;
+  esac
+}
+
+stages=("$@")
+[ ${#stages[@]} -gt 0 ] || stages=(coldstart prefill sweep agent switch qmm spec)
+for s in "${stages[@]}"; do stage "$s"; done
