@@ -6,11 +6,11 @@
 # coldstart (first: it needs a machine that has compiled nothing yet), prefill, sweep, agent,
 # switch, qmm, spec. Each stage runs under its own time limit (LIMIT_<STAGE>=seconds overrides
 # it); its log goes to $OUT/<stage>.log, its JSON and PNG to $OUT/<stage>/, and after every stage
-# $OUT is packed into $OUT.tgz, so that a run cut short keeps what finished.
+# $OUT is packed into $PACK (default $OUT.tgz), so that a run cut short keeps what finished.
 # Expects mlx[cuda] and mlxd's dependencies importable; DATA must hold tinycoder-draft-4m/ and
 # tinycoder-dev.jsonl (the spec stage); the models are written to /tmp on first use.
 set -u
-OUT=${OUT:-.bench/gpu}; DATA=${DATA:-../shared}
+OUT=${OUT:-.bench/gpu}; DATA=${DATA:-../shared}; PACK=${PACK:-$OUT.tgz}
 MODEL=/tmp/llama-1b-32k; TWIN=/tmp/twin-8b4
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
@@ -29,7 +29,7 @@ run() {  # stage default_limit command...
   timeout "$limit" "$@" > "$OUT/$stage.log" 2>&1
   echo "--- $stage rc=$? in $(( $(date +%s) - t0 )) s"
   grep -v -e '^\[transformers\]' "$OUT/$stage.log" | tail -n 25
-  tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
+  tar czf "$PACK" -C "$(dirname "$OUT")" "$(basename "$OUT")"
 }
 
 stage() {
