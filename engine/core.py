@@ -364,14 +364,13 @@ class Engine(EngineThread):
                 warm.prefill_tokens_per_s, chunk, sched.prefill_step_s)
             budget = f"auto, {sched.prefill_step_s * 1e3:.0f} ms of prefill per step"
         self.scheduler.size_idle_chunk(warm.prefill_tokens_per_s)
-        widths = self.scheduler.chunk_widths()
         if self.config.warm_chunks:
             self.warm_chunks()
         log.info("warm-up done in %.2f s (%d shapes); prefill %.0f tokens/s; prefill budget %d "
                  "row-tokens per step (%s); long prompts in chunks of %s tokens",
                  warm.seconds, len(warm.shapes), warm.prefill_tokens_per_s,
                  self.scheduler.prefill_budget, budget,
-                 "/".join(str(w) for w in [chunk, *widths]))
+                 "/".join(str(w) for w in [chunk, *self.scheduler.chunk_widths()]))
         return warm
 
     def warm_chunks(self) -> None:

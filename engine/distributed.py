@@ -11,7 +11,8 @@ to run the same forwards with the same inputs, so every decision that depends on
   seed here, so that every rank samples the same token) and aborted, in inbox order;
 * which waiting rows the scheduler looked up in the prefix cache and picked for the next
   prefill group, with its chunk (the pick depends on the measured prefill budget and on memory
-  admission), and the prefill budget itself (it sizes each step's chunk);
+  admission); the prefill budget and idle chunk themselves are agreed once, at start-up
+  (`agree_on_budget`);
 * what the speculation learned from each step's measured cost (`Speculation.record`), so its
   width and draft ceilings come out the same everywhere.
 
@@ -204,7 +205,6 @@ class StepMessage:
     picks: list[Pick] = field(default_factory=list)  # the scheduler's `_pick` calls this step
     record: tuple[int, int, float, bool] | None = None  # the last step's `Speculation.record`
     check: list[tuple[str, list[int]]] | None = None  # the last step's tokens per row
-    budget: tuple[int, int] = (0, 0)  # rank 0's prefill budget and idle chunk (sizes chunks)
 
 
 class _LookupRecorder:
@@ -269,7 +269,6 @@ class LeaderScheduler(Scheduler):
     def send(self, kind: str) -> None:
         msg, self.pending = self.pending, StepMessage("step")
         msg.kind = kind
-        msg.budget = (self.prefill_budget, self.idle_chunk)
         self.channel.broadcast(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
         self.last_sent = time.monotonic()
 
@@ -471,6 +470,7 @@ class Follower:
         old = engine.scheduler
         sched = FollowerScheduler(old.config, None, old.vocab_size, old.budget, old.prefix,
                                   old.spec)
+        sched.prefill_budget, sched.idle_chunk = old.prefill_budget, old.idle_chunk  # agreed
         sched.script = []
         engine.scheduler = sched
         self.scheduler = sched
@@ -507,8 +507,6 @@ class Follower:
     def _apply(self, msg: StepMessage) -> None:
         if msg.record is not None:
             self.engine.spec.record(*msg.record)
-        if msg.budget[0]:
-            self.scheduler.prefill_budget, self.scheduler.idle_chunk = msg.budget
         if msg.check is not None and msg.check != self._last:
             raise GroupError(f"rank {self.channel.rank} diverged from rank 0 at step "
                              f"{self.num_steps}: its tokens {self._last[:4]} ... vs rank 0's "

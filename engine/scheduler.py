@@ -13,10 +13,10 @@ chunks of `prefill_chunk` tokens, so long prompts interleave with the running de
 of stalling them. While no rows decode, nobody waits on a step, and a long prompt's chunks
 (`step_chunk`) are the idle group budget in columns (what the device prefills in about
 `idle_budget_factor` x `prefill_step_s` at the rate measured at start-up, at most what the
-prefix cache's layouts allow, `PrefixIndex.max_chunk`, on block boundaries). Prefill covers the prompt minus its last
-token; the last token is the row's first decode input, so every sampled token comes from the
-batched decode step. A group joins the running batch in the step its prefill
-completes, and decodes in that same step.
+prefix cache's layouts allow, `PrefixIndex.max_chunk`, on block boundaries). Prefill covers the
+prompt minus its last token; the last token is the row's first decode input, so every sampled
+token comes from the batched decode step. A group joins the running batch in the step its
+prefill completes, and decodes in that same step.
 
 Which prompts start, and when (`_next_group`, `_order`, `_pick`):
 
