@@ -88,13 +88,18 @@ def _row(req_id: str, prompt_len: int, max_tokens: int) -> RowMeta:
     return RowMeta(request, prompt_len, max_tokens, frozenset())
 
 
-def _drive(sched: Scheduler, arrivals: dict[int, list[RowMeta]], max_steps: int = 2000) -> FakeRunner:
+def _drive(sched: Scheduler, arrivals: dict[int, list[RowMeta]], max_steps: int = 2000,
+           cols: list[tuple[int, int]] | None = None) -> FakeRunner:
+    """Run the arrivals to the end; `cols`, when given, gets (step, prefill columns) of every
+    step that prefilled."""
     runner = FakeRunner()
     last = max(arrivals)
     while runner.step < max_steps and (runner.step <= last or sched.has_work()):
         for row in arrivals.get(runner.step, []):
             sched.add(row)
         plan = sched.schedule()
+        if cols is not None and plan.prefill is not None:
+            cols.append((runner.step, plan.prefill_end - plan.prefill.done))
         sched.update(plan, runner.run(plan))
     assert not sched.has_work(), "the stream did not drain"
     return runner
@@ -212,16 +217,8 @@ def _chunks(runner: FakeRunner, sched_steps: list[tuple[int, int]], rid: str) ->
 
 
 def _drive_cols(sched: Scheduler, arrivals: dict[int, list[RowMeta]]) -> tuple[FakeRunner, list]:
-    """`_drive`, noting each step's prefill columns."""
-    runner, cols = FakeRunner(), []
-    while runner.step <= max(arrivals) or sched.has_work():
-        for row in arrivals.get(runner.step, []):
-            sched.add(row)
-        plan = sched.schedule()
-        if plan.prefill is not None:
-            cols.append((runner.step, plan.prefill_end - plan.prefill.done))
-        sched.update(plan, runner.run(plan))
-    return runner, cols
+    cols: list[tuple[int, int]] = []
+    return _drive(sched, arrivals, cols=cols), cols
 
 
 def test_a_long_prompt_runs_in_chunks_of_the_idle_budget_while_nothing_decodes():
