@@ -8,7 +8,7 @@ import pytest
 
 from engine.kv import batch as kvb
 from engine.kv.memory import measure_footprint
-from engine.kv.prefix_cache import PrefixCache, chunk_ends
+from engine.kv.prefix_cache import PrefixCache, chunk_ends, held_bytes
 from engine.models import layer_templates, make_batch_layouts, prepare_model
 from tests.tiny_archs import tiny_model
 
@@ -116,8 +116,7 @@ def test_byte_budget_holds_under_a_stream_of_distinct_prefixes():
         assert pc.nbytes <= budget
         assert pc.lookup(prompt) is not None or pc.nbytes == 0  # the newest one survives
     assert pc.stats.evicted_blocks > 0
-    total = sum(n.nbytes for n in pc._lru.values())
-    assert total == pc.nbytes
+    assert held_bytes(pc._lru.values()) == pc.nbytes  # the bytes the live blocks keep
 
 
 def test_lru_evicts_the_least_recently_used_prefix():
@@ -229,3 +228,74 @@ def test_insert_after_an_evicted_node_walks_from_the_root():
     assert not pc.attached(stale)
     assert pc.insert(prompt[:32], row, after=stale) == 4  # every block again, from the root
     assert pc.lookup(prompt[:33]).num_tokens == 32
+
+
+def _full_model():
+    """Tiny llama with full attention only (every layer's blocks are whole)."""
+    if "llama-full" not in _MODELS:
+        model = tiny_model("llama", seed=2, layer_types=["full_attention"] * 3)
+        prepare_model(model)
+        _MODELS["llama-full"] = model
+    return _MODELS["llama-full"]
+
+
+def _segments(pc: PrefixCache, li: int) -> set[int]:
+    return {id(n.segs[li][0]) for n in pc._lru.values() if n.segs[li] is not None}
+
+
+def test_a_chunk_is_copied_once_per_layer_and_restored_through_its_segment():
+    """A whole-attention layer's blocks of one chunk are one copy (one segment), a chunk
+    inserted later is another; restoring across both gives the tokens a fresh prefill does."""
+    model = _full_model()
+    prompt = np.random.default_rng(7).integers(1, 256, 70).tolist()
+    pc = PrefixCache(make_batch_layouts(model, 0), block_size=8)
+    row = make_batch_layouts(model, 1)
+    for start, end in ((0, 40), (40, 64)):
+        model(mx.array([prompt[start:end]]), cache=row)
+        pc.insert(prompt[:end], row)
+    assert pc.num_blocks == 8
+    for li in range(len(pc.template)):
+        assert len(_segments(pc, li)) == 2  # blocks 0-4 and 5-7
+    assert held_bytes(pc._lru.values()) == pc.nbytes
+    hit = pc.lookup(prompt, max_tokens=len(prompt) - 1)
+    assert hit is not None and hit.num_tokens == 64
+    fresh = make_batch_layouts(model, 1)
+    model(mx.array([prompt[:64]]), cache=fresh)
+    assert greedy_from(model, pc.restore(hit), prompt[64:]) == greedy_from(model, fresh, prompt[64:])
+
+
+def test_a_segment_is_freed_with_its_last_block():
+    """Evicting some of a segment's blocks frees nothing (they share one buffer): the cache
+    counts the segment until its last block goes, and its memory is then given back."""
+    model = _full_model()
+    prompt = np.random.default_rng(8).integers(1, 256, 33).tolist()
+    pc = PrefixCache(make_batch_layouts(model, 0), block_size=8)
+    row = make_batch_layouts(model, 1)
+    model(mx.array([prompt]), cache=row)
+    pc.insert(prompt, row)
+    del row
+    mx.clear_cache()
+    whole = pc.nbytes
+    active = mx.get_active_memory()
+    assert pc.num_blocks == 4 and whole > 0
+    for _ in range(3):  # the three deepest blocks out: the first still holds the segment
+        pc._remove(next(n for n in reversed(pc._lru.values()) if not n.children))
+    assert pc.num_blocks == 1 and pc.nbytes == whole == held_bytes(pc._lru.values())
+    assert pc.evict_to(whole - 1)  # fits only once the last block of the segment is gone
+    assert pc.num_blocks == 0 and pc.nbytes == 0
+    mx.clear_cache()
+    assert active - mx.get_active_memory() >= whole
+
+
+def test_evict_to_keeps_a_pinned_hit_and_says_when_it_cannot_fit():
+    model = _full_model()
+    prompt = np.random.default_rng(9).integers(1, 256, 33).tolist()
+    pc = PrefixCache(make_batch_layouts(model, 0), block_size=8)
+    row = make_batch_layouts(model, 1)
+    model(mx.array([prompt]), cache=row)
+    pc.insert(prompt, row)
+    hit = pc.lookup(prompt[:17])  # two blocks, in the same segment as the other two
+    assert hit is not None and hit.num_tokens == 16
+    assert pc.pinned_bytes([hit]) == pc.nbytes  # the pin keeps the whole segment
+    assert not pc.evict_to(pc.nbytes - 1, [hit]) and pc.num_blocks == 4
+    assert pc.holds(hit)

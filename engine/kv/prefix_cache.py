@@ -20,6 +20,12 @@ and holds, per layer, what restoring a row at or after that block needs:
   at insertion time (these are the "checkpoints at block boundaries": call `insert` after
   every block-aligned prefill chunk, `chunk_ends` makes the chunks line up).
 
+Whole blocks that an insert finds in consecutive columns of a layer (every block of a prefill
+chunk, of a full-attention layer) are copied once per layer as one segment, which the nodes
+share; a restore reads consecutive blocks of a segment as one slice. On a GPU every copy is a
+kernel launch, so a 32k-token prompt costs a few copies per layer, not 500. The cache counts a
+segment's bytes until its last block is evicted (then its memory is freed).
+
 `lookup` returns the deepest node whose boundary every layer can be restored at. Eviction drops
 the least recently used leaf until the bytes fit; a lookup or insert touches the whole path,
 so parents always outlive their children.
@@ -62,7 +68,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -81,15 +87,29 @@ if TYPE_CHECKING:
 MakeCaches = Callable[[int], list[Any]]
 
 
+@dataclass(eq=False, slots=True)
+class _Segment:
+    """One copy of a run of consecutive whole blocks of one layer (one array per buffer), which
+    the run's nodes hold as views: an insert copies each layer once per run, not once per block
+    (on a GPU every copy is a launch: a 32k-token prompt of 64-token blocks would be 500 per
+    layer and buffer). Its memory goes when the last node holding it is evicted."""
+
+    arrays: list[mx.array]
+    nbytes: int
+    refs: int = 0  # the (node, layer) pairs holding it
+
+
 @dataclass(eq=False, slots=True, weakref_slot=True)
 class _Node:
     tokens: tuple[int, ...]
     parent: _Node | None
     depth: int  # blocks from the root; boundary = depth * block_size
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
-    data: list[Any] = field(default_factory=list)  # per layer: None or a list of arrays
+    # per layer: None, the block's own arrays, or (with `segs`) its segment's arrays
+    data: list[Any] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)  # per layer: first position `data` holds
-    nbytes: int = 0
+    # per layer: the segment holding the block and the block's first column in it (None: own)
+    segs: list[tuple[_Segment, int] | None] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,7 +268,7 @@ class PrefixCache:
                 continue
             blocks = self._blocks_needed(layer, boundary)
             bufs = [
-                mx.concatenate([path[j].data[li][b] for j in blocks], axis=2)
+                mx.concatenate(self._pieces(path, blocks, li, b), axis=2)
                 for b in range(len(path[blocks[0]].data[li]))
             ]
             positions = np.concatenate(
@@ -256,6 +276,28 @@ class PrefixCache:
             )
             out.append(place(layer, RowKV(boundary, positions, bufs, layer.codec)))
         return out
+
+    def _pieces(self, path: list[_Node], blocks: list[int], li: int, b: int) -> list[mx.array]:
+        """Buffer `b` of layer `li` over `blocks` of `path`: consecutive blocks of one segment
+        as one slice of it, other blocks as they are stored."""
+        pieces: list[mx.array] = []
+        run: tuple[_Segment, int, int] | None = None  # segment, first column, end column
+        for j in blocks:
+            node = path[j]
+            seg = node.segs[li]
+            if seg is not None and run is not None and seg[0] is run[0] and seg[1] == run[2]:
+                run = (run[0], run[1], seg[1] + self.block_size)
+                continue
+            if run is not None:
+                pieces.append(run[0].arrays[b][:, :, run[1] : run[2]])
+                run = None
+            if seg is not None:
+                run = (seg[0], seg[1], seg[1] + self.block_size)
+            else:
+                pieces.append(node.data[li][b])
+        if run is not None:
+            pieces.append(run[0].arrays[b][:, :, run[1] : run[2]])
+        return pieces
 
     # ---------------------------------------------------------------- insert
 
@@ -285,18 +327,20 @@ class PrefixCache:
         if after is not None and self.attached(after) and after.depth * self.block_size <= upto:
             node = after
         filled: list[mx.array] = []
+        runs: dict[int, list[tuple[_Node, int]]] = {}  # layer -> whole blocks: (node, column)
         for block in self._blocks(token_ids, upto, node.depth):
             child = node.children.get(block)
             if child is None:
                 child = _Node(
                     block, node, node.depth + 1, data=[None] * len(rows),
-                    starts=[node.depth * self.block_size] * len(rows),
+                    starts=[node.depth * self.block_size] * len(rows), segs=[None] * len(rows),
                 )
                 node.children[block] = child
                 self._lru[id(child)] = child
                 created += 1
-            filled += self._fill(child, rows, positions, n)
+            filled += self._fill(child, rows, positions, n, runs)
             node = child
+        filled += self._copy_runs(rows, runs)
         # Evaluate the stored blocks now (or queue them): an unevaluated slice would keep its
         # whole source buffer (the batch's KV) alive while the LRU counts only the block's bytes.
         if filled:
@@ -308,8 +352,11 @@ class PrefixCache:
         self._evict()
         return created
 
-    def _fill(self, node: _Node, rows: list[Any], positions: list[Any], n: int) -> list[mx.array]:
-        """Store what `node`'s block needs from each layer; returns the new (lazy) arrays."""
+    def _fill(self, node: _Node, rows: list[Any], positions: list[Any], n: int,
+              runs: dict[int, list[tuple[_Node, int]]]) -> list[mx.array]:
+        """Store what `node`'s block needs from each layer; returns the new (lazy) arrays. A
+        whole block held in consecutive columns is not copied here but added to `runs`, for
+        `_copy_runs`."""
         bs = self.block_size
         new: list[mx.array] = []
         lo, hi = (node.depth - 1) * bs, node.depth * bs
@@ -321,7 +368,13 @@ class PrefixCache:
                 if hi == n and not r.empty():
                     data = [mx.contiguous(c) if c is not None else None for c in r.cache], lo
             else:
-                data = self._block_columns(r, positions[li], lo, hi)
+                found = self._block_columns(r, positions[li], lo, hi)
+                if isinstance(found, int):  # the whole block, from this column on
+                    if node.data[li] is None:
+                        runs.setdefault(li, []).append((node, found))
+                        continue
+                    found = [mx.contiguous(b[:, :, found : found + bs]) for b in r._bufs], lo
+                data = found
             if data is not None and (node.data[li] is None or data[1] < node.starts[li]):
                 self._store(node, li, *data)
                 new += [a for a in data[0] if a is not None]
@@ -329,10 +382,11 @@ class PrefixCache:
 
     def _block_columns(
         self, r: KVLayout, positions: tuple[np.ndarray, np.ndarray], lo: int, hi: int
-    ) -> tuple[list[mx.array], int] | None:
-        """(buffers, first position) of what `r` holds of positions [lo, hi): the whole block,
-        or for a ring layer whose ring has moved past `lo`, the block's newest positions (the
-        restore of a boundary just past the block needs only those)."""
+    ) -> tuple[list[mx.array], int] | int | None:
+        """What `r` holds of positions [lo, hi): the first column of the whole block when it
+        sits in consecutive columns (nothing copied yet), else (buffers, first position) of the
+        whole block or, for a ring layer whose ring has moved past `lo`, of the block's newest
+        positions (the restore of a boundary just past the block needs only those)."""
         pos, cols = positions  # sorted by position
         a, b = int(np.searchsorted(pos, lo)), int(np.searchsorted(pos, hi))
         count = b - a
@@ -344,16 +398,54 @@ class PrefixCache:
         idx = cols[a:b]
         if int(idx[-1] - idx[0]) == count - 1:
             first = int(idx[0])
+            if start == lo:
+                return first
             return [mx.contiguous(b[:, :, first : first + count]) for b in r._bufs], start
         idx_mx = mx.array(idx, dtype=mx.int32)
         return [mx.contiguous(b[:, :, idx_mx]) for b in r._bufs], start
 
+    def _copy_runs(self, rows: list[Any], runs: dict[int, list[tuple[_Node, int]]]) -> list[mx.array]:
+        """Copy each layer's runs of consecutive whole blocks (consecutive in the trie and in the
+        row's columns) once, as a `_Segment` its nodes view; returns the new (lazy) arrays."""
+        bs = self.block_size
+        new: list[mx.array] = []
+        for li, blocks in runs.items():
+            start = 0
+            for k in range(1, len(blocks) + 1):
+                if k < len(blocks):
+                    (prev, col), (node, c) = blocks[k - 1], blocks[k]
+                    if node.depth == prev.depth + 1 and c == col + bs:
+                        continue
+                run, start = blocks[start:k], k
+                c0, width = run[0][1], len(run) * bs
+                arrays = [mx.contiguous(b[:, :, c0 : c0 + width]) for b in rows[li]._bufs]
+                seg = _Segment(arrays, _arrays_nbytes(arrays), refs=len(run))
+                self._nbytes += seg.nbytes
+                new += arrays
+                for i, (node, _) in enumerate(run):
+                    node.data[li], node.starts[li] = arrays, (node.depth - 1) * bs
+                    node.segs[li] = (seg, i * bs)
+        return new
+
     def _store(self, node: _Node, li: int, arrays: list[Any], start: int) -> None:
-        old = _arrays_nbytes(node.data[li]) if node.data[li] is not None else 0
-        added = _arrays_nbytes(arrays) - old
+        self._release(node, li)
         node.data[li], node.starts[li] = arrays, start
-        node.nbytes += added
-        self._nbytes += added
+        self._nbytes += _arrays_nbytes(arrays)
+
+    def _release(self, node: _Node, li: int) -> None:
+        """Let layer `li`'s data of `node` go: its own arrays' bytes at once, a segment's when
+        no other node holds it."""
+        if node.data[li] is None:
+            return
+        seg = node.segs[li]
+        if seg is None:
+            self._nbytes -= _arrays_nbytes(node.data[li])
+        else:
+            seg[0].refs -= 1
+            if seg[0].refs == 0:
+                self._nbytes -= seg[0].nbytes
+            node.segs[li] = None
+        node.data[li] = None
 
     @property
     def limit(self) -> int:
@@ -371,12 +463,13 @@ class PrefixCache:
         return self._lru.get(id(hit.node)) is hit.node
 
     def pinned_bytes(self, pins: Sequence[PrefixHit]) -> int:
-        """Bytes of the blocks on the paths of `pins` (eviction keeps them)."""
+        """Bytes the blocks on the paths of `pins` keep (eviction keeps them): their own
+        arrays and the whole of every segment they view."""
         seen: dict[int, _Node] = {}
         for hit in pins:
             for node in self._path(hit.node):
                 seen[id(node)] = node
-        return sum(n.nbytes for n in seen.values())
+        return held_bytes(seen.values())
 
     def evict_to(self, nbytes: int, pins: Sequence[PrefixHit] = ()) -> bool:
         """Evict least recently used blocks, never those on the paths of `pins`, until the
@@ -388,7 +481,7 @@ class PrefixCache:
             return False
         keep = {id(h.node) for h in pins}
         self._evict(nbytes, keep)
-        return True
+        return self._nbytes <= nbytes
 
     def _evict(self, nbytes: int | None = None, keep: set[int] | frozenset[int] = frozenset()) -> None:
         """Drop least recently used leaves (a pinned one stays, and so does its path: its
@@ -407,15 +500,26 @@ class PrefixCache:
         assert node.parent is not None
         del node.parent.children[node.tokens]
         del self._lru[id(node)]
-        self._nbytes -= node.nbytes
-        node.data = [None] * len(node.data)
-        node.nbytes = 0
+        for li in range(len(node.data)):
+            self._release(node, li)
         self.stats.evicted_blocks += 1
 
     def clear(self) -> None:
         self._roots.clear()
         self._lru.clear()
         self._nbytes = 0
+
+
+def held_bytes(nodes: Iterable[_Node]) -> int:
+    """The bytes `nodes` keep alive: their own arrays, and each segment they view once, whole."""
+    total, segs = 0, {}
+    for node in nodes:
+        for data, seg in zip(node.data, node.segs, strict=True):
+            if seg is not None:
+                segs[id(seg[0])] = seg[0].nbytes
+            elif data is not None:
+                total += _arrays_nbytes(data)
+    return total + sum(segs.values())
 
 
 def _row_view(layer: KVLayout | RecurrentLayout, i: int) -> KVLayout | RecurrentLayout:

@@ -69,9 +69,11 @@ def route(x: mx.array) -> str:
 def mlx_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, bits: int, group: int,
                mode: str = "affine") -> mx.array:
     """mx.quantized_matmul(x, W, transpose=True); on CUDA x's leading dims flattened first
-    (one M-row problem instead of a batch of one-row problems, module doc)."""
+    when they hold more than one problem (one M-row problem instead of a batch of them, module
+    doc). A lone problem (a one-row decode step, one row's verify) goes as it is: two reshapes
+    per call are ~450 graph nodes a step of an 8B model, host work a step bound by it pays."""
     lead = x.shape[:-1]
-    flat = x.ndim > 2 and gpu_backend() == "cuda"
+    flat = x.ndim > 2 and x.size > x.shape[-2] * x.shape[-1] and gpu_backend() == "cuda"
     if flat:
         x = x.reshape(math.prod(lead), x.shape[-1])
     y = mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group, bits=bits, mode=mode)
