@@ -264,16 +264,22 @@ def test_a_chunk_is_copied_once_per_layer_and_restored_through_its_segment():
     assert greedy_from(model, pc.restore(hit), prompt[64:]) == greedy_from(model, fresh, prompt[64:])
 
 
-def test_a_segment_is_freed_with_its_last_block():
-    """Evicting some of a segment's blocks frees nothing (they share one buffer): the cache
-    counts the segment until its last block goes, and its memory is then given back."""
+def _one_chunk(seed: int) -> tuple[PrefixCache, list[int]]:
+    """A 33-token prompt prefilled in one chunk and inserted: four 8-token blocks, one segment
+    per layer."""
     model = _full_model()
-    prompt = np.random.default_rng(8).integers(1, 256, 33).tolist()
+    prompt = np.random.default_rng(seed).integers(1, 256, 33).tolist()
     pc = PrefixCache(make_batch_layouts(model, 0), block_size=8)
     row = make_batch_layouts(model, 1)
     model(mx.array([prompt]), cache=row)
     pc.insert(prompt, row)
-    del row
+    return pc, prompt
+
+
+def test_a_segment_is_freed_with_its_last_block():
+    """Evicting some of a segment's blocks frees nothing (they share one buffer): the cache
+    counts the segment until its last block goes, and its memory is then given back."""
+    pc, _ = _one_chunk(8)
     mx.clear_cache()
     whole = pc.nbytes
     active = mx.get_active_memory()
@@ -288,12 +294,7 @@ def test_a_segment_is_freed_with_its_last_block():
 
 
 def test_evict_to_keeps_a_pinned_hit_and_says_when_it_cannot_fit():
-    model = _full_model()
-    prompt = np.random.default_rng(9).integers(1, 256, 33).tolist()
-    pc = PrefixCache(make_batch_layouts(model, 0), block_size=8)
-    row = make_batch_layouts(model, 1)
-    model(mx.array([prompt]), cache=row)
-    pc.insert(prompt, row)
+    pc, prompt = _one_chunk(9)
     hit = pc.lookup(prompt[:17])  # two blocks, in the same segment as the other two
     assert hit is not None and hit.num_tokens == 16
     assert pc.pinned_bytes([hit]) == pc.nbytes  # the pin keeps the whole segment
