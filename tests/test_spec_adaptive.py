@@ -92,6 +92,24 @@ def test_probes_stay_within_the_budget_and_never_stop_for_good():
     assert sum(w > 1 for w in widths) < 0.02 * len(widths)
 
 
+def test_drafter_work_inside_a_step_counts_once():
+    """A draft model's catch-up runs inside the verify step that needed it (and its prefill at
+    admission inside a step's scheduling): the step's seconds already hold it. It goes into the
+    drafter overhead the width choice adds to verify costs, but into busy time and a probe's
+    excess only once, as part of the step."""
+    ctl = Controller(ControllerConfig(max_draft=4))
+    widths = _drive(ctl, lambda w: 0.01, 0.6, 3)  # plain decoding measured first
+    assert widths == [1, 1, 1]
+    d = ctl.decide(ctl.alpha(1), ctl.caps(np.full(1, 1000)))
+    assert d.width > 1 and d.probe  # the first probe
+    busy, excess = ctl.busy, ctl.explore_excess
+    catch_up, verify = 0.004, 0.012
+    ctl.record(1, d.width, verify + catch_up, False, 1.5, catch_up)
+    assert ctl.busy - busy == pytest.approx(verify + catch_up)
+    assert ctl.explore_excess - excess == pytest.approx(verify + catch_up - 1.5 * 0.01)
+    assert ctl.overhead == pytest.approx(0.1 * catch_up)
+
+
 def test_gaps_double_up_to_the_bound():
     """While plain decoding stands (probes cheap enough for the budget), probes come at gaps
     doubling from min_gap to max_gap."""

@@ -407,9 +407,9 @@ def test_flat_costs_take_the_lookup_offer_in_the_engine(tinycoder, monkeypatch):
 
     record = adaptive.Controller.record
 
-    def flat(self, num_rows, width, seconds, typical, emitted=1.0, extra=0.0):
+    def flat(self, num_rows, width, seconds, typical, emitted=1.0, drafter=0.0):
         seconds = 0.001 if width == 1 else 0.002
-        return record(self, num_rows, width, seconds, typical, emitted, extra)
+        return record(self, num_rows, width, seconds, typical, emitted, drafter)
 
     monkeypatch.setattr(adaptive.Controller, "record", flat)
     tok = tinycoder.tokenizer

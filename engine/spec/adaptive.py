@@ -129,9 +129,9 @@ class Controller:
     pool_accepted: float = -1.0  # decayed accepted drafts, all rows (-1: the prior's, at start)
     pool_judged: float = PRIOR  # decayed judged drafts, all rows
     step: int = 0
-    busy: float = 0.0  # seconds of every recorded step (and drafter work outside them)
+    busy: float = 0.0  # seconds of every recorded step
     explore_excess: float = 0.0  # seconds probes cost beyond plain decoding of their tokens
-    overhead: float = 0.0  # EMA of drafter seconds outside the measured steps, per spec step
+    overhead: float = 0.0  # EMA of drafter seconds no typical step shows, per spec step
     _last_width: int = 0  # width of the previous engine step (0: none yet)
     _probe_left: int = 0  # further measured samples the probe under way needs
     _probe_steps: int = 0  # further steps it may take to get them
@@ -261,11 +261,15 @@ class Controller:
         seconds: float,
         typical: bool,
         emitted: float = 1.0,
-        extra: float = 0.0,
+        drafter: float = 0.0,
     ) -> None:
         """The engine step just run: `width` columns verified (1: plain), `seconds` of wall
-        time, `typical` (no prefill, nothing unusual), `emitted` tokens per row, `extra`
-        seconds of drafter work outside the step (a draft model's prefill and catch-up).
+        time, `typical` (no prefill, nothing unusual), `emitted` tokens per row, `drafter`
+        seconds of drafter work since the last speculative step that no typical step shows (a
+        draft model's prefill at admission, its catch-up after a plain stretch). Those seconds
+        are inside the `seconds` of the steps that ran them (this one or an earlier one), so
+        they count once in `busy` and in a probe's excess; they are amortised into the cost of
+        speculating (`overhead`), which the cost cells (typical steps only) do not hold.
 
         The first step after a switch between plain and speculative decoding drains or
         refills the pipeline, so only a step in the same mode as the one before is measured.
@@ -273,10 +277,10 @@ class Controller:
         b = bucket_of(max(num_rows, 1))
         same_mode = self._last_width > 0 and (self._last_width > 1) == (width > 1)
         if width > 1:
-            self.overhead += 0.1 * (extra - self.overhead)
+            self.overhead += 0.1 * (drafter - self.overhead)
             if self._probing:  # what the probe cost beyond plain decoding of its tokens
                 plain = self.costs.estimate(b, 1) or 0.0
-                self.explore_excess += max(0.0, seconds + extra - plain * max(emitted, 1.0))
+                self.explore_excess += max(0.0, seconds - plain * max(emitted, 1.0))
         measured = typical and same_mode and num_rows > 0
         if measured:
             self.costs.observe(b, width, seconds, self.step)
@@ -285,7 +289,7 @@ class Controller:
             self._probe_left -= measured and (width > 1) == (self._probe_width > 1)
             if self._probe_steps <= 0:
                 self._probe_left = 0
-        self.busy += seconds + extra
+        self.busy += seconds
         self._last_width = width
         self.step += 1
 

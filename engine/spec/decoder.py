@@ -97,7 +97,7 @@ class Speculation:
         self._catch_up = False
         self._emitted = 1.0  # tokens per row of the last speculative step
         self._verified = 0  # columns of the last verify (0: it had no drafts)
-        self._overhead_seen = 0.0  # drafter seconds outside the measured steps, already counted
+        self._overhead_seen = 0.0  # drafter seconds (prefill, catch-up) already passed on
         self._plain_hold = 0  # further decide() calls answered "plain" without re-deciding
         self._plain_rows: list[Any] | None = None  # the batch's row list when it was decided
         self._contexts: tuple[Any, list[int], list[list[int]]] | None = None  # see _context
@@ -296,21 +296,23 @@ class Speculation:
     # -- timing and stats ------------------------------------------------------------------
     def record(self, num_rows: int, width: int, seconds: float, typical: bool) -> None:
         """The step just run, for the controller: a verify is recorded at the columns it
-        verified (a lookup may have filled fewer than decided), with the drafter's work outside
-        the step since the last speculative one (a draft model's prefill and catch-up)."""
+        verified (a lookup may have filled fewer than decided), with the drafter's work since
+        the last speculative one (a draft model's prefill at admission, which runs inside the
+        scheduling of a step, and its catch-up, inside the verify step's proposal): already in
+        the `seconds` of the steps that ran it, but in no typical step's."""
         if width <= 1:
             self.totals.plain_steps += 1
-        extra = 0.0
+        drafter = 0.0
         if width > 1:
             typical = typical and not self._catch_up and self._verified > 1
             width = max(self._verified, 2)
             overhead = float(getattr(self.drafter, "prefill_seconds", 0.0)) + float(
                 getattr(self.drafter, "catch_up_seconds", 0.0)
             )
-            extra, self._overhead_seen = overhead - self._overhead_seen, overhead
+            drafter, self._overhead_seen = overhead - self._overhead_seen, overhead
         self._catch_up = False
         emitted = self._emitted if width > 1 else 1.0
-        self.controller.record(num_rows, width, seconds, typical, emitted, extra)
+        self.controller.record(num_rows, width, seconds, typical, emitted, drafter)
 
     def stats(self) -> SpecStats:
         tot = self.totals
