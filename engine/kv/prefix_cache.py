@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -328,6 +328,12 @@ class PrefixCache:
             node = after
         filled: list[mx.array] = []
         runs: dict[int, list[tuple[_Node, int]]] = {}  # layer -> whole blocks: (node, column)
+        # layers holding positions 0..n-1 in consecutive columns (full attention): each block is
+        # whole at a known column, no search per block and layer
+        flat = {li: int(p[1][0]) for li, (r, p) in enumerate(zip(rows, positions, strict=True))
+                if isinstance(r, KVLayout) and r._bufs is not None and p is not None
+                and _consecutive(p, n)}
+        walked: list[_Node] = []
         for block in self._blocks(token_ids, upto, node.depth):
             child = node.children.get(block)
             if child is None:
@@ -338,8 +344,12 @@ class PrefixCache:
                 node.children[block] = child
                 self._lru[id(child)] = child
                 created += 1
-            filled += self._fill(child, rows, positions, n, runs)
+            filled += self._fill(child, rows, positions, n, runs, flat)
+            walked.append(child)
             node = child
+        bs = self.block_size
+        for li, first in flat.items():
+            runs[li] = [(nd, first + (nd.depth - 1) * bs) for nd in walked if nd.data[li] is None]
         filled += self._copy_runs(rows, runs)
         # Evaluate the stored blocks now (or queue them): an unevaluated slice would keep its
         # whole source buffer (the batch's KV) alive while the LRU counts only the block's bytes.
@@ -353,15 +363,15 @@ class PrefixCache:
         return created
 
     def _fill(self, node: _Node, rows: list[Any], positions: list[Any], n: int,
-              runs: dict[int, list[tuple[_Node, int]]]) -> list[mx.array]:
-        """Store what `node`'s block needs from each layer; returns the new (lazy) arrays. A
-        whole block held in consecutive columns is not copied here but added to `runs`, for
-        `_copy_runs`."""
+              runs: dict[int, list[tuple[_Node, int]]], skip: Container[int] = ()) -> list[mx.array]:
+        """Store what `node`'s block needs from each layer but those in `skip`; returns the new
+        (lazy) arrays. A whole block held in consecutive columns is not copied here but added
+        to `runs`, for `_copy_runs`."""
         bs = self.block_size
         new: list[mx.array] = []
         lo, hi = (node.depth - 1) * bs, node.depth * bs
         for li, r in enumerate(rows):
-            if node.data[li] is not None and node.starts[li] == lo:
+            if li in skip or node.data[li] is not None and node.starts[li] == lo:
                 continue  # a whole block is stored already
             data: tuple[list[Any], int] | None = None
             if isinstance(r, RecurrentLayout):
@@ -508,6 +518,14 @@ class PrefixCache:
         self._roots.clear()
         self._lru.clear()
         self._nbytes = 0
+
+
+def _consecutive(positions: tuple[np.ndarray, np.ndarray], n: int) -> bool:
+    """Whether a layer's row holds positions 0..n-1 (sorted, so the ends tell) in consecutive
+    columns."""
+    pos, cols = positions
+    return (len(pos) == n > 0 and int(pos[0]) == 0 and int(pos[-1]) == n - 1
+            and bool((np.diff(cols) == 1).all()))
 
 
 def held_bytes(nodes: Iterable[_Node]) -> int:
