@@ -276,21 +276,37 @@ def _one_chunk(seed: int) -> tuple[PrefixCache, list[int]]:
     return pc, prompt
 
 
-def test_a_segment_is_freed_with_its_last_block():
-    """Evicting some of a segment's blocks frees nothing (they share one buffer): the cache
-    counts the segment until its last block goes, and its memory is then given back."""
-    pc, _ = _one_chunk(8)
+def test_a_segment_is_compacted_and_freed_as_its_blocks_go():
+    """A segment's blocks share one buffer: evicting its last block frees nothing until half of
+    them are gone, when the rest is copied into a smaller segment (the cache's count follows the
+    memory held, and the blocks left restore as before); the last block frees it all."""
+    pc, prompt = _one_chunk(8)
+    model = _full_model()
     mx.clear_cache()
     whole = pc.nbytes
     active = mx.get_active_memory()
     assert pc.num_blocks == 4 and whole > 0
-    for _ in range(3):  # the three deepest blocks out: the first still holds the segment
+
+    def evict_one() -> None:
         pc._remove(next(n for n in reversed(pc._lru.values()) if not n.children))
-    assert pc.num_blocks == 1 and pc.nbytes == whole == held_bytes(pc._lru.values())
-    assert pc.evict_to(whole - 1)  # fits only once the last block of the segment is gone
+
+    evict_one()  # 3 of 4 blocks left: still the whole segment
+    assert pc.nbytes == whole == held_bytes(pc._lru.values())
+    evict_one()  # 2 of 4: compacted to 2 blocks
+    assert pc.num_blocks == 2 and pc.nbytes == whole // 2 == held_bytes(pc._lru.values())
+    mx.clear_cache()
+    assert active - mx.get_active_memory() >= whole // 2
+    hit = pc.lookup(prompt, max_tokens=len(prompt) - 1)
+    assert hit is not None and hit.num_tokens == 16
+    fresh = make_batch_layouts(model, 1)
+    model(mx.array([prompt[:16]]), cache=fresh)
+    assert greedy_from(model, pc.restore(hit), prompt[16:]) == greedy_from(model, fresh, prompt[16:])
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    assert pc.evict_to(0)
     assert pc.num_blocks == 0 and pc.nbytes == 0
     mx.clear_cache()
-    assert active - mx.get_active_memory() >= whole
+    assert before - mx.get_active_memory() >= whole // 2
 
 
 def test_evict_to_keeps_a_pinned_hit_and_says_when_it_cannot_fit():

@@ -24,7 +24,9 @@ Whole blocks that an insert finds in consecutive columns of a layer (every block
 chunk, of a full-attention layer) are copied once per layer as one segment, which the nodes
 share; a restore reads consecutive blocks of a segment as one slice. On a GPU every copy is a
 kernel launch, so a 32k-token prompt costs a few copies per layer, not 500. The cache counts a
-segment's bytes until its last block is evicted (then its memory is freed).
+segment's bytes until its last block is evicted (then its memory is freed); once half of a
+segment's blocks are evicted, the rest is copied into a smaller one, so a run whose first blocks
+stay (a prefix other requests share) does not keep the memory of its evicted tail.
 
 `lookup` returns the deepest node whose boundary every layer can be restored at. Eviction drops
 the least recently used leaf until the bytes fit; a lookup or insert touches the whole path,
@@ -444,18 +446,35 @@ class PrefixCache:
 
     def _release(self, node: _Node, li: int) -> None:
         """Let layer `li`'s data of `node` go: its own arrays' bytes at once, a segment's when
-        no other node holds it."""
+        no other node holds it, and half of a segment or more at once by copying what its
+        other nodes still hold (`_compact`)."""
         if node.data[li] is None:
             return
         seg = node.segs[li]
         if seg is None:
             self._nbytes -= _arrays_nbytes(node.data[li])
         else:
-            seg[0].refs -= 1
-            if seg[0].refs == 0:
-                self._nbytes -= seg[0].nbytes
+            s = seg[0]
+            s.refs -= 1
+            if s.refs == 0:
+                self._nbytes -= s.nbytes
+            elif 2 * s.refs * self.block_size <= s.arrays[0].shape[2]:
+                self._compact(s)
             node.segs[li] = None
         node.data[li] = None
+
+    def _compact(self, seg: _Segment) -> None:
+        """Copy the blocks `seg`'s nodes still hold into a smaller segment, in place (the nodes
+        share its list of arrays). They are its first blocks: a run is a path of the trie and
+        eviction takes leaves, so the deepest blocks of a run go first. Without this a run
+        whose tail was evicted while its first blocks stay (a prefix other requests share)
+        would keep the whole run's memory."""
+        keep = seg.refs * self.block_size
+        arrays = [mx.contiguous(a[:, :, :keep]) for a in seg.arrays]
+        mx.eval(arrays)
+        nbytes = _arrays_nbytes(arrays)
+        self._nbytes += nbytes - seg.nbytes
+        seg.arrays[:], seg.nbytes = arrays, nbytes
 
     @property
     def limit(self) -> int:
