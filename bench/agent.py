@@ -22,7 +22,9 @@ a calibration (fresh random prompts of `--calib-sizes` tokens, one at a time, fa
 figure: under S concurrent sessions a turn also waits for the others.
 
 `prefill` is that calibration alone at the long sizes: prefill tok/s of one prompt at concurrency
-1 (tokens / TTFT) for each size (sizes past the model's context are clipped to it), per server.
+1 (tokens / TTFT) for each size (sizes past the model's context are clipped to it), per server,
+and for mlxd's engine alone, in-process (loaded and warmed up as `mlxd serve` does, stepped on the
+bench's thread until the first token): the server's figure against it is the HTTP side's cost.
 
 Both also time raw mlx-lm in-process on the same token ids (the model's forward in 2,048-token
 chunks into mlx-lm's own KV cache, as mlx-lm's generate prefills; float32 weights and the
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -436,6 +439,49 @@ def raw_prefill(model: str, prompts: dict[int, list[str]], chunk: int = RAW_CHUN
             "weights": "float32 copy" if on_cpu else "checkpoint dtype", "chunk": chunk}
 
 
+def engine_prefill(model: str, prompts: dict[int, list[str]]) -> dict[str, Any]:
+    """mlxd's engine alone, in-process, on the same token ids: loaded and warmed up as `mlxd
+    serve` does, each prompt submitted with max_tokens 1 and the engine stepped on this thread
+    until its first token (fastest of the repeats). Against the server's TTFT it separates the
+    HTTP side (parsing, tokenizing, streaming) from the engine's; against raw mlx-lm the engine's
+    own overhead."""
+    import engine  # noqa: F401  (the optimised BLAS before mlx)
+
+    # isort: split
+    from engine.api import Request, SamplingParams
+    from engine.core import Engine, EngineConfig
+    from engine.loader import load_model
+    from engine.scheduler import SchedulerConfig
+
+    loaded = load_model(model)
+    eng = Engine(loaded, EngineConfig(SchedulerConfig(), warmup=True))
+    tok = loaded.tokenizer
+
+    def once(ids: list[int], tag: str) -> tuple[float, float]:
+        """(wall, CPU) seconds from submission to the first token."""
+        got: list[int] = []
+        t0, c0 = time.perf_counter(), time.process_time()
+        eng.add(Request(tag, ids, SamplingParams(temperature=0.0, max_tokens=1)),
+                lambda events: got.extend(t for e in events for t in e.token_ids))
+        while not got:
+            eng.turn()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        while eng.has_pending():  # the row's end
+            eng.turn()
+        return wall, cpu
+
+    sizes, times, cpus, seen = [], [], [], []
+    for n, texts in prompts.items():
+        runs = [once(list(tok.encode(t)), f"engine-{n}-{i}") for i, t in enumerate(texts)]
+        wall, cpu = min(runs)
+        sizes.append(n)
+        seen.append(len(tok.encode(texts[0])))
+        times.append(wall)
+        cpus.append(cpu)
+    return {"sizes": sizes, "prompt_tokens": seen, "prefill_s": times, "cpu_s": cpus,
+            "prefill_tok_s": [p / t for p, t in zip(seen, times, strict=True)]}
+
+
 # -- per-run summary -----------------------------------------------------------------------------
 def _pq(values: list[float]) -> dict[str, float | None]:
     return {"p50": percentile(values, 50), "p99": percentile(values, 99), "n": len(values)}
@@ -649,17 +695,20 @@ def agent_table(result: dict[str, Any]) -> str:
 
 
 def prefill_table(result: dict[str, Any]) -> str:
-    rows = ["| prompt tokens | " + " | ".join(
-        f"{e['label']} tok/s" for e in result["servers"].values()) + " | raw mlx-lm tok/s | "
-        + " | ".join(f"{e['label']} / raw" for e in result["servers"].values()) + " |"]
-    rows.append("|" + "---:|" * (2 + 2 * len(result["servers"])))
+    eng = result.get("engine") or {}
+    labels = [e["label"] for e in result["servers"].values()] + (["engine alone"] if eng else [])
+    rows = ["| prompt tokens | " + " | ".join(f"{x} tok/s" for x in labels)
+            + " | raw mlx-lm tok/s | " + " | ".join(f"{x} / raw" for x in labels) + " |"]
+    rows.append("|" + "---:|" * (2 + 2 * len(labels)))
     raw = result.get("raw") or {}
     for i, n in enumerate(result["config"]["sizes"]):
         cells, rats = [], []
         rv = raw["prefill_tok_s"][i] if raw else None
-        for e in result["servers"].values():
-            c = e["calibration"]
-            v = c["prefill_tok_s"][c["sizes"].index(n)] if n in c["sizes"] else None
+        values = [(c["prefill_tok_s"][c["sizes"].index(n)] if n in c["sizes"] else None)
+                  for c in (e["calibration"] for e in result["servers"].values())]
+        if eng:
+            values.append(eng["prefill_tok_s"][eng["sizes"].index(n)] if n in eng["sizes"] else None)
+        for v in values:
             cells.append(_f(v, 0))
             rats.append(_f(ratio(v, rv), 2))
         rows.append(f"| {raw['prompt_tokens'][i] if raw else n} | " + " | ".join(cells)
@@ -694,6 +743,9 @@ def run_prefill(args: argparse.Namespace, out: Path, log: Any = print) -> dict[s
     if not args.no_raw:
         log("raw mlx-lm prefill ...")
         result["raw"] = raw_prefill(model, prompts, args.raw_chunk)
+    log("mlxd's engine alone, in-process ...")
+    result["engine"] = engine_prefill(model, prompts)
+    gc.collect()  # the engine's model and KV go before the servers start
     bias = _eos_bias(model)
     for spec in specs:
         srv = _start(spec, models[spec.name], out, log)

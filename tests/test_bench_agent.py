@@ -204,7 +204,10 @@ def test_prefill_toy_run_against_raw(tmp_path: Path):
     assert all(v > 0 for v in c["prefill_tok_s"] + c["cpu_s_per_request"])
     raw = result["raw"]
     assert raw["prompt_tokens"] == [64, 200] and all(v > 0 for v in raw["cpu_s"])
-    assert "| 200 |" in (out / "table.md").read_text()
+    eng = result["engine"]
+    assert eng["sizes"] == eng["prompt_tokens"] == [64, 200] and all(v > 0 for v in eng["prefill_s"])
+    table = (out / "table.md").read_text()
+    assert "| 200 |" in table and "engine alone / raw" in table
 
 
 def test_deadline_keeps_the_turns_that_finished(tok):
