@@ -42,6 +42,7 @@ import os
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -427,16 +428,24 @@ def raw_prefill(model: str, prompts: dict[int, list[str]], chunk: int = RAW_CHUN
         return time.perf_counter() - t0, time.process_time() - c0
 
     once(list(tok.encode(next(iter(prompts.values()))[0]))[:64])  # warm-up
+    return {**_fastest_per_size(prompts, tok, lambda ids, tag: once(ids)),
+            "weights": "float32 copy" if on_cpu else "checkpoint dtype", "chunk": chunk}
+
+
+def _fastest_per_size(prompts: dict[int, list[str]], tok: Any,
+                      once: Callable[[list[int], str], tuple[float, float]]) -> dict[str, Any]:
+    """Each size's prompts encoded and timed by `once(ids, tag)` -> (wall, CPU) seconds; the
+    fastest repeat per size, as prefill seconds, CPU seconds and tok/s."""
     sizes, times, cpus, seen = [], [], [], []
     for n, texts in prompts.items():
-        wall, cpu = min(once(list(tok.encode(t))) for t in texts)
+        ids = [list(tok.encode(t)) for t in texts]
+        wall, cpu = min(once(x, f"{n}-{i}") for i, x in enumerate(ids))
         sizes.append(n)
-        seen.append(len(tok.encode(texts[0])))
+        seen.append(len(ids[0]))
         times.append(wall)
         cpus.append(cpu)
     return {"sizes": sizes, "prompt_tokens": seen, "prefill_s": times, "cpu_s": cpus,
-            "prefill_tok_s": [p / t for p, t in zip(seen, times, strict=True)],
-            "weights": "float32 copy" if on_cpu else "checkpoint dtype", "chunk": chunk}
+            "prefill_tok_s": [p / t for p, t in zip(seen, times, strict=True)]}
 
 
 def engine_prefill(model: str, prompts: dict[int, list[str]]) -> dict[str, Any]:
@@ -455,13 +464,12 @@ def engine_prefill(model: str, prompts: dict[int, list[str]]) -> dict[str, Any]:
 
     loaded = load_model(model)
     eng = Engine(loaded, EngineConfig(SchedulerConfig(), warmup=True))
-    tok = loaded.tokenizer
 
     def once(ids: list[int], tag: str) -> tuple[float, float]:
         """(wall, CPU) seconds from submission to the first token."""
         got: list[int] = []
         t0, c0 = time.perf_counter(), time.process_time()
-        eng.add(Request(tag, ids, SamplingParams(temperature=0.0, max_tokens=1)),
+        eng.add(Request(f"engine-{tag}", ids, SamplingParams(temperature=0.0, max_tokens=1)),
                 lambda events: got.extend(t for e in events for t in e.token_ids))
         while not got:
             eng.turn()
@@ -470,16 +478,7 @@ def engine_prefill(model: str, prompts: dict[int, list[str]]) -> dict[str, Any]:
             eng.turn()
         return wall, cpu
 
-    sizes, times, cpus, seen = [], [], [], []
-    for n, texts in prompts.items():
-        runs = [once(list(tok.encode(t)), f"engine-{n}-{i}") for i, t in enumerate(texts)]
-        wall, cpu = min(runs)
-        sizes.append(n)
-        seen.append(len(tok.encode(texts[0])))
-        times.append(wall)
-        cpus.append(cpu)
-    return {"sizes": sizes, "prompt_tokens": seen, "prefill_s": times, "cpu_s": cpus,
-            "prefill_tok_s": [p / t for p, t in zip(seen, times, strict=True)]}
+    return _fastest_per_size(prompts, loaded.tokenizer, once)
 
 
 # -- per-run summary -----------------------------------------------------------------------------

@@ -23,12 +23,13 @@ def _no_compile():
 _MODELS: dict[str, object] = {}
 
 
-def model_for(arch: str):
-    if arch not in _MODELS:
-        model = tiny_model(arch, seed=2)
+def model_for(arch: str, **overrides):
+    key = arch + repr(sorted(overrides.items()))
+    if key not in _MODELS:
+        model = tiny_model(arch, seed=2, **overrides)
         prepare_model(model)
-        _MODELS[arch] = model
-    return _MODELS[arch]
+        _MODELS[key] = model
+    return _MODELS[key]
 
 
 def greedy_from(model, cache, rest: list[int], steps: int = 8) -> list[int]:
@@ -232,11 +233,7 @@ def test_insert_after_an_evicted_node_walks_from_the_root():
 
 def _full_model():
     """Tiny llama with full attention only (every layer's blocks are whole)."""
-    if "llama-full" not in _MODELS:
-        model = tiny_model("llama", seed=2, layer_types=["full_attention"] * 3)
-        prepare_model(model)
-        _MODELS["llama-full"] = model
-    return _MODELS["llama-full"]
+    return model_for("llama", layer_types=["full_attention"] * 3)
 
 
 def _segments(pc: PrefixCache, li: int) -> set[int]:

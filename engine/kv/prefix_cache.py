@@ -92,9 +92,10 @@ MakeCaches = Callable[[int], list[Any]]
 @dataclass(eq=False, slots=True)
 class _Segment:
     """One copy of a run of consecutive whole blocks of one layer (one array per buffer), which
-    the run's nodes hold as views: an insert copies each layer once per run, not once per block
-    (on a GPU every copy is a launch: a 32k-token prompt of 64-token blocks would be 500 per
-    layer and buffer). Its memory goes when the last node holding it is evicted."""
+    the run's nodes share (each knows its block's first column in it): an insert copies each
+    layer once per run, not once per block (on a GPU every copy is a launch: a 32k-token prompt
+    of 64-token blocks would be 500 per layer and buffer). Its memory goes when the last node
+    holding it is evicted; `PrefixCache._compact` shrinks it once half of them are."""
 
     arrays: list[mx.array]
     nbytes: int
