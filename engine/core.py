@@ -58,6 +58,7 @@ from engine.runner import Runner, Shape, WarmUp
 from engine.scheduler import Scheduler, SchedulerConfig, auto_prefill_budget
 from engine.spec import SpecConfig, build_speculation
 from engine.spec.decoder import Speculation
+from kernels.affine.prebuild import prebuild as prebuild_qmm
 
 log = logging.getLogger("mlxd.engine")
 
@@ -343,6 +344,10 @@ class Engine(EngineThread):
         log line before and after, a progress bar when it takes over a second; the auto prefill
         budget is sized from the prefill rate it measures."""
         sched = self.config.scheduler
+        seconds = prebuild_qmm(self.loaded.model)  # CUDA: MLX's JIT-built row tiles, in parallel
+        if seconds > 1.0:
+            log.info("built MLX-CUDA's quantized-matmul kernels in %.1f s (kept on disk for "
+                     "later starts)", seconds)
         chunk, rows = self.prefix.chunk, min(sched.max_num_seqs, WARM_DECODE_ROWS)
         shapes = self.runner.warm_up_shapes(chunk, rows)
         log.info("warming up: prefill %d x %d and %d x %d tokens, decode 1..%d rows",

@@ -9,11 +9,13 @@ several steps) → `running` (decoding). Each step:
 
 A prefill group is either several short prompts that fit one chunk together (one
 right-padded forward) or one long prompt (longer than `prefill_chunk`) prefilled alone in
-chunks of `prefill_chunk` tokens, so long prompts interleave with the running decodes instead
-of stalling them. While no rows decode, nobody waits on a step, and a long prompt's chunks
-(`step_chunk`) are the idle group budget in columns (what the device prefills in about
-`idle_budget_factor` x `prefill_step_s` at the rate measured at start-up, at most what the
-prefix cache's layouts allow, `PrefixIndex.max_chunk`, on block boundaries). Prefill covers the
+chunks, so long prompts interleave with the running decodes instead of stalling them. A long
+prompt's chunk (`step_chunk`) is the group budget in columns: while rows decode, the prefill
+budget (`busy_chunk`: what the device prefills in about `prefill_step_s`, so a decoding row's
+next token is late by about that much); while none do, nobody waits on a step, and it is the
+idle group budget (`idle_budget_factor` times that). Both are at the rate measured at
+start-up, at least `prefill_chunk`, at most what the prefix cache's layouts allow
+(`PrefixIndex.max_chunk`), on block boundaries. Prefill covers the
 prompt minus its last token; the last token is the row's first decode input, so every sampled
 token comes from the batched decode step. A group joins the running batch in the step its
 prefill completes, and decodes in that same step.
@@ -260,9 +262,17 @@ class Scheduler:
         return self.prefill_budget * self.config.idle_budget_factor
 
     def step_chunk(self) -> int:
-        """Columns a long prompt's prefill runs this step: `prefill_chunk` while rows decode,
+        """Columns a long prompt's prefill runs this step: `busy_chunk` while rows decode,
         `idle_chunk` while none do."""
-        return self.prefix.chunk if len(self.running) else self.idle_chunk
+        return self.busy_chunk() if len(self.running) else self.idle_chunk
+
+    def busy_chunk(self) -> int:
+        """A long prompt's chunk while rows decode: the prefill budget in columns (what one
+        step's prefill may cost the decoding rows), at most the prefix cache's `max_chunk`, on
+        its block boundaries, at least `prefill_chunk`."""
+        prefix = self.prefix
+        cols = min(self.prefill_budget, prefix.max_chunk) // prefix.block_size * prefix.block_size
+        return max(prefix.chunk, cols)
 
     def size_idle_chunk(self, tokens_per_s: float) -> None:
         """`idle_chunk` from the measured prefill rate: what the device prefills in
@@ -275,8 +285,9 @@ class Scheduler:
         self.idle_chunk = max(prefix.chunk, cols)
 
     def chunk_widths(self) -> list[int]:
-        """The chunk widths long prompts run at past `prefill_chunk` (the idle one, if any)."""
-        return [self.idle_chunk] if self.idle_chunk > self.prefix.chunk else []
+        """The chunk widths long prompts run at past `prefill_chunk` (the busy and the idle
+        one, where they are wider)."""
+        return sorted({w for w in (self.busy_chunk(), self.idle_chunk) if w > self.prefix.chunk})
 
     def _pick(self, long_ok: bool) -> list[RowMeta]:
         """The next group's rows in `_order`: one long prompt alone (only when `long_ok`: no

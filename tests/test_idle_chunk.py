@@ -1,6 +1,6 @@
 """A long prompt with nothing decoding is prefilled in the idle chunk (engine.scheduler,
 `size_idle_chunk`): the same greedy tokens as in `prefill_chunk` chunks (the exact tier, float32),
-the idle width warmed at start-up, and the chunks back to `prefill_chunk` once rows decode."""
+the idle width warmed at start-up, and the chunks down to the prefill budget once rows decode."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from tests.tiny_models import greedy, loaded, run_alone, submit, tiny_model
 CHUNK = 64
 
 
-def _engine(idle_rate: float | None, prefix: bool = True) -> Engine:
+def _engine(idle_rate: float | None, prefix: bool = True, budget: int | None = None) -> Engine:
     model, cfg = tiny_model("llama", layer_types=["full_attention"] * 4)  # no ring: no limit
-    eng = Engine(loaded(model, cfg), EngineConfig(SchedulerConfig(prefill_chunk=CHUNK),
+    sched = SchedulerConfig(prefill_chunk=CHUNK, prefill_budget=budget)
+    eng = Engine(loaded(model, cfg), EngineConfig(sched,
                                                   prefix_cache_bytes=(1 << 26) if prefix else 0))
     if idle_rate is not None:  # what a warm-up measuring this rate would set
         eng.scheduler.size_idle_chunk(idle_rate)
@@ -47,16 +48,17 @@ def test_idle_chunks_give_the_same_tokens_and_fewer_forwards():
     assert big.runner.shapes[("prefill", 1, 8 * CHUNK)] == 2  # the warm-up's and the prompt's
 
 
-def test_rows_decoding_keep_long_prompts_at_prefill_chunk():
-    """A long prompt that arrives while a row decodes runs in prefill_chunk chunks, and both
-    rows' tokens are those they get alone."""
-    eng = _engine(8 * CHUNK / (4 * 0.05), prefix=False)
+def test_rows_decoding_take_long_prompts_in_chunks_of_the_prefill_budget():
+    """A long prompt that arrives while a row decodes runs in chunks of the prefill budget (2
+    chunks here; 8 when idle), and both rows' tokens are those they get alone."""
+    eng = _engine(8 * CHUNK / (4 * 0.05), prefix=False, budget=2 * CHUNK)
+    assert eng.runner.shapes[("prefill", 1, 2 * CHUNK)] == 1  # the busy width warmed too
     long_prompt, short_prompt = _prompt(6 * CHUNK + 1, 1), _prompt(10, 2)
     eng.start()
     try:
         alone_long = run_alone(eng, greedy("l0", long_prompt, 16)).tokens
         alone_short = run_alone(eng, greedy("s0", short_prompt, 200)).tokens
-        before = eng.runner.shapes[("prefill", 1, CHUNK)]
+        before = eng.runner.shapes[("prefill", 1, 2 * CHUNK)]
         short = submit(eng, greedy("s1", short_prompt, 200))
         while not short.tokens:
             short.done.wait(0.01)
@@ -65,4 +67,4 @@ def test_rows_decoding_keep_long_prompts_at_prefill_chunk():
     finally:
         eng.stop()
     assert long.tokens == alone_long and short.tokens == alone_short
-    assert eng.runner.shapes[("prefill", 1, CHUNK)] - before == 6
+    assert eng.runner.shapes[("prefill", 1, 2 * CHUNK)] - before == 3

@@ -221,33 +221,47 @@ def _drive_cols(sched: Scheduler, arrivals: dict[int, list[RowMeta]]) -> tuple[F
     return _drive(sched, arrivals, cols=cols), cols
 
 
-def test_a_long_prompt_runs_in_chunks_of_the_idle_budget_while_nothing_decodes():
+def test_a_long_prompt_runs_in_chunks_of_the_budget_busy_and_the_idle_budget_idle():
     """With no rows decoding, a long prompt's chunks are the idle budget (4 x 4 chunks; the
-    last one what is left); while rows decode, prefill_chunk; and when rows start decoding
-    in the middle of its prefill, its chunks shrink back to prefill_chunk."""
+    last one what is left); while rows decode, the prefill budget (4 chunks); and when rows
+    start decoding in the middle of its prefill, its chunks shrink to the prefill budget."""
     n = 40 * CHUNK + 1  # 40 chunks of prefill
     runner, cols = _drive_cols(_measured(), {0: [_row("long", n, 4)]})
     assert _chunks(runner, cols, "long") == [16 * CHUNK, 16 * CHUNK, 8 * CHUNK]
     busy = {0: [_row("d", 5, 400)], 1: [_row("long", n, 4)]}
     runner, cols = _drive_cols(_measured(), busy)
-    assert _chunks(runner, cols, "long") == [CHUNK] * 40
-    assert runner.joined["long"] - runner.started["long"] == 39  # a chunk a step
+    assert _chunks(runner, cols, "long") == [4 * CHUNK] * 10
+    assert runner.joined["long"] - runner.started["long"] == 9  # a chunk a step
     later = {0: [_row("long", n, 4)], 1: [_row("s", 9, 400)]}
     runner, cols = _drive_cols(_measured(), later)
     long_cols = _chunks(runner, cols, "long")
-    assert long_cols[0] == 16 * CHUNK and set(long_cols[1:]) == {CHUNK}
+    assert long_cols[0] == 16 * CHUNK and set(long_cols[1:]) == {4 * CHUNK}
     assert sum(long_cols) == n - 1
 
 
 def test_the_idle_chunk_follows_the_measured_rate_within_the_layouts_limits():
     sched = _scheduler()
-    assert sched.step_chunk() == CHUNK and sched.chunk_widths() == []  # not measured yet
+    assert sched.step_chunk() == CHUNK and sched.chunk_widths() == [4 * CHUNK]  # not measured
     sched.size_idle_chunk(20_100)  # 20,100 tokens/s x 4 x 50 ms = 4,020 -> 4,016 (block 16)
-    assert sched.step_chunk() == 4016 and sched.chunk_widths() == [4016]
+    assert sched.step_chunk() == 4016 and sched.chunk_widths() == [4 * CHUNK, 4016]
     sched.prefix.max_chunk = 5 * CHUNK + 7  # e.g. a ring: rounded down to the block size
     sched.size_idle_chunk(20_000)
     assert sched.step_chunk() == 5 * CHUNK
     sched.size_idle_chunk(100)  # a slow device: never below prefill_chunk
+    assert sched.step_chunk() == CHUNK and sched.chunk_widths() == [4 * CHUNK]
+
+
+def test_the_busy_chunk_is_the_budget_within_the_layouts_limits():
+    """While rows decode a long prompt's chunk is the prefill budget in columns, rounded down
+    to the block size, at most `max_chunk`, at least `prefill_chunk`."""
+    sched = _scheduler(prefill_budget=3 * CHUNK + 5)
+    sched.add(_row("d", 5, 100))
+    sched.update(plan := sched.schedule(), FakeRunner().run(plan))
+    assert len(sched.running) == 1
+    assert sched.step_chunk() == sched.busy_chunk() == 3 * CHUNK  # a multiple of the block
+    sched.prefix.max_chunk = 2 * CHUNK
+    assert sched.step_chunk() == 2 * CHUNK
+    sched.prefill_budget = CHUNK // 2  # a budget below one chunk: the chunk still advances
     assert sched.step_chunk() == CHUNK and sched.chunk_widths() == []
 
 
