@@ -270,8 +270,13 @@ class Scheduler:
         """A long prompt's chunk while rows decode: the prefill budget in columns (what one
         step's prefill may cost the decoding rows), at most the prefix cache's `max_chunk`, on
         its block boundaries, at least `prefill_chunk`."""
+        return self._chunk_within_layouts(self.prefill_budget)
+
+    def _chunk_within_layouts(self, cols: int) -> int:
+        """`cols` as a long prompt's chunk: at most the prefix cache's `max_chunk`, rounded
+        down to its block size, at least `prefill_chunk`."""
         prefix = self.prefix
-        cols = min(self.prefill_budget, prefix.max_chunk) // prefix.block_size * prefix.block_size
+        cols = min(cols, prefix.max_chunk) // prefix.block_size * prefix.block_size
         return max(prefix.chunk, cols)
 
     def size_idle_chunk(self, tokens_per_s: float) -> None:
@@ -279,10 +284,9 @@ class Scheduler:
         `idle_budget_factor` x `prefill_step_s`, at least `prefill_chunk`, at most the prefix
         cache's `max_chunk`, a multiple of its block size. (On a CPU, whose attention is not
         fused, that stays at about `prefill_chunk`: longer chunks cost more per token there.)"""
-        cfg, prefix = self.config, self.prefix
+        cfg = self.config
         cols = int(tokens_per_s * cfg.prefill_step_s * cfg.idle_budget_factor)
-        cols = min(cols, prefix.max_chunk) // prefix.block_size * prefix.block_size
-        self.idle_chunk = max(prefix.chunk, cols)
+        self.idle_chunk = self._chunk_within_layouts(cols)
 
     def chunk_widths(self) -> list[int]:
         """The chunk widths long prompts run at past `prefill_chunk` (the busy and the idle

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ TILE_ROWS = (16, 32, 64)  # one row count in each of MLX-CUDA's JIT-built row ti
 _N, _K = 256, 512  # the probe's weight (the kernel does not depend on the shape)
 
 Kind = tuple[str, int, int, str]  # (activation dtype name, bits, group size, mode)
+
 
 def quant_kinds(model: Any) -> list[Kind]:
     """The (activation dtype, bits, group size, mode) of the model's quantized linear layers and
@@ -72,7 +72,7 @@ def prebuild(model: Any, rows: tuple[int, ...] = TILE_ROWS, force: bool = False,
     procs = []
     for kind, r in jobs:
         args = json.dumps([*kind, r])
-        procs.append(subprocess.Popen([sys.executable, "-m", __name__, args], env=dict(os.environ),
+        procs.append(subprocess.Popen([sys.executable, "-m", __name__, args],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     failed = 0
     for proc in procs:
