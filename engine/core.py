@@ -73,7 +73,9 @@ PREFIX_BLOCK_SIZE = 64
 class EngineConfig:
     scheduler: SchedulerConfig
     kv: KVConfig = field(default_factory=KVConfig)
-    prefix_cache_bytes: int = 1 << 30  # 0 = prefix cache off
+    # the prefix cache's most bytes: None = a `PREFIX_CACHE_SHARE`th of the memory budget
+    # (`--prefix-cache-bytes auto`), 0 = off; it never holds more than the budget leaves
+    prefix_cache_bytes: int | None = None
     prefix_block_size: int = PREFIX_BLOCK_SIZE
     memory_budget: int | None = None  # None = 75 % of device memory
     # MLX keeps freed buffers for reuse up to this many bytes (None: the smaller of MLX's own
@@ -91,6 +93,10 @@ class EngineConfig:
     embed_batch_tokens: int = 4096  # padded tokens per embedding batch (one longer input: alone)
 
 
+# the automatic prefix cache is this fraction of the memory budget: 16 growing agent sessions on
+# a 1B model's KV (32 KiB a token) need ~24 GiB to keep reusing their histories, a quarter of an
+# H200's budget; on a 16 GiB Mac it is 3 GiB, and what the running rows need is evicted anyway
+PREFIX_CACHE_SHARE = 4
 SNAPSHOT_EVERY_S = 0.05  # while busy, stats() sees the engine's state at most this old
 WARM_DECODE_ROWS = 16  # the warm-up runs the decode batch at 1..this many rows
 
@@ -140,8 +146,8 @@ class Engine(EngineThread):
 
         self.spec = build_speculation(cfg.spec, model, loaded.vocab_size)
         self.prefix: PrefixIndex | NoPrefix = (
-            PrefixIndex(make, cfg.prefix_cache_bytes, cfg.prefix_block_size, chunk)
-            if cfg.prefix_cache_bytes > 0 else NoPrefix(make, chunk)
+            PrefixIndex(make, cfg.prefix_cache_bytes or 0, cfg.prefix_block_size, chunk)
+            if cfg.prefix_cache_bytes != 0 else NoPrefix(make, chunk)
         )
         self.runner = Runner(model, kv, self.spec, self.prefix)
         # after the runner's start-up checks: this runs the first forward
@@ -149,6 +155,8 @@ class Engine(EngineThread):
             model, cfg.memory_budget,
             dict(kv_bits=kv.kv_bits, kv_group_size=kv.kv_group_size, max_kv_size=kv.max_kv_size),
         )
+        if cfg.prefix_cache_bytes is None and isinstance(self.prefix, PrefixIndex):
+            self.prefix.cache.max_bytes = self.budget.budget // PREFIX_CACHE_SHARE
         self.scheduler = Scheduler(
             cfg.scheduler, make, loaded.vocab_size, self.budget, self.prefix, self.spec
         )

@@ -37,6 +37,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from kernels.attention import decode as decode_attention
 from kernels.common import gpu_backend, swap_classes
 
 ROWS = 256  # most rows (batch x heads) of one-query RoPE that launched (512 failed)
@@ -122,7 +123,9 @@ def install(model: nn.Module | None = None, force: bool = False) -> int:
 # scores: with plain ops an 8k-token prompt ran out of the H200's memory). So cuDNN stays on and
 # few-query calls of the model's attention take plain ops: `install_attention(model)` points the
 # `scaled_dot_product_attention` of the model's mlx-lm modules at `few_query_sdpa`, which sends
-# 2..`FEW_QUERIES` queries through `plain_attention` (what MLX's own fallback computes) and
+# 2..`FEW_QUERIES` queries through `plain_attention` (what MLX's own fallback computes),
+# one-query calls over rows of different lengths through mlxd's decode-attention kernel (MLX-CUDA
+# does not fuse a one-query call with an array mask: kernels/attention/decode.py), and
 # everything else to mlx-lm's function unchanged.
 
 FEW_QUERIES = 16  # query lengths 2..16 (verify widths, short last chunks) take plain ops
@@ -161,15 +164,22 @@ def plain_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
 
 
 def few_query_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
-    """mlx-lm's `scaled_dot_product_attention` with 2..`FEW_QUERIES` queries on plain ops."""
+    """mlx-lm's `scaled_dot_product_attention` with 2..`FEW_QUERIES` queries on plain ops, and
+    one query a row over rows of different lengths (an array mask a full layout made, which
+    MLX-CUDA would not fuse) through `kernels.attention.decode` with the layout's row lengths."""
     if getattr(original, "_mlxd_few_query", False):
         return original
 
     def sdpa(queries: mx.array, keys: Any, values: Any, cache: Any, scale: float,
              mask: Any, sinks: Any = None) -> mx.array:
-        if (sinks is None and not hasattr(cache, "bits") and isinstance(keys, mx.array)
-                and 2 <= queries.shape[2] <= FEW_QUERIES):
-            return plain_attention(queries, keys, values, scale, mask)
+        if sinks is None and not hasattr(cache, "bits") and isinstance(keys, mx.array):
+            if 2 <= queries.shape[2] <= FEW_QUERIES:
+                return plain_attention(queries, keys, values, scale, mask)
+            if isinstance(mask, mx.array) and decode_attention.takes(queries, keys, values):
+                lengths = getattr(cache, "decode_lengths", None)
+                lens = lengths() if lengths is not None else None
+                if lens is not None:
+                    return decode_attention.decode_attention(queries, keys, values, lens, scale)
         return original(queries, keys, values, cache, scale, mask, sinks)
 
     sdpa._mlxd_few_query = True  # type: ignore[attr-defined]

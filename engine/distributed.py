@@ -51,6 +51,7 @@ from engine.api import FINISH_ERROR, EngineError, Request, TokenEvent
 from engine.batch import RowMeta
 from engine.core import AsyncEngine, Engine, EngineConfig
 from engine.host_memory import release_idle_memory
+from engine.kv.prefix_cache import PrefixIndex
 from engine.loader import LoadedModel
 from engine.scheduler import Plan, Scheduler, StepResult
 
@@ -174,10 +175,14 @@ def agree_on_memory(channel: Channel, engine: Engine) -> None:
     alike layers)."""
     budget = engine.budget
     per_token = budget.footprint.bytes_per_token()
-    mine = [budget.weights, per_token, budget.footprint.row_bytes(1)]
+    cache = engine.prefix.cache if isinstance(engine.prefix, PrefixIndex) else None
+    mine = [budget.weights, cache.max_bytes if cache else 0, per_token,
+            budget.footprint.row_bytes(1)]
     every = channel.gather_ints(mine)
     budget.weights = max(r[0] for r in every)
-    if engine.config.prefix_cache_bytes and any(r[1:] != every[0][1:] for r in every):
+    if cache is not None:  # an automatic size follows each rank's budget: the smallest holds
+        cache.max_bytes = min(r[1] for r in every)
+    if cache is not None and any(r[2:] != every[0][2:] for r in every):
         raise GroupError("the ranks' KV blocks differ in size (pipeline stages with different "
                          "layers), so their prefix caches would evict differently; serve with "
                          "--prefix-cache-bytes 0")

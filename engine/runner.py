@@ -227,7 +227,10 @@ class Runner:
             t1 = time.perf_counter()
             self._prefill(self._warm_plan([chunk + 1], vocab_size))
             rate = chunk / max(time.perf_counter() - t1, 1e-9)
-            plan = self._warm_plan([WARM_GROUP_WIDTH + 1] * max_rows, vocab_size)
+            # rows one token apart: the decode batch runs as serving batches do, rows of
+            # different lengths (on CUDA that builds the decode-attention kernels)
+            lens = [WARM_GROUP_WIDTH + 1 - i % 2 for i in range(max_rows)]
+            plan = self._warm_plan(lens, vocab_size)
             self.run(plan)
             ran()
             batch = plan.batch

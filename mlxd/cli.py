@@ -120,6 +120,15 @@ def _size(lo: int) -> Callable[[str], int]:
     return check
 
 
+def _size_or_auto(lo: int) -> Callable[[str], int | str]:
+    size = _size(lo)
+
+    def check(text: str) -> int | str:
+        return "auto" if text.strip().lower() == "auto" else size(text)
+
+    return check
+
+
 def _blas(text: str) -> str:
     from mlxd.runtime import BLAS_KEYWORDS  # mlxd.runtime imports no mlx at module level
 
@@ -310,8 +319,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--max-kv-size", type=_int_in(1), default=None,
                    help="cap full-attention layers to a ring of this many tokens, sinks kept "
                         "(default: no cap)")
-    g.add_argument("--prefix-cache-bytes", type=_size(0), default="1GiB",
-                   help="prefix cache budget (LRU), e.g. 512MiB; 0 disables it")
+    g.add_argument("--prefix-cache-bytes", type=_size_or_auto(0), default="auto",
+                   help="prefix cache budget (LRU), e.g. 8GiB; 0 disables it (default auto: a "
+                        "quarter of --memory-budget; it never holds what running requests need)")
     g.add_argument("--memory-budget", type=_size(1), default=None,
                    help="weights + KV + prefill budget for admission, shared by every loaded "
                         "model (default: 75%% of device memory); requests that cannot fit are "

@@ -66,6 +66,16 @@ def build_client(args: argparse.Namespace | None = None, **overrides: Any):
     return client
 
 
+def _prefix_cache_bytes(value: Any) -> int | None:
+    """`--prefix-cache-bytes`: "auto" (None: the engine sizes it from the memory budget), or
+    bytes (0: off)."""
+    from engine.kv.memory import parse_bytes
+
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    return parse_bytes(value) or 0
+
+
 def _engine_config(opts: dict[str, Any]) -> Any:
     """The engine flags → engine.core.EngineConfig."""
     from engine.core import EngineConfig
@@ -87,7 +97,7 @@ def _engine_config(opts: dict[str, Any]) -> Any:
     return EngineConfig(
         scheduler=sched,
         kv=kv,
-        prefix_cache_bytes=parse_bytes(opts.get("prefix_cache_bytes", "1GiB")) or 0,
+        prefix_cache_bytes=_prefix_cache_bytes(opts.get("prefix_cache_bytes", "auto")),
         memory_budget=parse_bytes(opts.get("memory_budget")),
         mlx_cache_limit=parse_bytes(opts.get("mlx_cache_limit")),
         spec=_spec_config(opts),

@@ -82,7 +82,12 @@ def test_good_flags_parse(monkeypatch):
     assert args.mlx_cache_limit == 0 and args.api_key is None
     defaults = cli.parse_serve_args([])
     assert defaults.max_tokens is None  # the room left in the context (the server decides)
-    assert defaults.prefix_cache_bytes == 1 << 30
+    assert defaults.prefix_cache_bytes == "auto"  # a quarter of the memory budget (engine)
+    assert cli.parse_serve_args(["--prefix-cache-bytes", "AUTO"]).prefix_cache_bytes == "auto"
+    from mlxd.runtime import _engine_config
+    assert _engine_config({"prefix_cache_bytes": "auto"}).prefix_cache_bytes is None
+    assert _engine_config({"prefix_cache_bytes": "2GiB"}).prefix_cache_bytes == 2 << 30
+    assert _engine_config({"prefix_cache_bytes": 0}).prefix_cache_bytes == 0
 
 
 def test_api_key_from_the_environment(monkeypatch):
@@ -117,7 +122,7 @@ def test_serve_help_shows_defaults(capsys):
     assert ei.value.code == 0
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     for shown in ("--host HOST address to listen on (default: 127.0.0.1)",
-                  "(default: 8080)", "(default: 128)", "(default: 1GiB)", "(default: INFO)",
+                  "(default: 8080)", "(default: 128)", "(default: auto)", "(default: INFO)",
                   "(default: the room left in the context, bounded by memory admission)"):
         assert shown in out, shown
     assert "MLXD_API_KEY" in out

@@ -58,6 +58,19 @@ def test_cache_limit_is_applied_and_reported(lm, restore_cache_limit):
     assert mx.set_cache_limit(30 << 20) == 30 << 20
 
 
+def test_prefix_cache_size_follows_the_memory_budget(lm):
+    """By default the prefix cache may hold a quarter of the memory budget; a size given is
+    kept; 0 turns it off. What it reports is what it may hold."""
+    auto = Engine(lm, EngineConfig(SchedulerConfig(), memory_budget=400 << 20))
+    assert auto.prefix.cache.max_bytes == 100 << 20
+    assert auto.stats().prefix_cache.max_bytes == 100 << 20
+    given = Engine(lm, EngineConfig(SchedulerConfig(), memory_budget=400 << 20,
+                                    prefix_cache_bytes=8 << 20))
+    assert given.prefix.cache.max_bytes == 8 << 20
+    off = Engine(lm, EngineConfig(SchedulerConfig(), prefix_cache_bytes=0))
+    assert off.stats().prefix_cache is None
+
+
 def test_idle_engine_empties_the_buffer_cache(lm, restore_cache_limit):
     eng = _engine(lm, idle_release_s=0.2)
     try:

@@ -90,6 +90,7 @@ class KVLayout:
         self._skip = np.zeros(num_rows, dtype=np.int64)
         self._remaining = np.full(num_rows, UNBOUNDED, dtype=np.int64)
         self._ckpt: np.ndarray | None = None  # n at checkpoint()
+        self._decoded = False  # the last update_and_fetch was one column a row, keys at [0, n)
         self._high: np.ndarray | None = None  # highest position written since checkpoint()
 
     # ---------------------------------------------------------------- geometry
@@ -170,7 +171,16 @@ class KVLayout:
             self._fold_in(new, step.real)
             written = self._n + step.real
         self._advance(step, written)
+        self._decoded = num_new == 1 and step.direct and self.window is None
         return self.codec.fetch(out)
+
+    def decode_lengths(self) -> mx.array | None:
+        """After a one-column `update_and_fetch` of a full layout: `[B]` int32, the keys each
+        row's query sees (columns `[0, n[b])`: what the step's mask says), for attention that
+        takes row lengths instead of a mask (kernels.attention.decode); None otherwise."""
+        if not self._decoded or self._skip.any():
+            return None
+        return mx.array(self._n.astype(np.int32))
 
     def _advance(self, step: Step, written: np.ndarray) -> None:
         if self._high is not None:

@@ -1,0 +1,1 @@
+"""Attention kernels: decode attention over rows of different lengths (decode.py)."""
