@@ -11,6 +11,7 @@
     constrained  the cost of grammar-constrained decoding in the engine
     trellis      trellis weights: mat-vec speed (GPU), layout sweep (GPU), perplexity
     qmm          few-row affine 4-bit matmul on CUDA: kernel speed, layout sweep, model steps
+    attention    decode attention over rows of different lengths: kernel vs masked (CUDA)
     plot         redraw the PNG of any result JSON
     random-model write a random-weight model directory of a known shape
     wide-twin    a wider, deeper llama checkpoint that computes its source's logits
@@ -31,6 +32,7 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     from bench import (
         agent,
+        attention,
         coldstart,
         constrained,
         embed,
@@ -50,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
-    for module in (sweep, agent, coldstart, embed, spec, kv, constrained, trellis, qmm, plot,
-                   modelprep, widetwin, models, tp, switch):
+    for module in (sweep, agent, coldstart, embed, spec, kv, constrained, trellis, qmm, attention,
+                   plot, modelprep, widetwin, models, tp, switch):
         module.add_parsers(sub)
     return parser
 

@@ -31,6 +31,7 @@ PLOTTERS = {
     "trellis-quality": "bench.trellis_quality:plot",
     "trellis-sweep": "bench.trellis_sweep:plot",
     "qmm": "bench.qmm:plot",
+    "attention": "bench.attention:plot",
     "switch": "bench.switch:plot",
 }
 

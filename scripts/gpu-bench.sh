@@ -3,10 +3,11 @@
 #
 #   scripts/gpu-bench.sh [STAGE ...]     (default: every stage, in this order)
 #
-# coldstart (first: it needs a machine that has compiled nothing yet), prefill, sweep, agent,
-# switch, qmm, spec. Each stage runs under its own time limit (LIMIT_<STAGE>=seconds overrides
-# it); its log goes to $OUT/<stage>.log, its JSON and PNG to $OUT/<stage>/, and after every stage
-# $OUT is packed into $PACK (default $OUT.tgz), so that a run cut short keeps what finished.
+# coldstart (first: it needs a machine that has compiled nothing yet), prefill, sweep, agent
+# (16 x 8), agent64 (64 x 4), attention, switch, qmm, spec. Each stage runs under its own time
+# limit (LIMIT_<STAGE>=seconds overrides it); its log goes to $OUT/<stage>.log, its JSON and PNG
+# to $OUT/<stage>/, and after every stage $OUT is packed into $PACK (default $OUT.tgz), so that
+# a run cut short keeps what finished.
 # Expects mlx[cuda] and mlxd's dependencies importable; DATA must hold tinycoder-draft-4m/ and
 # tinycoder-dev.jsonl (the spec stage); the models are written to /tmp on first use.
 set -u
@@ -42,7 +43,10 @@ stage() {
              --prompt-tokens 1024 --output-tokens 128 --concurrency 64 --requests-per-level 128 \
              --level-deadline 60 --out "$OUT/sweep" ;;
     agent) need_model; run agent 250 python3 -m bench agent --model "$MODEL" --peers mlx_lm \
-             --tool-tokens 200,4000 --deadline 80 --out "$OUT/agent" ;;
+             --sessions 16 --turns 8 --tool-tokens 200,2000 --deadline 70 --out "$OUT/agent" ;;
+    agent64) need_model; run agent64 300 python3 -m bench agent --model "$MODEL" --peers mlx_lm \
+               --sessions 64 --turns 4 --tool-tokens 200,2000 --deadline 100 --out "$OUT/agent64" ;;
+    attention) run attention 120 python3 -m bench attention --out "$OUT/attention" ;;
     switch) need_model; run switch 70 python3 -m bench switch \
               --model coder=mlxd/models/tinycoder-16m --model "big=$MODEL" --rounds 2 \
               --out "$OUT/switch" ;;
@@ -62,5 +66,5 @@ stage() {
 }
 
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(coldstart prefill sweep agent switch qmm spec)
+[ ${#stages[@]} -gt 0 ] || stages=(coldstart prefill sweep agent agent64 attention switch qmm spec)
 for s in "${stages[@]}"; do stage "$s"; done

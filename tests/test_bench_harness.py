@@ -235,6 +235,30 @@ def test_trellis_sweep_toy(tmp_path: Path, twin_kernel):
     _png(out / "trellis_sweep.png")
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["masked-only", "kernel-twin"])
+def test_attention_toy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel: bool):
+    """Off CUDA only the masked route is timed; with the kernel (its plain-MLX twin standing
+    in) both are, and the kernel's difference from the masked result is recorded."""
+    if kernel:
+        from kernels import common as kcommon
+        from kernels.attention import decode
+
+        monkeypatch.setattr(kcommon, "gpu_backend", lambda: "cuda")
+        monkeypatch.setattr(decode, "decode_attention",
+                            lambda q, k, v, lens, scale: decode.twin(q, k, v, lens, scale))
+    out = tmp_path / "attn"
+    assert main(["attention", "--heads", "4x2x64", "--rows", "1,3", "--contexts", "64,300",
+                 "--layers", "2", "--repeats", "1", "--out", str(out)]) == 0
+    result = _result(out / "attention.json", "attention")
+    assert result["kernel"] is kernel and len(result["rows"]) == 4
+    for r in result["rows"]:
+        assert r["masked_ms"] > 0 and r["context"] // 2 * r["rows"] <= r["keys"]
+        assert ("kernel_ms" in r) is kernel
+        if kernel:
+            assert r["max_abs_err"] == 0.0 and r["speedup"] > 0
+    _png(out / "attention.png")
+
+
 def test_random_model(tmp_path: Path):
     from engine.loader import load_model
 
