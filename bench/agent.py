@@ -136,14 +136,17 @@ class _Corpus:
         return self._ids[i]
 
     def excerpt(self, start: int, num_tokens: int) -> ToolResult:
-        """`num_tokens` tokens from the start of file `start` on (running into the next files)."""
+        """About `num_tokens` tokens (a header line naming the file, then the text from the start
+        of file `start` on, running into the next files)."""
+        rel = self.files[start].relative_to(self.root).as_posix()
+        header = f"==> {rel} <==\n"
+        body = max(1, num_tokens - len(self.tok.encode(header, add_special_tokens=False)))
         ids: list[int] = []
         i = start
-        while len(ids) < num_tokens and i < start + len(self.files):
+        while len(ids) < body and i < start + len(self.files):
             ids += self.ids(i % len(self.files))
             i += 1
-        rel = self.files[start].relative_to(self.root).as_posix()
-        text = f"==> {rel} <==\n" + self.tok.decode(ids[:num_tokens])
+        text = header + self.tok.decode(ids[:body])
         return ToolResult(rel, text, len(self.tok.encode(text, add_special_tokens=False)))
 
 
