@@ -87,6 +87,10 @@ class TokenEvent:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # with finish_reason == FINISH_ERROR
+    # on a request's first event with tokens: seconds it waited in the engine's queue (admitted
+    # -> its prefill began) and from its prefill's start to this first token
+    queue_s: float | None = None
+    prefill_s: float | None = None
 
 
 @dataclass(slots=True)

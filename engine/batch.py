@@ -34,6 +34,8 @@ class RowMeta:
     adapter: int = 0  # the row's LoRA adapter (engine.lora index; 0 = none)
     prefix_boundary: int = 0  # the last block boundary the prefix cache captured while decoding
     prefix_node: Any = None  # weakref to the deepest prefix-cache node this row's inserts reached
+    queued_at: float = 0.0  # perf_counter when the engine admitted it
+    started_at: float = 0.0  # perf_counter when its prefill group formed
 
     @property
     def req_id(self) -> str:

@@ -340,6 +340,7 @@ class Engine(EngineThread):
             stop_ids.update(self.loaded.eos_token_ids)
         return RowMeta(
             request=request,
+            queued_at=time.perf_counter(),
             num_prompt_tokens=n,
             max_new_tokens=max_new,
             stop_ids=frozenset(stop_ids),

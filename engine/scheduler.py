@@ -52,6 +52,7 @@ the executor's question to the speculation (engine.runner).
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -425,6 +426,9 @@ class Scheduler:
         """Move `picked` off the queue; every row still waiting that arrived before one of them
         has been passed once more (this step)."""
         ids = {r.req_id for r in picked}
+        now = time.perf_counter()
+        for row in picked:
+            row.started_at = now
         latest = max(i for i, r in enumerate(self.waiting) if r.req_id in ids)
         keep: deque[RowMeta] = deque()
         for i, row in enumerate(self.waiting):
@@ -510,6 +514,7 @@ class Scheduler:
         params = row.request.params
         finish = None
         error = None
+        first = row.num_generated == 0
         ids: list[int] = []
         for token in result.tokens[i]:
             if token in row.stop_ids:
@@ -532,6 +537,9 @@ class Scheduler:
             num_cached_tokens=row.num_cached_tokens,
             error=error,
         )
+        if first and ids and row.started_at:
+            event.queue_s = max(0.0, row.started_at - row.queued_at) if row.queued_at else None
+            event.prefill_s = time.perf_counter() - row.started_at
         if params.logprobs and ids and result.logprobs is not None:
             event.logprobs = result.logprobs[i][: len(ids)]
             if params.top_logprobs and result.top_logprobs is not None:

@@ -9,6 +9,12 @@ with no code in the endpoints); engine-level numbers are read from `client.stats
     mlxd_time_to_first_token_seconds                    histogram: submit → first token
     mlxd_inter_token_latency_seconds                    histogram: between tokens of a request
     mlxd_e2e_request_latency_seconds                    histogram: submit → finish
+    mlxd_request_preprocess_seconds                     histogram: HTTP request in → submit
+                                                        (body, chat template, tokenizing)
+    mlxd_request_queue_seconds                          histogram: admitted → prefill starts
+    mlxd_request_prefill_seconds                        histogram: prefill starts → first token
+                                                        (TTFT ≈ the three, plus the stream's
+                                                        hand-over)
     mlxd_http_requests_total{method, route, status}
     mlxd_num_requests_running / _waiting / _prefilling  gauges (engine)
     mlxd_kv_cache_bytes{layout}, mlxd_prefix_cache_bytes, mlxd_prefix_cache_hits_total,
@@ -40,9 +46,13 @@ from engine.api import FINISH_ABORT, Request, TokenEvent
 log = logging.getLogger("mlxd.server")
 access_log = logging.getLogger("mlxd.access")
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("mlxd_request_id", default="-")
+# perf_counter when the HTTP request being served came in (None outside one)
+request_start_var: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "mlxd_request_start", default=None)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+_E2E_BUCKETS_SHORT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 
 class Metrics:
@@ -58,6 +68,15 @@ class Metrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("mlxd_e2e_request_latency_seconds", "Submit to finish",
                              buckets=_E2E_BUCKETS, registry=r)
+        self.preprocess = Histogram("mlxd_request_preprocess_seconds",
+                                    "HTTP request received to submitted to the engine",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("mlxd_request_queue_seconds",
+                               "Admitted by the engine to its prefill starting",
+                               buckets=_E2E_BUCKETS_SHORT, registry=r)
+        self.prefill = Histogram("mlxd_request_prefill_seconds",
+                                 "Prefill start to the first token", buckets=_E2E_BUCKETS_SHORT,
+                                 registry=r)
         self.http = Counter("mlxd_http_requests", "HTTP requests by route and status",
                             ["method", "route", "status"], registry=r)
         r.register(_EngineCollector(client))
@@ -166,6 +185,9 @@ class InstrumentedClient:
 
     async def submit(self, request: Request) -> AsyncIterator[TokenEvent]:
         t0 = time.perf_counter()
+        start = request_start_var.get()
+        if start is not None:
+            self.metrics.preprocess.observe(max(0.0, t0 - start))
         stream = await self.inner.submit(request)
         self.metrics.prompt_tokens.inc(len(request.prompt_ids))
         return self._watch(stream, t0)
@@ -181,6 +203,10 @@ class InstrumentedClient:
                     now = time.perf_counter()
                     if last is None:
                         m.ttft.observe(now - t0)
+                        if ev.queue_s is not None:
+                            m.queue.observe(ev.queue_s)
+                        if ev.prefill_s is not None:
+                            m.prefill.observe(ev.prefill_s)
                     else:
                         for _ in range(n):
                             m.itl.observe((now - last) / n)
@@ -233,6 +259,7 @@ class ObservabilityMiddleware:
         status = 500
         note = ""
         t0 = time.perf_counter()
+        start_token = request_start_var.set(t0)
 
         async def send_status(message: Message) -> None:
             nonlocal status
@@ -252,6 +279,7 @@ class ObservabilityMiddleware:
             _log_access(scope, status, (time.perf_counter() - t0) * 1e3, note)
             self.metrics.http.labels(scope.get("method", ""), path, str(status)).inc()
             request_id_var.reset(token)
+            request_start_var.reset(start_token)
 
 
 def _log_access(scope: Scope, status: int, ms: float, note: str) -> None:

@@ -59,3 +59,46 @@ def test_metrics_export_speculation_and_prefix_cache_figures_of_a_real_run(tinyc
     # /health carries the same typed figures
     assert health["spec"]["method"] == "ngram" and health["spec"]["spec_steps"] == sp.spec_steps
     assert health["prefix_cache"]["hits"] == pc.hits and health["memory"]["weights_bytes"] > 0
+
+
+def _histograms(text: str) -> dict[str, float]:
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name.startswith(("mlxd_request_", "mlxd_time_to_first_token"))
+            and s.name.endswith(("_count", "_sum"))}
+
+
+def test_ttft_splits_into_preprocess_queue_and_prefill(tinycoder_path):
+    """Each request's time to first token is reported in parts: the HTTP side's preprocessing
+    (body, template, tokens), the wait in the engine's queue (a second request waits for the
+    only row) and its prefill; the parts add up to no more than the TTFT."""
+    import threading
+
+    lm = load_model(str(tinycoder_path), dtype="float32")
+    engine = Engine(lm, EngineConfig(SchedulerConfig(max_num_seqs=1), prefix_cache_bytes=0))
+    client = AsyncEngine(engine)
+    client.start()
+    try:
+        with ServerThread(create_app(client, ServerConfig())) as srv:
+            model = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
+
+            def ask(i: int) -> None:
+                r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json=dict(
+                    model=model, max_tokens=24, temperature=0.0, ignore_eos=True,
+                    messages=[{"role": "user", "content": f"Write function number {i}."}]))
+                assert r.status_code == 200, r.text
+
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            got = _histograms(httpx.get(srv.url + "/metrics").text)
+    finally:
+        client.stop()
+    for name in ("preprocess", "queue", "prefill"):
+        assert got[f"mlxd_request_{name}_seconds_count"] == 2, name
+        assert got[f"mlxd_request_{name}_seconds_sum"] > 0, name
+    parts = sum(got[f"mlxd_request_{n}_seconds_sum"] for n in ("queue", "prefill"))
+    assert parts <= got["mlxd_time_to_first_token_seconds_sum"] + 0.05
+    # one row at a time: the second request waited for the first one's 24 tokens
+    assert got["mlxd_request_queue_seconds_sum"] > got["mlxd_request_prefill_seconds_sum"] / 4
