@@ -636,12 +636,14 @@ def run_agent(args: argparse.Namespace, out: Path, log: Any = print,
             cfg = RunConfig(srv.url, srv.model_id or "default", args.max_tokens, ctx, args.turns)
             result["loadavg"][spec.name] = [round(x, 2) for x in os.getloadavg()]
             cpu0 = cpu_seconds(srv.pid)
+            parts0 = ttft_parts(srv.url)
             records, ended, wall = asyncio.run(
                 run_sessions(cfg, work, args.deadline, args.request_timeout))
             cpu1 = cpu_seconds(srv.pid)
             fill_ideal(records, entry["calibration"])
             entry["summary"] = summarize_run(records, ended, wall)
             entry["summary"]["server_cpu_s"] = _cpu(cpu0, cpu1)
+            entry["summary"]["ttft_parts_mean_s"] = ttft_parts_mean(parts0, ttft_parts(srv.url))
             entry["turns"] = [_turn_dict(r) for r in records]
             entry["exit_code"] = srv.stop()
         finally:
@@ -653,12 +655,48 @@ def run_agent(args: argparse.Namespace, out: Path, log: Any = print,
         log(f"  {spec.name}: {s['turns_completed']} turns in {s['wall_s']:.1f}s, "
             f"{s['turns_per_min']:.1f} turns/min, {s['output_tok_s']:.1f} tok/s, TTFT turn>=2 "
             f"p50 {_f(s['ttft_turn2plus_s']['p50'])} p99 {_f(s['ttft_turn2plus_s']['p99'])} s, "
-            f"hit ratio {_f(s['prefix_hit_ratio'])}")
+            f"hit ratio {_f(s['prefix_hit_ratio'])}"
+            + (" | TTFT in parts (mean s): " + ", ".join(
+                f"{k} {v:.3f}" for k, v in s["ttft_parts_mean_s"].items())
+               if s.get("ttft_parts_mean_s") else ""))
     base = result["servers"][specs[0].name]["summary"]
     result["ratios"] = {n: run_ratios(base, e["summary"])
                         for n, e in result["servers"].items() if n != specs[0].name}
     result["machine"]["loadavg_end"] = list(os.getloadavg())
     return result
+
+
+TTFT_PARTS = ("preprocess", "queue", "prefill")
+
+
+def ttft_parts(url: str) -> dict[str, tuple[float, float]] | None:
+    """(sum, count) of the server's `mlxd_request_{preprocess,queue,prefill}_seconds` and of its
+    TTFT histogram from /metrics; None where the server has no such figures (peers)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    except Exception:  # a peer without /metrics, or text that is not Prometheus'
+        return None
+    names = {p: f"mlxd_request_{p}_seconds" for p in TTFT_PARTS}
+    names["ttft"] = "mlxd_time_to_first_token_seconds"
+    if not all(f"{n}_sum" in got for n in names.values()):
+        return None
+    return {p: (got[f"{n}_sum"], got[f"{n}_count"]) for p, n in names.items()}
+
+
+def ttft_parts_mean(before: dict[str, tuple[float, float]] | None,
+                    after: dict[str, tuple[float, float]] | None) -> dict[str, float] | None:
+    """Mean seconds per request of each TTFT part between two `ttft_parts` readings."""
+    if before is None or after is None:
+        return None
+    out = {}
+    for part, (total, count) in after.items():
+        n = count - before[part][1]
+        if n > 0:
+            out[part] = (total - before[part][0]) / n
+    return out
 
 
 def _cpu(a: float | None, b: float | None) -> float | None:

@@ -134,6 +134,11 @@ def test_agent_toy_run_writes_its_json(tmp_path: Path):
     assert s["ended_by"] == {"turns": 2}
     assert 0 <= s["prefix_hit_ratio"] <= 1 and s["ttft_turn2plus_s"]["n"] == 2
     assert s["turns_per_min"] > 0 and s["output_tok_s"] > 0 and s["server_cpu_s"] > 0
+    # the sessions' TTFT in parts, from mlxd's /metrics: the parts fit inside the TTFT
+    parts = s["ttft_parts_mean_s"]
+    assert set(parts) == {"preprocess", "queue", "prefill", "ttft"}
+    assert all(v >= 0 for v in parts.values()) and parts["prefill"] > 0
+    assert parts["queue"] + parts["prefill"] <= parts["ttft"] + 0.05
     assert "| mlxd | 4 |" in (out / "table.md").read_text()
 
 
