@@ -258,3 +258,28 @@ def test_rows_merged_into_a_batch_are_not_aliased():
         batch.update_and_fetch(rand(rng, 1, 1), rand(rng, 1, 1))
     for a, b in zip(before, row.state, strict=True):
         np.testing.assert_array_equal(a, np.array(b))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_large_full_layout_masks_built_on_the_device_equal_the_host_rule(monkeypatch, seed):
+    """A full layout's mask above the host-size limit is built on the device from the queries'
+    positions alone; it equals the general rule (columns' positions against each query's),
+    for decode steps and right-padded chunks alike."""
+    from engine.kv import geometry
+
+    rng = np.random.default_rng(seed)
+    B, N = int(rng.integers(1, 9)), int(rng.choice([1, 3, 40]))
+    n = rng.integers(0, 300, size=B).astype(np.int64)
+    skip = np.minimum(rng.integers(0, N, size=B), N - 1).astype(np.int64) if N > 1 \
+        else np.zeros(B, np.int64)
+    geo = geometry.Geometry(None, 0, 0)
+    step = geometry.plan_step(geo, n, skip, np.full(B, geometry.UNBOUNDED, np.int64),
+                              int(n.max()) + N, N)
+    monkeypatch.setattr(geometry, "_NUMPY_MASK_MAX", 0)  # every mask takes the device path
+    fast = geometry.build_mask(geo, n, step, N, None, True)
+    monkeypatch.setattr(geometry, "_NUMPY_MASK_MAX", 1 << 40)  # the general host rule
+    slow = geometry.build_mask(geo, n, step, N, None, True)
+    assert isinstance(fast, mx.array) and isinstance(slow, mx.array)
+    if step.uniform:
+        return  # equal rows take mlx-lm's own forms either way
+    assert fast.shape == slow.shape and bool(mx.all(fast == slow))

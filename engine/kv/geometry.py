@@ -169,12 +169,19 @@ def build_mask(
             mask = mask & (linds < rinds + span)
         return mask
     nc = n[:, None]
+    q = np.maximum(nc - step.skip[:, None] + np.arange(N)[None], nc)  # pads see real columns
+    if (step.direct and geo.window is None and span is None
+            and len(n) * N * step.width > _NUMPY_MASK_MAX):
+        # a full layout's column c holds position c (or nothing, past the row's end): query q
+        # sees exactly c <= q. Built on the device from q alone, not from [B, K] host positions
+        # (a decode step of 64 rows over 16k columns: 2.6 ms of host work a forward otherwise)
+        cols = mx.arange(step.width, dtype=mx.int32)[None, None, :]
+        return (cols <= mx.array(q, dtype=mx.int32)[:, :, None])[:, None]
     if step.direct:
         pos = geo.positions(np, np.arange(step.width)[None], nc + N)
     else:
         old = geo.positions(np, np.arange(step.num_old)[None], nc)
         pos = np.concatenate([old, nc + np.arange(N)[None]], axis=1)
-    q = np.maximum(nc - step.skip[:, None] + np.arange(N)[None], nc)  # pads see real columns
     xp: Any = np if pos.shape[0] * N * pos.shape[1] <= _NUMPY_MASK_MAX else mx
     if xp is mx:
         pos, q = mx.array(pos, dtype=mx.int32), mx.array(q, dtype=mx.int32)
