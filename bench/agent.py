@@ -716,15 +716,18 @@ def _f(v: float | None, nd: int = 3) -> str:
 
 
 def agent_table(result: dict[str, Any]) -> str:
-    rows = ["| server | turns | turns/min | output tok/s | TTFT p50 (s) | TTFT p99 (s) | "
+    rows = ["| server | turns | failed turns | sessions ended by | turns/min | output tok/s | "
+            "TTFT p50 (s) | TTFT p99 (s) | "
             "TTFT p50 turns ≥2 (s) | TTFT p99 turns ≥2 (s) | ideal p50 turns ≥2 (s) | "
             "prompt tokens | cached / prompt | cached / reusable, turns ≥2 | "
             "new tokens / turn ≥2 | re-prefilled / turn ≥2 | server CPU-s |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for e in result["servers"].values():
         s = e["summary"]
+        ended = ", ".join(f"{k} {v}" for k, v in sorted(s["ended_by"].items()))
         rows.append(
-            f"| {e['label']} | {s['turns_completed']} | {s['turns_per_min']:.1f} | "
+            f"| {e['label']} | {s['turns_completed']} | {s['turns_failed']} | {ended} | "
+            f"{s['turns_per_min']:.1f} | "
             f"{s['output_tok_s']:.1f} | {_f(s['ttft_s']['p50'])} | {_f(s['ttft_s']['p99'])} | "
             f"{_f(s['ttft_turn2plus_s']['p50'])} | {_f(s['ttft_turn2plus_s']['p99'])} | "
             f"{_f(s['ideal_ttft_turn2plus_s']['p50'])} | {s['prompt_tokens']} | "
