@@ -170,3 +170,50 @@ def test_engine_layouts_decode_through_the_kernel_on_cuda(monkeypatch):
     for a, b in zip(got, want, strict=True):
         a, b = a.astype(mx.float32), b.astype(mx.float32)
         assert float(mx.abs(a - b).max()) < 0.05 * float(mx.abs(b).max())
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _float(b: np.ndarray) -> np.ndarray:
+    return (b.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+@pytest.mark.parametrize("case", [(2, 8, 2, 64, 300, 256), (2, 8, 1, 128, 260, 256)],
+                         ids=lambda c: "x".join(map(str, c)))
+def test_kernel_bodies_on_the_cpu_harness(case):
+    """The CUDA bodies themselves, compiled with g++ behind a CPU prelude (a thread per lane,
+    shuffles and __syncthreads through shared slots): rows of 1 key up to the slice's width,
+    across a split boundary, keys read through a wider buffer's strides, GQA groups of 4 and 8,
+    against float64 attention over the same bf16 values."""
+    import ctypes
+    import math
+
+    from kernels.common import compile_cpu_library, cpu_compiler
+
+    if cpu_compiler() is None:
+        pytest.skip("no C++ compiler")
+    B, Hq, Hkv, D, C, split = case
+    rng = np.random.default_rng(C)
+    q = _bf16(rng.normal(size=(B, Hq, 1, D)))
+    k = _bf16(rng.normal(size=(B, Hkv, C + 64, D)))
+    v = _bf16(rng.normal(size=(B, Hkv, C + 64, D)))
+    lens = np.array([C, 1][:B], dtype=np.int32)
+    strides = np.array([Hkv * (C + 64) * D, (C + 64) * D, D, 1], dtype=np.int64)
+    out = np.zeros((B, Hq, 1, D), np.uint16)
+    scale = np.array([D ** -0.5], np.float32)
+    lib = compile_cpu_library(decode.cpu_harness_source(D, Hq // Hkv, split), "dattn",
+                              ("-O1", "-pthread", "-Wno-unknown-pragmas"))
+    ptr = [a.ctypes.data_as(ctypes.c_void_p) for a in (q, k, v, lens, scale, strides, strides)]
+    lib.decode_attention_cpu(*ptr, ctypes.c_int(B), ctypes.c_int(Hkv),
+                             ctypes.c_int(math.ceil(C / split)), out.ctypes.data_as(ctypes.c_void_p))
+    qf, kf, vf = _float(q), _float(k), _float(v)
+    G = Hq // Hkv
+    for b in range(B):
+        for h in range(Hq):
+            s = kf[b, h // G, : lens[b]] @ qf[b, h, 0] * D ** -0.5
+            p = np.exp(s - s.max())
+            want = (p / p.sum()) @ vf[b, h // G, : lens[b]]
+            assert np.abs(_float(out[b, h, 0]) - want).max() < 8e-3, (b, h)

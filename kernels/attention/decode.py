@@ -25,7 +25,7 @@ k and v are read through their strides (the layouts hand over a slice of a wider
 contiguous copy would cost a whole extra read and write of). The split size is chosen so that
 there are enough blocks for the GPU (`split_for`). Sums are float32 throughout; the result
 differs from the masked reference by bf16/fp16 rounding only (tests/test_decode_attention.py,
-on a GPU).
+on a GPU; on a CPU the same bodies run through g++ behind `CPU_PRELUDE`, `cpu_harness_source`).
 """
 
 from __future__ import annotations
@@ -234,3 +234,89 @@ def twin(q: mx.array, k: mx.array, v: mx.array, lens: Any, scale: float) -> mx.a
     C = int(k.shape[2])
     mask = mx.arange(C)[None, :] < mx.array(lens).astype(mx.int32)[:, None]
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask[:, None, None, :])
+
+
+# ---- C++ (CPU check of the same bodies) -------------------------------------------------------
+CPU_PRELUDE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
+struct uint4 { unsigned x, y, z, w; };
+static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+struct bf16 {  // bfloat16: the top half of a float32 (rounded to nearest even on the way in)
+    uint16_t bits;
+    bf16() = default;
+    explicit bf16(float f) { uint32_t u; memcpy(&u, &f, 4); bits = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16); }
+    operator float() const { uint32_t u = (uint32_t)bits << 16; float f; memcpy(&f, &u, 4); return f; }
+};
+struct dim3_ { unsigned x, y, z; };
+static thread_local dim3_ threadIdx, blockIdx;
+static dim3_ gridDim, blockDim;
+struct Barrier {  // every thread of the block, in order: __syncthreads and each shuffle
+    std::mutex m; std::condition_variable cv; int n = 0, count = 0, gen = 0;
+    void wait() {
+        std::unique_lock<std::mutex> l(m);
+        const int g = gen;
+        if (++count == n) { count = 0; ++gen; cv.notify_all(); }
+        else cv.wait(l, [&] { return gen != g; });
+    }
+};
+static Barrier g_bar;
+static float g_lanes[1024];
+static inline void __syncthreads() { g_bar.wait(); }
+static inline float __shfl_xor_sync(unsigned, float v, int off) {
+    const int t = (int)threadIdx.x;
+    g_lanes[t] = v;
+    g_bar.wait();
+    const float r = g_lanes[(t & ~31) | ((t & 31) ^ off)];
+    g_bar.wait();
+    return r;
+}
+static inline int min(int a, int b) { return a < b ? a : b; }
+#define __shared__ static
+"""
+
+
+def cpu_harness_source(D: int, G: int, split: int, warps: int = WARPS) -> str:
+    """A C++ translation unit that runs PASS1 (a thread per lane, a block at a time, shuffles
+    and barriers through shared slots) and PASS2 (one thread after another) on bfloat16 inputs:
+    `decode_attention_cpu(q, k, v, lens, scale, k_strides, v_strides, B, Hkv, S, out)`."""
+    consts = (f"    using T = bf16;\n    constexpr int D = {D}, G = {G}, SPLIT = {split}, "
+              f"WPB = {warps};\n")
+    return (
+        CPU_PRELUDE
+        + "static void pass1(const bf16* q, const bf16* k, const bf16* v, const int* lens,\n"
+        + "                  const float* scale, float* po, float* pm, float* pl,\n"
+        + "                  const int64_t* k_strides, const int64_t* v_strides) {\n"
+        + consts + PASS1 + "}\n"
+        + "static void pass2(const float* po, const float* pm, const float* pl, bf16* out,\n"
+        + "                  const int* pm_shape) {\n"
+        + consts + PASS2 + "}\n"
+        + 'extern "C" void decode_attention_cpu(const bf16* q, const bf16* k, const bf16* v,\n'
+        + "        const int* lens, const float* scale, const int64_t* k_strides,\n"
+        + "        const int64_t* v_strides, int B, int Hkv, int S, bf16* out) {\n"
+        + consts
+        + "    const int Hq = Hkv * G, threads = WPB * 32;\n"
+        + "    std::vector<float> po((size_t)B * Hq * S * D), pm((size_t)B * Hq * S), pl(pm.size());\n"
+        + "    gridDim = {(unsigned)S, (unsigned)Hkv, (unsigned)B}; blockDim = {(unsigned)threads, 1, 1};\n"
+        + "    g_bar.n = threads;\n"
+        + "    for (int b = 0; b < B; ++b) for (int h = 0; h < Hkv; ++h) for (int s = 0; s < S; ++s) {\n"
+        + "        std::vector<std::thread> ts;\n"
+        + "        for (int t = 0; t < threads; ++t) ts.emplace_back([&, t] {\n"
+        + "            threadIdx = {(unsigned)t, 0, 0}; blockIdx = {(unsigned)s, (unsigned)h, (unsigned)b};\n"
+        + "            pass1(q, k, v, lens, scale, po.data(), pm.data(), pl.data(), k_strides, v_strides);\n"
+        + "        });\n"
+        + "        for (auto& th : ts) th.join();\n"
+        + "    }\n"
+        + "    const int shape[3] = {B, Hq, S};\n"
+        + "    blockDim = {(unsigned)D, 1, 1};\n"
+        + "    for (int i = 0; i < B * Hq; ++i) for (int d = 0; d < D; ++d) {\n"
+        + "        blockIdx = {(unsigned)i, 0, 0}; threadIdx = {(unsigned)d, 0, 0};\n"
+        + "        pass2(po.data(), pm.data(), pl.data(), out, shape);\n"
+        + "    }\n"
+        + "}\n"
+    )
