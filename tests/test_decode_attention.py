@@ -217,3 +217,25 @@ def test_kernel_bodies_on_the_cpu_harness(case):
             p = np.exp(s - s.max())
             want = (p / p.sum()) @ vf[b, h // G, : lens[b]]
             assert np.abs(_float(out[b, h, 0]) - want).max() < 8e-3, (b, h)
+
+
+def test_warm_up_runs_the_kernel_route(monkeypatch):
+    """The engine's warm-up decodes rows of different lengths, so on CUDA the kernel (and every
+    split's build) runs before the first request, not during it."""
+    import mlx_lm.models.qwen3 as qwen3_module
+    from mlx_lm.models import base
+
+    from engine.core import Engine, EngineConfig
+    from engine.scheduler import SchedulerConfig
+    from tests.tiny_models import loaded, tiny_model
+
+    monkeypatch.setattr(qwen3_module, "scaled_dot_product_attention",
+                        base.scaled_dot_product_attention)
+    model, cfg = tiny_model("qwen3")
+    calls: list[list[int]] = []
+    monkeypatch.setattr(decode, "takes", lambda q, k, v: q.shape[2] == 1)
+    monkeypatch.setattr(decode, "decode_attention", lambda q, k, v, lens, scale: (
+        calls.append(np.array(lens).tolist()) or decode.twin(q, k, v, lens, scale)))
+    cuda_guard.install_attention(model, force=True)
+    Engine(loaded(model, cfg), EngineConfig(SchedulerConfig(), warmup=True))
+    assert calls and any(len(set(lens)) > 1 for lens in calls)
