@@ -177,10 +177,11 @@ class KVLayout:
     def decode_lengths(self) -> mx.array | None:
         """After a one-column `update_and_fetch` of a full layout: `[B]` int32, the keys each
         row's query sees (columns `[0, n[b])`: what the step's mask says), for attention that
-        takes row lengths instead of a mask (kernels.attention.decode); None otherwise."""
+        takes row lengths instead of a mask (kernels.attention.decode); None otherwise. The
+        array is the next chunk's RoPE offsets (`row_offsets`, memoized): one for all layers."""
         if not self._decoded or self._skip.any():
             return None
-        return mx.array(self._n.astype(np.int32))
+        return row_offsets(self._n, self._skip)
 
     def _advance(self, step: Step, written: np.ndarray) -> None:
         if self._high is not None:
