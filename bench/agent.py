@@ -883,10 +883,6 @@ def plot_prefill(result: dict[str, Any], path: Path) -> Path:
 
 
 # -- the subcommands -----------------------------------------------------------------------------
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def _range(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition(",")
     a, b = int(lo), int(hi or lo)
@@ -924,7 +920,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--system-tokens", type=int, default=600, help="system prompt size")
     p.add_argument("--context", type=int, default=None,
                    help="context limit (default: the model's max_position_embeddings)")
-    p.add_argument("--calib-sizes", type=_ints, default=None,
+    p.add_argument("--calib-sizes", type=common.int_list, default=None,
                    help="prompt sizes of the ideal-TTFT calibration (default 128..3072)")
     p.add_argument("--calib-repeats", type=int, default=2)
     p.add_argument("--deadline", type=float, default=1800.0, help="seconds per server")
@@ -933,7 +929,7 @@ def add_parsers(sub: Any) -> None:
     p = sub.add_parser("prefill", help="prefill tok/s of one long prompt against raw mlx-lm",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _server_args(p)
-    p.add_argument("--sizes", type=_ints, default=[1024, 8192, 32768],
+    p.add_argument("--sizes", type=common.int_list, default=[1024, 8192, 32768],
                    help="prompt tokens (clipped to the model's context)")
     p.add_argument("--repeats", type=int, default=3, help="fresh prompts per size (fastest kept)")
     p.set_defaults(func=cmd_prefill)

@@ -29,17 +29,13 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--heads", type=_heads, default=[(32, 8, 64), (32, 8, 128), (16, 8, 128)],
                    help="query x KV heads x head dim, comma-separated (default Llama-3.2-1B, "
                         "Llama-3-8B, Qwen3-style)")
-    p.add_argument("--rows", type=_ints, default=[1, 16, 64])
-    p.add_argument("--contexts", type=_ints, default=[1024, 8192, 16384])
+    p.add_argument("--rows", type=common.int_list, default=[1, 16, 64])
+    p.add_argument("--contexts", type=common.int_list, default=[1024, 8192, 16384])
     p.add_argument("--layers", type=int, default=16, help="calls per evaluation")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     common.add_out_arg(p)
     p.set_defaults(func=cmd_attention)
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def _heads(text: str) -> list[tuple[int, int, int]]:

@@ -26,6 +26,11 @@ DEV_DATA = SHARED / "data" / "tinycoder-dev.jsonl"
 DRAFT_MODEL = SHARED / "models" / "tinycoder-draft-4m"
 
 
+def int_list(text: str) -> list[int]:
+    """A comma-separated list of integers (an argparse type): "1,16,64" -> [1, 16, 64]."""
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def add_out_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None,
                    help="results folder (default: .bench/<subcommand>-<date>-<time>/)")

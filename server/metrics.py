@@ -52,7 +52,8 @@ request_start_var: contextvars.ContextVar[float | None] = contextvars.ContextVar
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
-_E2E_BUCKETS_SHORT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+# queue waits and prefills: milliseconds for a short prompt, a minute behind a long queue
+_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 
 class Metrics:
@@ -73,9 +74,9 @@ class Metrics:
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("mlxd_request_queue_seconds",
                                "Admitted by the engine to its prefill starting",
-                               buckets=_E2E_BUCKETS_SHORT, registry=r)
+                               buckets=_WAIT_BUCKETS, registry=r)
         self.prefill = Histogram("mlxd_request_prefill_seconds",
-                                 "Prefill start to the first token", buckets=_E2E_BUCKETS_SHORT,
+                                 "Prefill start to the first token", buckets=_WAIT_BUCKETS,
                                  registry=r)
         self.http = Counter("mlxd_http_requests", "HTTP requests by route and status",
                             ["method", "route", "status"], registry=r)
