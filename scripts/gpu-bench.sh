@@ -42,7 +42,7 @@ stage() {
     sweep) need_model; run sweep 230 python3 -m bench sweep --model "$MODEL" --peers mlx_lm \
              --prompt-tokens 1024 --output-tokens 128 --concurrency 64 --requests-per-level 128 \
              --level-deadline 60 --out "$OUT/sweep" ;;
-    agent) need_model; run agent 250 python3 -m bench agent --model "$MODEL" --peers mlx_lm \
+    agent) need_model; run agent 330 python3 -m bench agent --model "$MODEL" --peers mlx_lm \
              --sessions 16 --turns 8 --tool-tokens 200,2000 --deadline 70 --out "$OUT/agent" ;;
     agent64) need_model; run agent64 300 python3 -m bench agent --model "$MODEL" --peers mlx_lm \
                --sessions 64 --turns 4 --tool-tokens 200,2000 --deadline 100 --out "$OUT/agent64" ;;
