@@ -5,9 +5,10 @@ speculation, side by side in one run, on the same prompts.
     python -m bench spec --out .bench/spec-gpu --max-tokens 256 --requests-per-stream 4
 
 Workloads (prompts from ../shared/data/tinycoder-dev.jsonl):
-  * dev   — chat requests ("Write a Python function ...", ChatML) and code completions (a file's
-            first lines), alternating; tinycoder-16m target, tinycoder-draft-4m draft; at each
-            concurrency (closed loop: that many requests in flight, `--requests-per-stream` each);
+  * chat  — chat requests ("Write a Python function ...", ChatML), at each concurrency (closed
+            loop: that many requests in flight, `--requests-per-stream` each);
+  * code  — code completions (a file's first lines), likewise (`--workloads` picks among these
+            two; tinycoder-16m target, tinycoder-draft-4m draft by default);
   * edit  — "Rewrite this function with the name `f_v2`" with the function in the prompt: the
             answer mostly repeats the prompt, which is what n-gram prompt lookup is for.
 
@@ -86,20 +87,24 @@ def _code_prompt(text: str, tok: Any, max_tokens: int = 160) -> list[int]:
     return tok.encode("\n".join(out))
 
 
-def dev_prompts(rows: list[dict[str, Any]], tok: Any, n: int) -> list[list[int]]:
+def chat_prompts(rows: list[dict[str, Any]], tok: Any, n: int) -> list[list[int]]:
+    """The first user message of n dev-set chats, in the model's chat template."""
     chats = [r for r in rows if r["kind"] == "chat"]
-    codes = [r for r in rows if r["kind"] == "code"]
     out = []
     for i in range(n):
-        if i % 2 == 0 and chats:
-            r = chats[(i // 2 * 37) % len(chats)]
-            msgs = [r["messages"][0]]
-            text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-            out.append(tok.encode(text))
-        else:
-            r = codes[(i // 2 * 13) % len(codes)]
-            out.append(_code_prompt(r["text"], tok))
+        msgs = [chats[(i * 37) % len(chats)]["messages"][0]]
+        text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        out.append(tok.encode(text))
     return out
+
+
+def code_prompts(rows: list[dict[str, Any]], tok: Any, n: int) -> list[list[int]]:
+    """The first lines of n dev-set files, to be completed."""
+    codes = [r for r in rows if r["kind"] == "code"]
+    return [_code_prompt(codes[(i * 13) % len(codes)]["text"], tok) for i in range(n)]
+
+
+WORKLOADS = {"chat": chat_prompts, "code": code_prompts}
 
 
 def edit_prompts(rows: list[dict[str, Any]], tok: Any, n: int) -> list[tuple[list[int], int]]:
@@ -387,8 +392,10 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--ngram-draft-tokens", type=int, default=0,
                    help="the n-gram drafter's ceiling (default: --num-draft-tokens)")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--workloads", default="chat,code",
+                   help=f"prompt workloads run at each --concurrency, of {', '.join(WORKLOADS)}")
     p.add_argument("--modes", default="plain,draft,draft-k,ngram",
-                   help=f"dev workload modes, of {', '.join(MODES)}")
+                   help=f"chat and code workload modes, of {', '.join(MODES)}")
     p.add_argument("--edit-modes", default="plain,ngram,ngram-k,draft")
     p.add_argument("--edit-requests", type=int, default=4)
     p.add_argument("--edit-concurrency", default="1,4", help="empty: no edit workload")
@@ -428,17 +435,22 @@ def cmd_spec(args: argparse.Namespace) -> int:
     modes = [m for m in args.modes.split(",") if m]
     results: list[dict[str, Any]] = []
 
+    workloads = [w for w in args.workloads.split(",") if w]
+    if set(workloads) - set(WORKLOADS):
+        raise SystemExit(f"unknown workloads {sorted(set(workloads) - set(WORKLOADS))} "
+                         f"(known: {', '.join(WORKLOADS)})")
     if not args.warmup:  # every kernel shape once, briefly (not measured)
-        warm = [(ids, 16) for ids in dev_prompts(rows, tok, 4)]
+        warm = [(ids, 16) for ids in chat_prompts(rows, tok, 2) + code_prompts(rows, tok, 2)]
         for mode in ("plain", "draft-k" if draft else "", "ngram-k"):
             if mode:
                 run_workload(lm, spec_config(mode, args, draft), warm, 4, args.temperature)
 
     groups = []
-    for c in [int(x) for x in args.concurrency.split(",") if x]:
-        n = c * args.requests_per_stream
-        prompts = [(ids, args.max_tokens) for ids in dev_prompts(rows, tok, n)]
-        groups.append(("dev", c, modes, prompts))
+    for workload in workloads:
+        for c in [int(x) for x in args.concurrency.split(",") if x]:
+            n = c * args.requests_per_stream
+            prompts = [(ids, args.max_tokens) for ids in WORKLOADS[workload](rows, tok, n)]
+            groups.append((workload, c, modes, prompts))
     edit_modes = [m for m in args.edit_modes.split(",") if m]
     for c in [int(x) for x in args.edit_concurrency.split(",") if x]:
         groups.append(("edit", c, edit_modes, edit_prompts(rows, tok, max(args.edit_requests, c))))
@@ -466,6 +478,7 @@ def write(args: argparse.Namespace, lm: LoadedModel, results: list[Any], out: Pa
             "num_draft_tokens": args.num_draft_tokens,
             "ngram_draft_tokens": args.ngram_draft_tokens or args.num_draft_tokens,
             "temperature": args.temperature,
+            "workloads": args.workloads,
             "max_tokens": args.max_tokens,
             "requests_per_stream": args.requests_per_stream,
             "repeats": args.repeats,

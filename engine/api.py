@@ -124,7 +124,10 @@ class SpecStats:
     acceptance_rate: float | None = None  # accepted / drafted
     mean_verify_width: float | None = None  # columns per verify forward
     tokens_per_row_round: float | None = None  # tokens a row gained per round it drafted in
-    pooled_acceptance: float = 0.0  # the controller's running acceptance estimate
+    # the controller's estimates: tokens a row gains in a round at the ceiling, and the
+    # acceptance at each draft position given the earlier ones accepted
+    expected_tokens_per_round: float = 1.0
+    acceptance_by_position: list[float] = field(default_factory=list)
     overhead_ms_per_spec_step: float = 0.0  # drafter work outside the measured steps
     explore_ms: float = 0.0  # time spent trying widths that did not pay
     busy_s: float = 0.0

@@ -151,7 +151,7 @@ _SPEC_DOCS = {
     "acceptance_rate": "Accepted / drafted tokens",
     "mean_verify_width": "Columns per verify forward",
     "tokens_per_row_round": "Tokens a row gained per round it drafted in",
-    "pooled_acceptance": "The controller's acceptance estimate",
+    "expected_tokens_per_round": "The controller's estimate of tokens_per_row_round at the ceiling",
     "overhead_ms_per_spec_step": "Drafter milliseconds outside the measured steps, per step",
     "explore_ms": "Milliseconds spent trying widths that did not pay",
 }
@@ -168,6 +168,14 @@ def _spec_families(spec: Any) -> Any:
                                   labels=["method"])
             g.add_metric([spec.method], float(value))
             yield g
+    if spec.acceptance_by_position:
+        g = GaugeMetricFamily("mlxd_spec_decode_acceptance_by_position", "Speculative decoding: "
+                              "the controller's acceptance estimate of a draft at this position "
+                              "of its round, given the earlier ones accepted",
+                              labels=["method", "position"])
+        for j, value in enumerate(spec.acceptance_by_position, start=1):
+            g.add_metric([spec.method, str(j)], float(value))
+        yield g
     for key, value in sorted(spec.drafter.items()):
         safe = "".join(c if c.isalnum() else "_" for c in key)
         g = GaugeMetricFamily(f"mlxd_spec_decode_drafter_{safe}", f"Speculative decoding, the "

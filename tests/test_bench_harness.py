@@ -133,14 +133,15 @@ def test_load_against_a_running_server(real_server, tmp_path: Path):
 
 def test_spec_toy_plain_against_ngram(tmp_path: Path, dev_jsonl: Path):
     out = tmp_path / "spec"
-    rc = main(["spec", "--data", str(dev_jsonl), "--concurrency", "1", "--requests-per-stream",
+    rc = main(["spec", "--data", str(dev_jsonl), "--workloads", "code", "--concurrency", "1",
+               "--requests-per-stream",
                "2", "--max-tokens", "10", "--modes", "plain,ngram-k", "--edit-modes",
                "plain,ngram-k", "--edit-concurrency", "1", "--edit-requests", "1",
                "--dtype", "float32", "--out", str(out)])
     assert rc == 0
     result = _result(out / "spec.json", "spec")
     assert result["config"]["draft"] is None  # no draft mode asked: no draft model loaded
-    assert [(g["workload"], g["concurrency"]) for g in result["results"]] == [("dev", 1),
+    assert [(g["workload"], g["concurrency"]) for g in result["results"]] == [("code", 1),
                                                                               ("edit", 1)]
     for group in result["results"]:
         plain, ngram = group["modes"]["plain"], group["modes"]["ngram-k"]

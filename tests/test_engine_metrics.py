@@ -20,7 +20,10 @@ def _samples(text: str) -> dict[str, float]:
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name.startswith(("mlxd_spec_decode_", "mlxd_prefix_cache_")):
-                out[s.name] = s.value
+                key = s.name
+                if "position" in s.labels:  # one sample per position: keyed by its labels
+                    key += "{" + ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}"
+                out[key] = s.value
     return out
 
 
@@ -49,8 +52,12 @@ def test_metrics_export_speculation_and_prefix_cache_figures_of_a_real_run(tinyc
     assert sp.spec_steps > 0 and sp.drafted_tokens > 0 and sp.accepted_tokens > 0
     assert pc.hits >= 1 and pc.hit_tokens > 0 and pc.bytes > 0
     for key in ("spec_steps", "drafted_tokens", "accepted_tokens", "num_draft_tokens",
-                "acceptance_rate", "mean_verify_width"):
+                "acceptance_rate", "mean_verify_width", "expected_tokens_per_round"):
         assert got[f"mlxd_spec_decode_{key}"] == float(getattr(sp, key)), key
+    assert len(sp.acceptance_by_position) == 4 and sp.expected_tokens_per_round > 1.0
+    for j, value in enumerate(sp.acceptance_by_position, start=1):
+        key = f'mlxd_spec_decode_acceptance_by_position{{method="ngram",position="{j}"}}'
+        assert got[key] == value, key
     assert got["mlxd_spec_decode_drafter_lookup_hit_rate"] == sp.drafter["lookup_hit_rate"] > 0
     assert got["mlxd_prefix_cache_hits_total"] == pc.hits
     assert got["mlxd_prefix_cache_queries_total"] == pc.queries >= 2

@@ -15,7 +15,7 @@ from typing import Any
 
 from engine.spec import draft_model as _draft_model  # noqa: F401  (registers "draft")
 from engine.spec import ngram as _ngram  # noqa: F401  (registers "ngram")
-from engine.spec.adaptive import Controller, ControllerConfig, StepCosts, expected_tokens
+from engine.spec.adaptive import Acceptance, Controller, ControllerConfig, StepCosts
 from engine.spec.base import (
     Drafter,
     Proposal,
@@ -86,6 +86,7 @@ def build_speculation(
 
 
 __all__ = [
+    "Acceptance",
     "METHODS",
     "Controller",
     "ControllerConfig",
@@ -99,7 +100,6 @@ __all__ = [
     "Speculation",
     "StepCosts",
     "build_speculation",
-    "expected_tokens",
     "make_drafter",
     "register_drafter",
     "registered_drafters",

@@ -2,25 +2,31 @@
 
 The rule (docs/speculative.md, "The controller"):
 
-1. Acceptance. Drafts are accepted independently with probability `a` until the first
-   rejection, so `k` drafts yield `E(a, k) = (1 - a**(k+1)) / (1 - a)` tokens. `a` is one
-   estimate per drafter, pooled over all rows: accepted / judged drafts, counts decayed by
-   `DECAY` a round, starting from `PRIOR` drafts at the drafter's prior (which decay too).
+1. Acceptance. Per draft position j (1 = the first draft of a round): the share of drafts
+   accepted among those judged there (every earlier draft of their round accepted), pooled over
+   rows, counts decayed by `DECAY` a round, starting from `PRIOR` drafts at the drafter's prior
+   (which decay too). `k` drafts yield `E(k) = 1 + sum_{j<=k} a_1 * ... * a_j` tokens. Per
+   position, because a draft's chance depends on its place in the round (streaks raise the
+   later positions, a drifting draft lowers them), which decides how wide to verify.
 2. Cost. The step time per (batch-size bucket, width), the median of its last `WINDOW`
    samples; widths between two measured ones are interpolated linearly, wider ones are unknown.
-3. Choice. The width with the most expected tokens per second, `sum_b E(a_b, W - 1) /
+3. Choice. The width with the most expected tokens per second, `sum_b E(min(W - 1, caps_b)) /
    (cost(W) + drafter overhead)`; speculation starts when it beats plain decoding by `MARGIN`
    and stops when it no longer beats it (`HOLD`): noise in the estimates does not flip it.
 4. Probes. Every `gap` steps a probe measures `PROBE_STEPS - 1` steps at the least recently
-   measured of widths 1, 2 and the widest the rows fill (never the current choice); the gap doubles
-   from `min_gap` to `max_gap` while the choice stands and restarts when it changes. A probe
-   sample that costs more than `W` plain steps cannot pay and ends the probe.
+   measured of widths 1, 2 and the widest the rows fill (never the current choice, nor width 1
+   while speculating is expected to beat plain decoding by `CLEAR`); the gap doubles
+   from `min_gap` to `max_gap` while the choice stands and restarts when it changes. Once a
+   width W pays, width 2W + 1 (within the widest) is probed at once if it was never measured:
+   a short answer finds a wide width that pays in a few rounds. A probe sample that costs more
+   than `W` plain steps cannot pay and ends the probe.
 5. Budget. Probes at widths above 1 may cost at most `budget` of the engine's busy time (plus
    `ALLOWANCE` plain steps at the start) beyond what plain decoding of their tokens would take.
 
-Worked example: one row at a = 0.55, plain 231 ms, width 2 measured at 285 ms: 1.55 tokens /
-285 ms = 5.4 tok/s against 4.3 plain: speculate at width 2. At launch-bound costs (width 2 at
-462 ms) 1.55 / 462 ms = 3.4 tok/s: plain, with a probe at a growing gap, within the budget.
+Worked example: one row, plain 231 ms, width 2 measured at 285 ms, the first draft accepted
+at 0.55: 1.55 tokens / 285 ms = 5.4 tok/s against 4.3 plain: speculate at width 2. At
+launch-bound costs (width 2 at 462 ms) 1.55 / 462 ms = 3.4 tok/s: plain, with a probe at a
+growing gap, within the budget.
 """
 
 from __future__ import annotations
@@ -34,16 +40,45 @@ PRIOR = 8.0  # drafts' worth of prior acceptance (a few unlucky rounds do not de
 DECAY = 0.95  # the counts' decay per round (~20 rounds of memory)
 MARGIN = 1.1  # speculation starts when it beats plain by 10 % (estimates are noisy) ...
 HOLD = 1.0  # ... and stops when it no longer beats plain decoding
+CLEAR = 1.5  # speculation expected to beat plain by this much: width 1 is not probed
 PROBE_STEPS = 4  # a probe's measured samples + 1 (a step after a mode switch is not measured)
 WINDOW = 8  # samples per cost cell
 MIN_SAMPLES = 2  # samples before a cell is used
 ALLOWANCE = 8.0  # plain steps of probing excess allowed before any busy time has accrued
 
 
-def expected_tokens(alpha: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """Tokens a row emits with k drafts accepted independently with prob alpha (plus one)."""
-    a = np.clip(alpha, 0.0, 0.999)
-    return (1.0 - a ** (k + 1)) / (1.0 - a)
+class Acceptance:
+    """Per draft position, accepted / judged drafts pooled over rows (rule 1 above)."""
+
+    def __init__(self, max_draft: int, prior: float) -> None:
+        self.accepted = np.full(max(max_draft, 1), PRIOR * prior)
+        self.judged = np.full(max(max_draft, 1), PRIOR)
+
+    def learn(self, num_drafts: np.ndarray, num_accepted: np.ndarray) -> None:
+        """Row b drafted `num_drafts[b]` tokens and `num_accepted[b]` of them were accepted:
+        positions 1..a_b were accepted, position a_b + 1 (if drafted) rejected, the rest not
+        judged."""
+        pos = np.arange(len(self.judged))[None, :]
+        acc = np.asarray(num_accepted).reshape(-1, 1)
+        judged = (pos < np.minimum(acc + 1, np.asarray(num_drafts).reshape(-1, 1))).sum(axis=0)
+        if judged.any():
+            self.accepted = DECAY * self.accepted + (pos < acc).sum(axis=0)
+            self.judged = DECAY * self.judged + judged
+
+    @property
+    def rates(self) -> np.ndarray:
+        """[max_draft] acceptance at each draft position, given the earlier ones accepted."""
+        return np.asarray(self.accepted / self.judged)
+
+    def expected(self, k: np.ndarray) -> np.ndarray:
+        """Tokens a row emits in a round with `k` drafts (the target's own token included)."""
+        gains = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.rates))])
+        return np.asarray(gains[np.clip(np.asarray(k, dtype=np.int64), 0, len(gains) - 1)])
+
+    @property
+    def pooled(self) -> float:
+        """Accepted / judged drafts over every position."""
+        return float(self.accepted.sum() / self.judged.sum())
 
 
 def bucket_of(num_rows: int) -> int:
@@ -126,8 +161,7 @@ class Controller:
     config: ControllerConfig
     prior: float = 0.6  # the drafter's acceptance before any round
     costs: StepCosts = field(default_factory=StepCosts)
-    pool_accepted: float = -1.0  # decayed accepted drafts, all rows (-1: the prior's, at start)
-    pool_judged: float = PRIOR  # decayed judged drafts, all rows
+    acceptance: Acceptance = field(init=False)
     step: int = 0
     busy: float = 0.0  # seconds of every recorded step
     explore_excess: float = 0.0  # seconds probes cost beyond plain decoding of their tokens
@@ -138,22 +172,14 @@ class Controller:
     _probe_width: int = 0
     _probe_start: int = 0
     _probing: bool = False  # the current decision is a probe at a width above 1
+    _gain: float = 1.0  # the latest choice's expected rate over plain decoding's
     _choice: dict[int, bool] = field(default_factory=dict)  # bucket -> speculating
     _next_probe: dict[int, int] = field(default_factory=dict)  # bucket -> step
     _gap: dict[int, int] = field(default_factory=dict)  # bucket -> current probe gap
 
     # -- acceptance ------------------------------------------------------------------------
     def __post_init__(self) -> None:
-        if self.pool_accepted < 0:
-            self.pool_accepted = PRIOR * self.prior
-
-    @property
-    def pooled_alpha(self) -> float:
-        return self.pool_accepted / self.pool_judged if self.pool_judged > 0 else self.prior
-
-    def alpha(self, num_rows: int) -> np.ndarray:
-        """[B] acceptance for each row: the pooled estimate."""
-        return np.full(num_rows, self.pooled_alpha)
+        self.acceptance = Acceptance(self.config.max_draft, self.prior)
 
     def caps(self, room: np.ndarray) -> np.ndarray:
         """Per-row draft ceilings: the ceiling, within the tokens the row has left (the width
@@ -161,10 +187,7 @@ class Controller:
         return np.clip(room, 0, self.config.max_draft)
 
     def learn(self, num_drafts: np.ndarray, num_accepted: np.ndarray) -> None:
-        judged = float((num_accepted + (num_accepted < num_drafts)).sum())
-        if judged > 0:
-            self.pool_accepted = DECAY * self.pool_accepted + float(num_accepted.sum())
-            self.pool_judged = DECAY * self.pool_judged + judged
+        self.acceptance.learn(num_drafts, num_accepted)
 
     # -- the width -------------------------------------------------------------------------
     def warm(self, num_rows: int) -> bool:
@@ -181,9 +204,9 @@ class Controller:
         due = self.step >= self._next_probe.get(b, self.step)
         return due and plain is not None and self._may_explore(plain)
 
-    def decide(self, alpha: np.ndarray, caps: np.ndarray) -> Decision:
-        """The verify width for rows with acceptance `alpha` and draft ceilings `caps` (which
-        already hold what the drafter can offer: n-gram, the match length)."""
+    def decide(self, caps: np.ndarray) -> Decision:
+        """The verify width for rows with draft ceilings `caps` (which already hold what the
+        drafter can offer: n-gram, the match length)."""
         top = int(caps.max(initial=0)) + 1
         self._probing = False
         if top == 1:
@@ -199,20 +222,23 @@ class Controller:
                 self._probe_left = 0
             else:
                 return self._probe_decision(min(self._probe_width, top), caps)
-        best = self._best(b, alpha, caps, top, plain)
+        best = self._best(b, caps, top, plain)
         return self._maybe_probe(b, best, caps, top, plain)
 
-    def _best(self, b: int, alpha: np.ndarray, caps: np.ndarray, top: int, plain: float) -> int:
+    def _best(self, b: int, caps: np.ndarray, top: int, plain: float) -> int:
+        """The width with the most expected tokens per second (rule 3); `_gain` is then its
+        rate over plain decoding's."""
         best_w, best_rate = 1, len(caps) / plain
         margin = HOLD if self._choice.get(b) else MARGIN
         for w in range(2, top + 1):
             cost = self.costs.estimate(b, w)
             if cost is None:
                 break
-            rate = float(expected_tokens(alpha, np.minimum(caps, w - 1)).sum())
+            rate = float(self.acceptance.expected(np.minimum(caps, w - 1)).sum())
             rate /= cost + self.overhead
             if rate > best_rate * (margin if best_w == 1 else 1.0):
                 best_w, best_rate = w, rate
+        self._gain = best_rate * plain / len(caps)
         return best_w
 
     def _maybe_probe(
@@ -224,10 +250,14 @@ class Controller:
             self._choice[b] = spec
             self._gap[b] = self.config.min_gap
             self._next_probe[b] = self.step + (0 if first else self.config.min_gap)
-        if self.step < self._next_probe[b]:
+        climb = self._climb(b, best, top) if spec else 0
+        if self.step < self._next_probe[b] and not climb:
             return Decision(best, np.minimum(caps, best - 1) if spec else caps)
-        candidates = sorted({1, 2, top} - {best})
-        width = min(candidates, key=lambda w: (self.costs.last_step(b, w), w))
+        # width 1 is not probed while speculating pays by far (its cost cannot flip that)
+        candidates = sorted({1, 2, top} - {best} - ({1} if self._gain >= CLEAR else set()))
+        if not candidates and not climb:
+            return Decision(best, np.minimum(caps, best - 1) if spec else caps)
+        width = climb or min(candidates, key=lambda w: (self.costs.last_step(b, w), w))
         if width > 1 and not self._may_explore(plain):
             return Decision(best, np.minimum(caps, best - 1) if spec else caps)
         gap = self._gap[b]
@@ -236,6 +266,13 @@ class Controller:
         self._probe_width, self._probe_start = width, self.step
         self._probe_left, self._probe_steps = PROBE_STEPS - 1, 3 * PROBE_STEPS
         return self._probe_decision(width, caps)
+
+    def _climb(self, b: int, best: int, top: int) -> int:
+        """Speculation pays at `best`: the wider width to probe at once, not a probe gap later
+        (`2 * best + 1` within `top`, the widest the rows fill), if it was never measured; 0
+        when there is none."""
+        width = min(top, 2 * best + 1)
+        return width if width > best and self.costs.measured(b, width) is None else 0
 
     def _probe_decision(self, width: int, caps: np.ndarray) -> Decision:
         self._probing = width > 1

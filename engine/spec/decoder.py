@@ -19,6 +19,7 @@ same counter RNG). `NoSpec` stands in when speculation is off.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -117,12 +118,11 @@ class Speculation:
         return SpecRows(len(rows), self.drafter.admit(prompts, warm))
 
     # -- choosing --------------------------------------------------------------------------
-    def _caps(self, batch: Any, explore: bool = True) -> tuple[np.ndarray, np.ndarray]:
-        """Per-row acceptance and draft ceilings. With `explore`, rows whose drafter lags far
-        behind sit out (bar one) until speculation is known to pay at this batch size."""
+    def _caps(self, batch: Any, explore: bool = True) -> np.ndarray:
+        """Per-row draft ceilings. With `explore`, rows whose drafter lags far behind sit out
+        (bar one) until speculation is known to pay at this batch size."""
         rows = batch.rows
         spec: SpecRows = batch.spec
-        alpha = self.controller.alpha(len(rows))
         caps = self.controller.caps(_room(rows))
         for i, r in enumerate(rows):
             if r.constraint is not None:  # a grammar mask needs each token consumed first
@@ -139,7 +139,7 @@ class Speculation:
             if far.all():
                 far[int(np.argmin(lag))] = False
             caps[far] = 0
-        return alpha, caps
+        return caps
 
     def decide(self, batch: Any) -> int:
         """Verify width for this step (1 = plain decoding).
@@ -155,10 +155,10 @@ class Speculation:
         if self._plain_hold > 0 and rows is self._plain_rows and not ctl.probe_due(len(batch.rows)):
             self._plain_hold -= 1
             return 1
-        alpha, caps = self._caps(batch, explore=False)  # what the batch would gain when warm
+        caps = self._caps(batch, explore=False)  # what the batch would gain when warm
         if self.drafter.point_mass and caps.max(initial=0) > 0:
             caps = np.minimum(caps, self._available(batch, caps))  # the lookup's own offer
-        decision = ctl.decide(alpha, caps)
+        decision = ctl.decide(caps)
         # hold a choice made on costs; a lookup drafter that found nothing looks again soon
         found = not self.drafter.point_mass or caps.max(initial=0) > 0
         hold = decision.width == 1 and not decision.probe and ctl.config.adaptive
@@ -193,7 +193,7 @@ class Speculation:
         """Drafts for every row of `batch`, at most `width - 1` each (rows with none are
         padded; their padding is never accepted)."""
         t0 = time.perf_counter()
-        _, caps = self._caps(batch)
+        caps = self._caps(batch)
         ctx = self._context(batch, np.minimum(caps, width - 1))
         return Round(ctx, self._propose(ctx), batch.spec, t0)
 
@@ -246,7 +246,7 @@ class Speculation:
         MLX-CUDA an engine's first rounds of each shape cost 40-550 ms (kernels set up per
         engine), paid here at load instead of while serving. Leaves nothing behind: the rows,
         caches and drafter state are dropped, and the statistics (totals, the controller's
-        pooled acceptance, the drafter's counters) are restored. Returns the seconds taken."""
+        acceptance estimate, the drafter's counters) are restored. Returns the seconds taken."""
         from engine.api import Request, SamplingParams
         from engine.batch import RowMeta, RunningBatch
         from engine.sampling import SamplerState
@@ -254,7 +254,7 @@ class Speculation:
         t0 = time.perf_counter()
         ctl = self.controller
         saved = (
-            self.totals, (ctl.pool_accepted, ctl.pool_judged), dict(vars(self.drafter)),
+            self.totals, copy.deepcopy(ctl.acceptance), dict(vars(self.drafter)),
             self._emitted, self._catch_up,
         )
         drafter = self.drafter
@@ -286,7 +286,7 @@ class Speculation:
                 row.num_generated += len(result.tokens[0])
         finally:
             self.drafter = drafter
-            (self.totals, (ctl.pool_accepted, ctl.pool_judged), state, self._emitted,
+            (self.totals, ctl.acceptance, state, self._emitted,
              self._catch_up) = saved
             vars(drafter).update(state)
         self.warmup_ms = ms
@@ -329,7 +329,9 @@ class Speculation:
             acceptance_rate=_ratio(tot.accepted, tot.drafted),
             mean_verify_width=_ratio(tot.width_sum, tot.spec_steps, 3),
             tokens_per_row_round=_ratio(tot.accepted + tot.row_rounds, tot.row_rounds, 3),
-            pooled_acceptance=round(float(ctl.pooled_alpha), 4),
+            expected_tokens_per_round=round(float(ctl.acceptance.expected(
+                np.array(self.max_draft))), 3),
+            acceptance_by_position=[round(float(a), 4) for a in ctl.acceptance.rates],
             overhead_ms_per_spec_step=round(ctl.overhead * 1e3, 3),
             explore_ms=round(ctl.explore_excess * 1e3, 3),
             busy_s=round(ctl.busy, 3),
