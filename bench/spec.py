@@ -447,7 +447,7 @@ def cmd_spec(args: argparse.Namespace) -> int:
 
     groups = []
     for workload in workloads:
-        for c in [int(x) for x in args.concurrency.split(",") if x]:
+        for c in common.int_list(args.concurrency):
             n = c * args.requests_per_stream
             prompts = [(ids, args.max_tokens) for ids in WORKLOADS[workload](rows, tok, n)]
             groups.append((workload, c, modes, prompts))

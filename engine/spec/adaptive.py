@@ -75,11 +75,6 @@ class Acceptance:
         gains = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.rates))])
         return np.asarray(gains[np.clip(np.asarray(k, dtype=np.int64), 0, len(gains) - 1)])
 
-    @property
-    def pooled(self) -> float:
-        """Accepted / judged drafts over every position."""
-        return float(self.accepted.sum() / self.judged.sum())
-
 
 def bucket_of(num_rows: int) -> int:
     """1, 2, 4, 8, ...: the power of two at or above num_rows."""
@@ -172,7 +167,6 @@ class Controller:
     _probe_width: int = 0
     _probe_start: int = 0
     _probing: bool = False  # the current decision is a probe at a width above 1
-    _gain: float = 1.0  # the latest choice's expected rate over plain decoding's
     _choice: dict[int, bool] = field(default_factory=dict)  # bucket -> speculating
     _next_probe: dict[int, int] = field(default_factory=dict)  # bucket -> step
     _gap: dict[int, int] = field(default_factory=dict)  # bucket -> current probe gap
@@ -222,12 +216,12 @@ class Controller:
                 self._probe_left = 0
             else:
                 return self._probe_decision(min(self._probe_width, top), caps)
-        best = self._best(b, caps, top, plain)
-        return self._maybe_probe(b, best, caps, top, plain)
+        best, gain = self._best(b, caps, top, plain)
+        return self._maybe_probe(b, best, gain, caps, top, plain)
 
-    def _best(self, b: int, caps: np.ndarray, top: int, plain: float) -> int:
-        """The width with the most expected tokens per second (rule 3); `_gain` is then its
-        rate over plain decoding's."""
+    def _best(self, b: int, caps: np.ndarray, top: int, plain: float) -> tuple[int, float]:
+        """The width with the most expected tokens per second (rule 3), and its expected rate
+        over plain decoding's."""
         best_w, best_rate = 1, len(caps) / plain
         margin = HOLD if self._choice.get(b) else MARGIN
         for w in range(2, top + 1):
@@ -238,13 +232,13 @@ class Controller:
             rate /= cost + self.overhead
             if rate > best_rate * (margin if best_w == 1 else 1.0):
                 best_w, best_rate = w, rate
-        self._gain = best_rate * plain / len(caps)
-        return best_w
+        return best_w, best_rate * plain / len(caps)
 
     def _maybe_probe(
-        self, b: int, best: int, caps: np.ndarray, top: int, plain: float
+        self, b: int, best: int, gain: float, caps: np.ndarray, top: int, plain: float
     ) -> Decision:
         spec = best > 1
+        chosen = Decision(best, np.minimum(caps, best - 1) if spec else caps)
         if self._choice.get(b) != spec:
             first = b not in self._choice
             self._choice[b] = spec
@@ -252,14 +246,14 @@ class Controller:
             self._next_probe[b] = self.step + (0 if first else self.config.min_gap)
         climb = self._climb(b, best, top) if spec else 0
         if self.step < self._next_probe[b] and not climb:
-            return Decision(best, np.minimum(caps, best - 1) if spec else caps)
+            return chosen
         # width 1 is not probed while speculating pays by far (its cost cannot flip that)
-        candidates = sorted({1, 2, top} - {best} - ({1} if self._gain >= CLEAR else set()))
+        candidates = sorted({1, 2, top} - {best} - ({1} if gain >= CLEAR else set()))
         if not candidates and not climb:
-            return Decision(best, np.minimum(caps, best - 1) if spec else caps)
+            return chosen
         width = climb or min(candidates, key=lambda w: (self.costs.last_step(b, w), w))
         if width > 1 and not self._may_explore(plain):
-            return Decision(best, np.minimum(caps, best - 1) if spec else caps)
+            return chosen
         gap = self._gap[b]
         self._next_probe[b] = self.step + gap
         self._gap[b] = min(2 * gap, self.config.max_gap)
