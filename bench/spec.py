@@ -217,10 +217,13 @@ def spec_config(
 
 def _ceiling(method: str, args: argparse.Namespace) -> int:
     """--num-draft-tokens, or for n-gram --ngram-draft-tokens when given (its drafts cost
-    nothing to make, so where verification is flat in width a higher ceiling pays)."""
+    nothing to make, so where verification is flat in width a higher ceiling pays), else the
+    engine's default for the method."""
+    from engine.spec import CEILINGS, DEFAULT_CEILING
+
     if method == "ngram" and args.ngram_draft_tokens:
-        return args.ngram_draft_tokens
-    return args.num_draft_tokens
+        return int(args.ngram_draft_tokens)
+    return int(args.num_draft_tokens or CEILINGS.get(method, DEFAULT_CEILING))
 
 
 def warm_up(
@@ -388,9 +391,11 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--requests-per-stream", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="the ceiling of the draft length (default: the engine's, per method)")
     p.add_argument("--ngram-draft-tokens", type=int, default=0,
-                   help="the n-gram drafter's ceiling (default: --num-draft-tokens)")
+                   help="the n-gram drafter's ceiling (default: --num-draft-tokens, else the "
+                        "engine's)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--workloads", default="chat,code",
                    help=f"prompt workloads run at each --concurrency, of {', '.join(WORKLOADS)}")
@@ -468,6 +473,7 @@ def cmd_spec(args: argparse.Namespace) -> int:
 def write(args: argparse.Namespace, lm: LoadedModel, results: list[Any], out: Path) -> None:
     import mlx.core as mx
 
+    from engine.spec import CEILINGS
     from kernels import device as blas
 
     result = {
@@ -475,8 +481,10 @@ def write(args: argparse.Namespace, lm: LoadedModel, results: list[Any], out: Pa
             "target": lm.path.name,
             "draft": Path(args.draft_model).name if _uses_draft(args) else None,
             "dtype": lm.dtype,
-            "num_draft_tokens": args.num_draft_tokens,
-            "ngram_draft_tokens": args.ngram_draft_tokens or args.num_draft_tokens,
+            "num_draft_tokens": args.num_draft_tokens or CEILINGS["draft"],
+            "ngram_draft_tokens": (
+                args.ngram_draft_tokens or args.num_draft_tokens or CEILINGS["ngram"]
+            ),
             "temperature": args.temperature,
             "workloads": args.workloads,
             "max_tokens": args.max_tokens,

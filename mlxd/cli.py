@@ -336,8 +336,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "(default: draft when --draft-model is given, else none)")
     g.add_argument("--draft-model", default=None,
                    help="draft model directory (same tokenizer as --model)")
-    g.add_argument("--num-draft-tokens", type=_int_in(1), default=4,
-                   help="ceiling of the adaptive draft length per row")
+    g.add_argument("--num-draft-tokens", type=_int_in(1), default=None,
+                   help="ceiling of the adaptive draft length per row (default: 16 for a "
+                        "draft model, 4 for n-gram)")
     distributed.add_arguments(p, _int_in, _float_in)
     return p
 

@@ -139,7 +139,7 @@ def _spec_config(opts: dict[str, Any]) -> Any:
     return SpecConfig(
         method=method,
         draft_model=opts.get("draft_model"),
-        num_draft_tokens=opts.get("num_draft_tokens") or 4,
+        num_draft_tokens=opts.get("num_draft_tokens"),
         draft_dtype=opts.get("dtype", "auto"),
     )
 

@@ -161,6 +161,50 @@ def test_gaps_double_up_to_the_bound():
     assert all(g == 256 for g in gaps[4:]), gaps
 
 
+def test_a_priced_speculative_step_offers_the_widest_width_with_prices():
+    """Rule 6: for a drafter that prices its drafts, a speculative step offers the widest width
+    the rows fill, and says what each draft beyond the first must be worth: the expected rate
+    of the best fixed width times what one more column costs (10 ms). Probes verify their full
+    width unpriced, and an unpriced drafter gets no prices."""
+    ctl = Controller(ControllerConfig(max_draft=4))
+
+    def cost(w: int) -> float:
+        return 0.1 + 0.01 * (w - 1)
+
+    decisions = []
+    for _ in range(80):
+        d = ctl.decide(ctl.caps(np.full(1, 1000)), priced=True)
+        if d.width > 1:
+            k = np.minimum(d.caps, d.width - 1)
+            ctl.learn(k, k)  # every draft accepted
+        ctl.record(1, d.width, cost(d.width), True, float(d.width))
+        decisions.append(d)
+    chosen = [d for d in decisions[40:] if d.width > 1 and not d.probe]
+    assert chosen, [(d.width, d.probe) for d in decisions]
+    rate = float(ctl.acceptance.expected(np.array(4))) / cost(5)  # the best fixed width: 5
+    for d in chosen:
+        assert d.width == 5 and d.min_gain is not None
+        want = [0.0, rate * 0.01, rate * 0.01, rate * 0.01]
+        assert d.min_gain.tolist() == pytest.approx(want, rel=0.05)
+    assert all(d.min_gain is None for d in decisions if d.probe)
+    unpriced = ctl.decide(ctl.caps(np.full(1, 1000)))
+    assert unpriced.width > 1 and unpriced.min_gain is None
+
+
+def test_prices_beyond_the_widest_measured_width_follow_its_slope():
+    """Widths 1, 2 and 4 measured (0.10, 0.12, 0.16 s): width 3 is interpolated, widths 5 and 6
+    continue the slope from 2 to 4 (0.02 s a column), so every column from 3 on costs 0.02 s;
+    with only one width measured nothing is priced."""
+    ctl = Controller(ControllerConfig(max_draft=8))
+    for step, (w, s) in enumerate([(1, 0.1), (1, 0.1), (2, 0.12), (2, 0.12), (4, 0.16), (4, 0.16)]):
+        ctl.costs.observe(1, w, s, step)
+    assert ctl._min_gain(1, 6, rate=10.0).tolist() == pytest.approx([0, 0.2, 0.2, 0.2, 0.2])
+    lone = Controller(ControllerConfig(max_draft=8))
+    lone.costs.observe(1, 1, 0.1, 0)
+    lone.costs.observe(1, 1, 0.1, 1)
+    assert lone._min_gain(1, 6, rate=10.0).tolist() == [0.0] * 5
+
+
 def test_not_adaptive_verifies_the_widest_width():
     ctl = Controller(ControllerConfig(max_draft=4, adaptive=False))
     d = ctl.decide(np.array([4, 2]))

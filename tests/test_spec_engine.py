@@ -242,6 +242,30 @@ def test_tinycoder_spec_equals_plain_alone_and_batched(
         assert st.tokens_per_row_round > 2.0, st
 
 
+def test_drafts_stopped_by_their_price_keep_greedy_exact(
+    tinycoder, tinycoder_requests, tinycoder_plain, draft_model_path, monkeypatch
+):
+    """Every step speculates with each draft past the first priced at 0.8 expected tokens a row:
+    the draft model stops a round where its rows' chances fall below that, the round verifies
+    only the drafts kept, and greedy output stays plain's, alone and batched."""
+    from engine.spec import adaptive
+
+    def decide(self, caps, priced=False):
+        assert priced  # greedy rows and a draft model: the drafter prices its drafts
+        top = int(caps.max(initial=0)) + 1
+        need = np.r_[0.0, np.full(max(top - 2, 0), 0.8 * len(caps))]
+        return adaptive.Decision(top, caps, min_gain=need if top > 1 else None)
+
+    monkeypatch.setattr(adaptive.Controller, "decide", decide)
+    spec = SpecConfig("draft", draft_model=str(draft_model_path), num_draft_tokens=6)
+    got, st = _alone_then_batched(tinycoder, spec, tinycoder_requests)
+    for r in tinycoder_requests:
+        assert_same_greedy(tinycoder, r, got[r.req_id], tinycoder_plain[r.req_id])
+    rounds = st.spec_steps
+    assert 0 < st.drafter["stopped_rounds"] < rounds, st
+    assert st.drafter["draft_steps"] < 6 * rounds and st.mean_verify_width < 7, st
+
+
 def test_adaptive_switching_between_plain_and_spec_keeps_greedy_exact():
     """The adaptive controller drains the pipeline into speculative steps and back (probes
     every few steps here); draft state catches up after plain stretches. Output unchanged."""

@@ -27,13 +27,18 @@ from engine.spec.base import (
 from engine.spec.decoder import NoSpec, Round, SpecRows, Speculation
 
 METHODS = ("none", "draft", "ngram")
+# the ceiling of the draft length when none is given: a draft model's greedy rounds stop where
+# their drafts stop paying (adaptive.py, rule 6), so a deep ceiling costs nothing when they are
+# unsure; n-gram offers are verified whole, and on the CPU twin's edits 16 ran below 4
+CEILINGS = {"draft": 16, "ngram": 4}
+DEFAULT_CEILING = 4
 
 
 @dataclass(slots=True)
 class SpecConfig:
     method: str = "none"  # none | draft | ngram (or any registered drafter)
     draft_model: Any = None  # path of the draft model (method "draft"), or a loaded one
-    num_draft_tokens: int = 4  # the ceiling of the adaptive draft length
+    num_draft_tokens: int | None = None  # the ceiling of the draft length (None: CEILINGS)
     adaptive: bool = True  # False: always draft the ceiling (tests)
     ngram_max: int = 4
     ngram_min: int = 2
@@ -47,8 +52,13 @@ class SpecConfig:
             self.method = "draft"  # --draft-model alone turns the draft model on
         if self.method == "draft" and not self.draft_model:
             raise ValueError("--spec draft needs --draft-model PATH")
-        if self.num_draft_tokens < 1:
+        if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
             raise ValueError("--num-draft-tokens must be at least 1")
+
+    @property
+    def ceiling(self) -> int:
+        """The ceiling of the draft length: `num_draft_tokens`, else the method's default."""
+        return self.num_draft_tokens or CEILINGS.get(self.method, DEFAULT_CEILING)
 
     @property
     def enabled(self) -> bool:
@@ -62,7 +72,7 @@ def build_speculation(
     (engine.loader)."""
     if config is None or not config.enabled:
         return NoSpec()
-    kwargs: dict[str, Any] = dict(max_draft=config.num_draft_tokens, vocab_size=vocab_size)
+    kwargs: dict[str, Any] = dict(max_draft=config.ceiling, vocab_size=vocab_size)
     if config.method == "draft":
         draft = draft if draft is not None else config.draft_model
         if isinstance(draft, str | os.PathLike):
@@ -81,12 +91,14 @@ def build_speculation(
     elif config.method == "ngram":
         kwargs.update(max_ngram=config.ngram_max, min_ngram=config.ngram_min)
     drafter = make_drafter(config.method, **kwargs)
-    ctl = ControllerConfig(max_draft=config.num_draft_tokens, adaptive=config.adaptive)
+    ctl = ControllerConfig(max_draft=config.ceiling, adaptive=config.adaptive)
     return Speculation(target_model, drafter, ctl)
 
 
 __all__ = [
     "Acceptance",
+    "CEILINGS",
+    "DEFAULT_CEILING",
     "METHODS",
     "Controller",
     "ControllerConfig",

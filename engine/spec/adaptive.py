@@ -149,6 +149,9 @@ class Decision:
     width: int  # 1 = plain decoding
     caps: np.ndarray  # [B] per-row draft ceilings (0 = no speculation for the row)
     probe: bool = False
+    # [width - 1] or None: entry k (k >= 1 drafts already kept) is what draft k + 1 must be
+    # worth to be verified, in tokens summed over the rows (rule 6); None: verify the full width
+    min_gain: np.ndarray | None = None
 
 
 @dataclass
@@ -198,9 +201,11 @@ class Controller:
         due = self.step >= self._next_probe.get(b, self.step)
         return due and plain is not None and self._may_explore(plain)
 
-    def decide(self, caps: np.ndarray) -> Decision:
+    def decide(self, caps: np.ndarray, priced: bool = False) -> Decision:
         """The verify width for rows with draft ceilings `caps` (which already hold what the
-        drafter can offer: n-gram, the match length)."""
+        drafter can offer: n-gram, the match length). `priced`: the drafter can stop a round
+        where its drafts are worth less than their columns (rule 6), so a speculative step
+        offers it the widest width the rows fill."""
         top = int(caps.max(initial=0)) + 1
         self._probing = False
         if top == 1:
@@ -217,7 +222,10 @@ class Controller:
             else:
                 return self._probe_decision(min(self._probe_width, top), caps)
         best, gain = self._best(b, caps, top, plain)
-        return self._maybe_probe(b, best, gain, caps, top, plain)
+        decision = self._maybe_probe(b, best, gain, caps, top, plain, may_climb=not priced)
+        if priced and decision.width > 1 and not decision.probe:
+            decision = Decision(top, caps, min_gain=self._min_gain(b, top, gain * len(caps) / plain))
+        return decision
 
     def _best(self, b: int, caps: np.ndarray, top: int, plain: float) -> tuple[int, float]:
         """The width with the most expected tokens per second (rule 3), and its expected rate
@@ -235,7 +243,8 @@ class Controller:
         return best_w, best_rate * plain / len(caps)
 
     def _maybe_probe(
-        self, b: int, best: int, gain: float, caps: np.ndarray, top: int, plain: float
+        self, b: int, best: int, gain: float, caps: np.ndarray, top: int, plain: float,
+        may_climb: bool = True,
     ) -> Decision:
         spec = best > 1
         chosen = Decision(best, np.minimum(caps, best - 1) if spec else caps)
@@ -244,7 +253,7 @@ class Controller:
             self._choice[b] = spec
             self._gap[b] = self.config.min_gap
             self._next_probe[b] = self.step + (0 if first else self.config.min_gap)
-        climb = self._climb(b, best, top) if spec else 0
+        climb = self._climb(b, best, top) if spec and may_climb else 0
         if self.step < self._next_probe[b] and not climb:
             return chosen
         # width 1 is not probed while speculating pays by far (its cost cannot flip that)
@@ -260,6 +269,34 @@ class Controller:
         self._probe_width, self._probe_start = width, self.step
         self._probe_left, self._probe_steps = PROBE_STEPS - 1, 3 * PROBE_STEPS
         return self._probe_decision(width, caps)
+
+    def _min_gain(self, b: int, width: int, rate: float) -> np.ndarray:
+        """Rule 6: a round stops drafting where the next column's expected tokens (summed over
+        rows) are worth less than its cost at the round's expected rate: entry k is `rate *
+        (cost(k + 2) - cost(k + 1))`, the tokens that the extra column's seconds would yield
+        at that rate (0 where a cost is not known, or a wider verify costs no more)."""
+        need = np.zeros(max(width - 1, 1))
+        costs = self._extrapolated(b, width)
+        for k in range(1, width - 1):
+            lo, hi = costs[k - 1], costs[k]
+            if lo is not None and hi is not None:
+                need[k] = max(0.0, rate * (hi - lo))
+        return need
+
+    def _extrapolated(self, b: int, width: int) -> list[float | None]:
+        """Seconds per step at widths 2 .. `width`: measured or interpolated, and beyond the
+        widest measured width, that width's cost plus the slope between it and the next
+        narrower measured one (None where fewer than two widths are measured)."""
+        costs = [self.costs.estimate(b, w) for w in range(2, width + 1)]
+        known = sorted(w for (bb, w), c in self.costs.cells.items()
+                       if bb == b and c.count >= MIN_SAMPLES)
+        if len(known) >= 2:
+            w1, w0 = known[-1], known[-2]
+            c1, c0 = self.costs.cells[(b, w1)].seconds, self.costs.cells[(b, w0)].seconds
+            slope = max(0.0, (c1 - c0) / (w1 - w0))
+            for w in range(w1 + 1, width + 1):
+                costs[w - 2] = c1 + slope * (w - w1)
+        return costs
 
     def _climb(self, b: int, best: int, top: int) -> int:
         """Speculation pays at `best`: the wider width to probe at once, not a probe gap later

@@ -42,6 +42,10 @@ class ProposeContext:
     next_tokens: mx.array  # [B] int32, == contexts[b][-1]
     sampler: SamplerState  # the target's sampler state before this step
     state: Any  # the drafter's per-row state for these rows (None if it keeps none)
+    # [max_drafts] or None: entry k (k >= 1) is the least that draft k + 1 may add in expected
+    # accepted tokens summed over the rows for the round to verify it (a drafter that can
+    # estimate its drafts' chances may stop there; None: draft to `num_drafts`)
+    min_gain: np.ndarray | None = None
 
     @property
     def max_drafts(self) -> int:

@@ -28,6 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.api import SpecStats
+from engine.spec.accept import plain_greedy
 from engine.spec.adaptive import Controller, ControllerConfig
 from engine.spec.base import Drafter, Proposal, ProposeContext
 
@@ -101,6 +102,7 @@ class Speculation:
         self._overhead_seen = 0.0  # drafter seconds (prefill, catch-up) already passed on
         self._plain_hold = 0  # further decide() calls answered "plain" without re-deciding
         self._plain_rows: list[Any] | None = None  # the batch's row list when it was decided
+        self._min_gain: np.ndarray | None = None  # the last decision's (Decision.min_gain)
         self._contexts: tuple[Any, list[int], list[list[int]]] | None = None  # see _context
         self.warmup_seconds = 0.0  # warm_up(): the speculative shapes built at engine start
         self.warmup_ms: dict[int, float] = {}  # verify ms by width, at warm-up
@@ -158,7 +160,9 @@ class Speculation:
         caps = self._caps(batch, explore=False)  # what the batch would gain when warm
         if self.drafter.point_mass and caps.max(initial=0) > 0:
             caps = np.minimum(caps, self._available(batch, caps))  # the lookup's own offer
-        decision = ctl.decide(caps)
+        priced = getattr(self.drafter, "prices_drafts", False) and plain_greedy(batch.sampler)
+        decision = ctl.decide(caps, priced)
+        self._min_gain = decision.min_gain
         # hold a choice made on costs; a lookup drafter that found nothing looks again soon
         found = not self.drafter.point_mass or caps.max(initial=0) > 0
         hold = decision.width == 1 and not decision.probe and ctl.config.adaptive
@@ -195,6 +199,8 @@ class Speculation:
         t0 = time.perf_counter()
         caps = self._caps(batch)
         ctx = self._context(batch, np.minimum(caps, width - 1))
+        if self._min_gain is not None and len(self._min_gain) >= ctx.max_drafts:
+            ctx.min_gain = self._min_gain
         return Round(ctx, self._propose(ctx), batch.spec, t0)
 
     def observe(self, rnd: Round, accepted: np.ndarray) -> None:

@@ -63,6 +63,7 @@ class DraftModelDrafter:
     name = "draft"
     point_mass = False
     catches_up = True
+    prices_drafts = True  # a greedy round stops where its drafts are worth less than their columns
 
     def __init__(
         self,
@@ -82,6 +83,8 @@ class DraftModelDrafter:
         self.prefill_seconds = 0.0  # prefill of admitted rows (recurring with admissions)
         self.catch_up_seconds = 0.0  # catch-up after plain stretches (once per stretch)
         self.caught_up = False  # the last propose() had to catch up (the step is not typical)
+        self.draft_steps = 0  # one-token draft forwards in proposals
+        self.stopped_rounds = 0  # greedy rounds that stopped drafting below the ceiling
 
     max_merged = MAX_MERGED
 
@@ -162,15 +165,29 @@ class DraftModelDrafter:
         V = ctx.sampler.vocab_size
         drafts: list[mx.array] = []
         if plain_greedy(ctx.sampler):  # argmax chain: no sampler states, no q (point mass)
+            need = ctx.min_gain
+            if need is not None and not (need[1:K] > 0).any():
+                need = None  # every column pays: no reads between the draft steps
+            chance = np.ones(len(pending))  # per row: all its drafts so far accepted
+            kept = K
             for j in range(K):
                 if j:
                     logits = self.model(drafts[-1][:, None], cache=layouts)[:, -1, :]
-                drafts.append(mx.argmax(_fit_vocab(logits, V), axis=-1).astype(mx.int32))
-                mx.async_eval(drafts[-1])  # compute while the next step's graph is built
+                fitted = _fit_vocab(logits, V)
+                drafts.append(mx.argmax(fitted, axis=-1).astype(mx.int32))
+                if need is None or j + 1 == K:
+                    mx.async_eval(drafts[-1])  # compute while the next step's graph is built
+                    continue
+                chance *= np.array(_top_probability(fitted))
+                if j and chance[ctx.num_drafts > j].sum() < need[j]:
+                    kept = j  # this draft is not worth its column: the round verifies j
+                    break
+            self.draft_steps += len(drafts)
+            self.stopped_rounds += kept < K
             return Proposal(
                 tokens=mx.stack(drafts, axis=1),
-                num_drafts=ctx.num_drafts.copy(),
-                drafter_info=(lengths, K),
+                num_drafts=np.minimum(ctx.num_drafts, kept),
+                drafter_info=(lengths, len(drafts)),
             )
         states = [ctx.sampler]
         qs: list[mx.array] = []
@@ -182,6 +199,7 @@ class DraftModelDrafter:
             drafts.append(draw_stream(processed, states[j], STREAM_DRAFT))
             qs.append(processed)
             mx.async_eval(drafts[-1])  # compute while the next step's graph is built
+        self.draft_steps += K
         return Proposal(
             tokens=mx.stack(drafts, axis=1),
             num_drafts=ctx.num_drafts.copy(),
@@ -210,6 +228,8 @@ class DraftModelDrafter:
     def stats(self) -> dict[str, Any]:
         return {
             "fed_tokens": self.num_fed_tokens,
+            "draft_steps": self.draft_steps,
+            "stopped_rounds": self.stopped_rounds,
             "prefill_seconds": round(self.prefill_seconds, 3),
             "catch_up_seconds": round(self.catch_up_seconds, 3),
         }
@@ -224,3 +244,10 @@ def _fit_vocab(logits: mx.array, vocab_size: int) -> mx.array:
         return logits[:, :vocab_size]
     pad = mx.full((logits.shape[0], vocab_size - V), float("-inf"), logits.dtype)
     return mx.concatenate([logits, pad], axis=1)
+
+
+def _top_probability(logits: mx.array) -> mx.array:
+    """[B] the draft's probability of its own greedy token: the chance it is accepted (the
+    draft's confidence tracks its acceptance closely on tinycoder's pair, docs/speculative.md)."""
+    x = logits.astype(mx.float32)
+    return 1.0 / mx.exp(x - x.max(axis=-1, keepdims=True)).sum(axis=-1)
