@@ -235,10 +235,7 @@ def warm_up(
     modes: list[str],
 ) -> float:
     """Every mode once on one request per stream, then forced draft lengths 1..k (every verify
-    width at every batch size); untimed. Returns a last plain run's seconds per request.
-    The adaptive modes' runs here also teach the controller what an engine's first exploration
-    costs on this device (engine.spec.adaptive.EXPLORE_MEMORY), as a long-running server's
-    engine would know it after its first minutes."""
+    width at every batch size); untimed. Returns a last plain run's seconds per request."""
     sub = prompts[: max(concurrency, 1)]
     for mode in modes:
         run_workload(lm, spec_config(mode, args, draft), sub, concurrency, args.temperature)
