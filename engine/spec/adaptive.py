@@ -22,6 +22,12 @@ The rule (docs/speculative.md, "The controller"):
    than `W` plain steps cannot pay and ends the probe.
 5. Budget. Probes at widths above 1 may cost at most `budget` of the engine's busy time (plus
    `ALLOWANCE` plain steps at the start) beyond what plain decoding of their tokens would take.
+6. Prices. A drafter that can tell its drafts' chances (a draft model on greedy rows) gets the
+   widest width the rows fill, with a price per draft past the first: the choice's expected
+   rate times what one more column costs (costs past the widest measured width continue its
+   slope). It stops the round where its rows' summed chances of every draft so far accepted
+   fall below the next price, so confident stretches run deep and unsure rounds stay short;
+   probes stay unpriced at their width, and the climb of rule 4 is left to unpriced drafters.
 
 Worked example: one row, plain 231 ms, width 2 measured at 285 ms, the first draft accepted
 at 0.55: 1.55 tokens / 285 ms = 5.4 tok/s against 4.3 plain: speculate at width 2. At
