@@ -167,19 +167,22 @@ def run_workload(
                 if ev.token_ids and ev.req_id not in first_token:
                     first_token[ev.req_id] = time.perf_counter()
                 if ev.finish_reason is not None:
-                    if ev.error:
-                        raise RuntimeError(ev.error)
+                    if ev.error:  # raised on the bench's thread (the engine's must go on)
+                        errors.append(ev.error)
                     state["done"] += 1
                     submit_next()
             lock.notify_all()
 
+    errors: list[str] = []
     try:
         start = time.perf_counter()
         with lock:
             for _ in range(min(concurrency, len(prompts))):
                 submit_next()
-            while state["done"] < len(prompts):
+            while state["done"] < len(prompts) and not errors:
                 lock.wait(1.0)
+        if errors:
+            raise RuntimeError(f"a request failed: {errors[0]}")
         wall = time.perf_counter() - start
         stats = eng.stats()
     finally:

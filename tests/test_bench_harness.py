@@ -151,6 +151,22 @@ def test_spec_toy_plain_against_ngram(tmp_path: Path, dev_jsonl: Path):
     _png(out / "spec.png")
 
 
+def test_spec_run_reports_a_failed_request_instead_of_waiting(monkeypatch):
+    """An engine step that fails ends its requests with an error: the bench raises it on its
+    own thread at once (the engine's thread goes on), rather than waiting for them for ever."""
+    from bench import spec as bench_spec
+    from engine.loader import load_model
+    from engine.runner import Runner
+
+    def broken(self, plan):
+        raise RuntimeError("planted step failure")
+
+    monkeypatch.setattr(Runner, "run", broken)
+    lm = load_model(str(DEFAULT_MODEL_DIR), dtype="float32")
+    with pytest.raises(RuntimeError, match="a request failed"):
+        bench_spec.run_workload(lm, None, [([1, 2, 3], 4), ([4, 5, 6], 4)], 1, 0.0)
+
+
 def test_kv_memory_toy(tmp_path: Path):
     out = tmp_path / "kv"
     assert main(["kv", "memory", "--seq", "96", "--chunk", "32", "--repeats", "1",
