@@ -457,7 +457,7 @@ def cmd_spec(args: argparse.Namespace) -> int:
             prompts = [(ids, args.max_tokens) for ids in WORKLOADS[workload](rows, tok, n)]
             groups.append((workload, c, modes, prompts))
     edit_modes = [m for m in args.edit_modes.split(",") if m]
-    for c in [int(x) for x in args.edit_concurrency.split(",") if x]:
+    for c in [int(x) for x in args.edit_concurrency.split(",") if x and edit_modes]:
         groups.append(("edit", c, edit_modes, edit_prompts(rows, tok, max(args.edit_requests, c))))
     for label, c, group_modes, prompts in groups:
         if time.perf_counter() - args.start > args.budget_s:

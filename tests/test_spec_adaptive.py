@@ -122,6 +122,31 @@ def test_one_hopeless_sample_ends_a_probe():
     assert widths[3:5] == [2, 2] and widths[5:] == [1] * 7, widths
 
 
+def test_a_priced_probe_ends_where_it_cannot_pay_its_expected_yield():
+    """Every width above 1 costs 3 plain steps (a compute-bound verify at the widest width):
+    unpriced, a probe at width 5 runs its samples (3 is below the 5 tokens the round could
+    yield); priced, one sample ends it (3 is above the ~2.3 tokens a round of 4 drafts is
+    expected to yield at acceptance 0.6), since its speculative steps would be priced rounds."""
+
+    def widths(priced: bool) -> list[int]:
+        ctl = Controller(ControllerConfig(max_draft=4))
+        rng = np.random.default_rng(0)
+        out = []
+        for _ in range(60):
+            d = ctl.decide(ctl.caps(np.full(1, 1000)), priced=priced)
+            if d.width > 1:
+                k = np.minimum(d.caps, d.width - 1)
+                a = np.minimum((rng.random((1, 8)) < 0.6).cumprod(axis=1).sum(axis=1), k)
+                ctl.learn(k, a)
+            ctl.record(1, d.width, 0.03 if d.width > 1 else 0.01, True)
+            out.append(d.width)
+        return out
+
+    unpriced, priced = widths(False), widths(True)
+    assert unpriced.count(5) >= 3, unpriced
+    assert 1 <= priced.count(5) <= 2, priced
+
+
 def test_probes_stay_within_the_budget_and_never_stop_for_good():
     """Launch-bound costs over a long run: what probes cost beyond plain decoding stays within
     the budget (plus the start allowance), and probes still come in the last stretch."""

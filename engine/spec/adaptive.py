@@ -19,7 +19,8 @@ The rule (docs/speculative.md, "The controller"):
    from `min_gap` to `max_gap` while the choice stands and restarts when it changes. Once a
    width W pays, width 2W + 1 (within the widest) is probed at once if it was never measured:
    a short answer finds a wide width that pays in a few rounds. A probe sample that costs more
-   than `W` plain steps cannot pay and ends the probe.
+   than `W` plain steps cannot pay and ends the probe (for a priced drafter, rule 6, more than
+   the `E(W - 1)` tokens a round is expected to yield: its rounds would be priced anyway).
 5. Budget. Probes at widths above 1 may cost at most `budget` of the engine's busy time (plus
    `ALLOWANCE` plain steps at the start) beyond what plain decoding of their tokens would take.
 6. Prices. A drafter that can tell its drafts' chances (a draft model on greedy rows) gets the
@@ -223,7 +224,7 @@ class Controller:
         if plain is None:
             return Decision(1, caps)  # measure plain decoding first
         if self._probe_left > 0:
-            if self._probe_width > 1 and self._hopeless(b, self._probe_width, plain):
+            if self._probe_width > 1 and self._hopeless(b, self._probe_width, plain, priced):
                 self._probe_left = 0
             else:
                 return self._probe_decision(min(self._probe_width, top), caps)
@@ -315,13 +316,16 @@ class Controller:
         self._probing = width > 1
         return Decision(width, np.minimum(caps, width - 1) if width > 1 else caps, probe=True)
 
-    def _hopeless(self, b: int, width: int, plain: float) -> bool:
-        """This probe's latest sample costs more than plain decoding of `width` tokens."""
+    def _hopeless(self, b: int, width: int, plain: float, priced: bool) -> bool:
+        """This probe's latest sample costs more than plain decoding of `width` tokens (for a
+        priced drafter, of the tokens the round is expected to yield: its speculative steps are
+        priced rounds, so an unpriced wide probe only has to show the width's cost)."""
         cell = self.costs.cells.get((b, width))
+        tokens = float(self.acceptance.expected(np.array(width - 1))) if priced else width
         return (
             cell is not None
             and cell.last_step >= self._probe_start
-            and cell.samples[-1] > width * plain
+            and cell.samples[-1] > tokens * plain
         )
 
     def _may_explore(self, plain: float) -> bool:
