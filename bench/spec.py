@@ -473,7 +473,6 @@ def cmd_spec(args: argparse.Namespace) -> int:
 def write(args: argparse.Namespace, lm: LoadedModel, results: list[Any], out: Path) -> None:
     import mlx.core as mx
 
-    from engine.spec import CEILINGS
     from kernels import device as blas
 
     result = {
@@ -481,10 +480,8 @@ def write(args: argparse.Namespace, lm: LoadedModel, results: list[Any], out: Pa
             "target": lm.path.name,
             "draft": Path(args.draft_model).name if _uses_draft(args) else None,
             "dtype": lm.dtype,
-            "num_draft_tokens": args.num_draft_tokens or CEILINGS["draft"],
-            "ngram_draft_tokens": (
-                args.ngram_draft_tokens or args.num_draft_tokens or CEILINGS["ngram"]
-            ),
+            "num_draft_tokens": _ceiling("draft", args),
+            "ngram_draft_tokens": _ceiling("ngram", args),
             "temperature": args.temperature,
             "workloads": args.workloads,
             "max_tokens": args.max_tokens,

@@ -123,23 +123,33 @@ class StepCosts:
         cell = self.cells.get((bucket, width))
         return -1 if cell is None else cell.last_step
 
+    def _known(self, bucket: int) -> list[tuple[int, float]]:
+        """(width, seconds) of this bucket's measured widths, narrowest first."""
+        return sorted((w, c.seconds) for (b, w), c in self.cells.items()
+                      if b == bucket and c.count >= MIN_SAMPLES)
+
     def estimate(self, bucket: int, width: int) -> float | None:
         """Seconds per step at this width: measured, or interpolated between the nearest
         measured widths around it; None beyond the widest measured."""
         cell = self.measured(bucket, width)
         if cell is not None:
             return cell.seconds
-        lo = hi = None
-        for (b, w), c in self.cells.items():
-            if b != bucket or c.count < MIN_SAMPLES:
-                continue
-            if w < width and (lo is None or w > lo[0]):
-                lo = (w, c.seconds)
-            if w > width and (hi is None or w < hi[0]):
-                hi = (w, c.seconds)
+        known = self._known(bucket)
+        lo = max((k for k in known if k[0] < width), default=None)
+        hi = min((k for k in known if k[0] > width), default=None)
         if lo is None or hi is None:
             return None
         return lo[1] + (hi[1] - lo[1]) * (width - lo[0]) / (hi[0] - lo[0])
+
+    def extrapolate(self, bucket: int, width: int) -> float | None:
+        """`estimate`, and beyond the widest measured width, that width's cost plus the slope
+        (at least 0) from the next narrower measured one; None with fewer than two measured."""
+        cost = self.estimate(bucket, width)
+        known = self._known(bucket)
+        if cost is not None or len(known) < 2 or width < known[-1][0]:
+            return cost
+        (w0, c0), (w1, c1) = known[-2:]
+        return c1 + max(0.0, (c1 - c0) / (w1 - w0)) * (width - w1)
 
 
 @dataclass(slots=True)
@@ -283,27 +293,12 @@ class Controller:
         (cost(k + 2) - cost(k + 1))`, the tokens that the extra column's seconds would yield
         at that rate (0 where a cost is not known, or a wider verify costs no more)."""
         need = np.zeros(max(width - 1, 1))
-        costs = self._extrapolated(b, width)
+        costs = [self.costs.extrapolate(b, w) for w in range(2, width + 1)]
         for k in range(1, width - 1):
             lo, hi = costs[k - 1], costs[k]
             if lo is not None and hi is not None:
                 need[k] = max(0.0, rate * (hi - lo))
         return need
-
-    def _extrapolated(self, b: int, width: int) -> list[float | None]:
-        """Seconds per step at widths 2 .. `width`: measured or interpolated, and beyond the
-        widest measured width, that width's cost plus the slope between it and the next
-        narrower measured one (None where fewer than two widths are measured)."""
-        costs = [self.costs.estimate(b, w) for w in range(2, width + 1)]
-        known = sorted(w for (bb, w), c in self.costs.cells.items()
-                       if bb == b and c.count >= MIN_SAMPLES)
-        if len(known) >= 2:
-            w1, w0 = known[-1], known[-2]
-            c1, c0 = self.costs.cells[(b, w1)].seconds, self.costs.cells[(b, w0)].seconds
-            slope = max(0.0, (c1 - c0) / (w1 - w0))
-            for w in range(w1 + 1, width + 1):
-                costs[w - 2] = c1 + slope * (w - w1)
-        return costs
 
     def _climb(self, b: int, best: int, top: int) -> int:
         """Speculation pays at `best`: the wider width to probe at once, not a probe gap later
