@@ -45,7 +45,8 @@ class RowMeta:
 @dataclass(slots=True)
 class RunningBatch:
     rows: list[RowMeta] = field(default_factory=list)
-    next_tokens: mx.array | None = None  # [B] int32: each row's next input token
+    # [B] int32: each row's next input token (a prefill group's: set by its last chunk)
+    next_tokens: mx.array | None = None
     sampler: SamplerState | None = None
     caches: list[Any] | None = None  # per-layer KV layouts (engine.kv)
     spec: Any = None  # engine.spec.SpecRows: per-row speculation state (None: speculation off)
@@ -75,8 +76,9 @@ class RunningBatch:
             return
         idx = mx.array(keep, dtype=mx.int32)
         self.rows = [self.rows[i] for i in keep]
-        assert self.next_tokens is not None and self.sampler is not None and self.caches
-        self.next_tokens = self.next_tokens[idx]
+        assert self.sampler is not None and self.caches
+        if self.next_tokens is not None:  # None: a prefill group before its first tokens
+            self.next_tokens = self.next_tokens[idx]
         self.sampler = self.sampler.take(idx)
         has = any(r.adapter for r in self.rows)
         self.adapters = self.adapters[idx] if has and self.adapters is not None else None

@@ -3,9 +3,11 @@
     result = runner.run(plan)
 
 `run` does, in order: the plan's prefill chunk (one right-padded forward for the group; the
-prefix cache takes the chunk's complete blocks), the group joining the running batch when its
-prefill is complete, and the batch's decode at the width the speculation picks
-(`Speculation.decide`; always 1 with `NoSpec`):
+prefix cache takes the chunk's complete blocks; the group's last chunk samples each row's first
+token from the logits at its last prompt token, reported in this step's result), the group
+joining the running batch when its prefill is complete, and the batch's decode at the width the
+speculation picks (`Speculation.decide`; always 1 with `NoSpec`; plain in the step rows join,
+and none when a joining row is under a grammar, which must take its first token first):
 
 * width 1, pipelined: the step is launched (`mx.async_eval`) and the previous step's tokens are
   read while it computes, so Python bookkeeping overlaps the forward pass; the result is the
@@ -52,6 +54,7 @@ from engine.kv import batch as kvb
 from engine.kv.batch import KVConfig
 from engine.kv.prefix_cache import NoPrefix, PrefixIndex
 from engine.models import prepare_model
+from engine.models.heads import logits_at
 from engine.sampling import SamplerState, sample, token_logprobs
 from engine.scheduler import Plan, PrefillGroup, StepResult
 from engine.spec.accept import (
@@ -67,7 +70,7 @@ from engine.spec.ringcommit import RingRound
 log = logging.getLogger("mlxd.engine")
 
 Shape = tuple[str, int, int]  # (kind, rows, width) of a forward the runner ran
-WARM_GROUP_WIDTH = 15  # the warm-up's group prefill: 16-token prompts
+WARM_GROUP_WIDTH = 16  # the warm-up's group prefill: 16-token prompts
 
 
 @dataclass(slots=True)
@@ -124,14 +127,27 @@ class Runner:
             raise KeyError(name)
         return self.adapters.index_of(name)
 
-    def _forward(self, inputs: mx.array, caches: Any, batch: RunningBatch | None) -> mx.array:
-        """The model over `inputs` with `batch`'s rows' adapters (None: none). The indices are
-        set only while the (lazy) graph is built, so no other forward of the model sees them."""
-        if self.adapters is None:
+    def _forward(self, inputs: mx.array, caches: Any, batch: RunningBatch | None,
+                 last: list[int] | None = None) -> mx.array:
+        """The model over `inputs` with `batch`'s rows' adapters (None: none); with `last`,
+        only row i's logits at column last[i], [B, V] (`engine.models.heads`). The adapter
+        indices are set only while the (lazy) graph is built, so no other forward of the model
+        sees them."""
+
+        def call() -> mx.array:
             return cast(mx.array, self.model(inputs, cache=caches))
+
+        def forward() -> mx.array:
+            if last is None:
+                return call()
+            rows = mx.arange(len(last), dtype=mx.int32)
+            return logits_at(self.model, call, rows, mx.array(last, dtype=mx.int32))
+
+        if self.adapters is None:
+            return forward()
         self.adapters.select(batch.adapters if batch is not None else None)
         try:
-            return cast(mx.array, self.model(inputs, cache=caches))
+            return forward()
         finally:
             self.adapters.select(None)
 
@@ -150,20 +166,27 @@ class Runner:
 
     # -- the step --------------------------------------------------------------------------
     def run(self, plan: Plan) -> StepResult:
-        if plan.prefill is not None:
-            self._prefill(plan)
+        first = self._prefill(plan) if plan.prefill is not None else None
         batch = plan.batch
         if plan.join is not None:
             batch.concat(plan.join)
         if not len(batch):
             self._held = 0  # chosen for rows that are gone
-            return self._drain()
-        width, self._held = self._held or self.spec.decide(batch), 0
+            return _joined(self._drain(), first)
+        if first is not None and plan.join is not None:
+            # rows that took their first token from the prefill decode plainly in this step (a
+            # verify's drafts must have seen that token); under a grammar they wait a step, for
+            # it to take that token before it masks the next
+            if plan.join.constrained_rows():
+                return _joined(self._drain(), first)
+            width = 1
+        else:
+            width, self._held = self._held or self.spec.decide(batch), 0
         constrained = batch.constrained_rows()
         sync = width > 1 or bool(constrained)
         if sync and self._inflight is not None:
-            self._held = width
-            return self._drain()
+            self._held = max(width, self._held)
+            return _joined(self._drain(), first)
         if width > 1:
             result = self.verify(batch, width)
         elif sync:
@@ -172,29 +195,44 @@ class Runner:
             previous, self._inflight = self._inflight, self._launch(batch, constrained)
             result = _collect(previous) if previous is not None else StepResult()
         result.width = width
-        return result
+        return _joined(result, first)
 
     def _drain(self) -> StepResult:
         previous, self._inflight = self._inflight, None
         return _collect(previous) if previous is not None else StepResult()
 
     # -- prefill ---------------------------------------------------------------------------
-    def _prefill(self, plan: Plan) -> None:
+    def _prefill(self, plan: Plan) -> InFlight | None:
+        """The plan's prefill chunk. The group's last chunk also samples each row's first
+        token from the logits at its last prompt token (the head over those positions only,
+        `engine.models.heads`): the rows join the batch with it as their next input, and it is
+        returned (read) to be reported in this step's result."""
         group = plan.prefill
         assert group is not None
         start, end = group.done, plan.prefill_end
         if end <= start:
-            return
+            return None
         if start == 0:  # the lengths announced here hold across chunks
             kvb.prepare_right_padded(group.caches, [len(t) for t in group.token_lists])
         width = end - start
         rows = [t[start:end] + [0] * (width - len(t[start:end])) for t in group.token_lists]
         self.shapes[("prefill", len(rows), width)] += 1
-        self._forward(mx.array(rows, dtype=mx.int32), group.caches, group.batch)
-        if end >= group.width:
-            kvb.finalize(group.caches)
-        kvb.eval_state(group.caches)
+        inputs = mx.array(rows, dtype=mx.int32)
+        if end < group.width:
+            self._forward(inputs, group.caches, group.batch)
+            kvb.eval_state(group.caches)
+            self.prefix.store(group.rows, group.caches)
+            return None
+        # every row of a group ends in its last chunk (several rows run in one chunk)
+        last = [len(t) - 1 - start for t in group.token_lists]
+        assert min(last) >= 0, "a row of the group ended before its last chunk"
+        logits = self._forward(inputs, group.caches, group.batch, last=last)
+        kvb.finalize(group.caches)
+        first = self._sample(group.batch, logits, group.batch.constrained_rows())
+        mx.eval(*_outputs(first), *kvb.state_arrays(group.caches),
+                *_arrays_of(group.batch.sampler))
         self.prefix.store(group.rows, group.caches)
+        return first
 
     def prefill_row(self, caches: list[Any], token_ids: list[int]) -> None:
         """One row's prompt into fresh `caches` (speculation's warm-up batch, no adapter)."""
@@ -222,14 +260,14 @@ class Runner:
                     on_shape(shape)
 
         try:
-            self.run(self._warm_plan([chunk + 1], vocab_size))
+            self.run(self._warm_plan([chunk], vocab_size))
             ran()
             t1 = time.perf_counter()
-            self._prefill(self._warm_plan([chunk + 1], vocab_size))
+            self._prefill(self._warm_plan([chunk], vocab_size))
             rate = chunk / max(time.perf_counter() - t1, 1e-9)
             # rows one token apart: the decode batch runs as serving batches do, rows of
             # different lengths (on CUDA that builds the decode-attention kernels)
-            lens = [WARM_GROUP_WIDTH + 1 - i % 2 for i in range(max_rows)]
+            lens = [WARM_GROUP_WIDTH - i % 2 for i in range(max_rows)]
             plan = self._warm_plan(lens, vocab_size)
             self.run(plan)
             ran()
@@ -251,7 +289,7 @@ class Runner:
         self.prefix, self.spec = NoPrefix(self.new_caches), NoSpec()
         try:
             for width in widths:
-                self._prefill(self._warm_plan([width + 1], vocab_size))
+                self._prefill(self._warm_plan([width], vocab_size))
         finally:
             self.reset()
             self.prefix, self.spec = saved
@@ -269,9 +307,8 @@ class Runner:
             [r.request.params for r in rows], [r.request.prompt_ids for r in rows], vocab_size,
             list(range(len(rows))),
         )
-        last = mx.array([r.request.prompt_ids[-1] for r in rows], dtype=mx.int32)
-        batch = RunningBatch(rows, last, sampler, self.new_caches(len(rows)))
-        group = PrefillGroup(batch, [r.request.prompt_ids[:-1] for r in rows])
+        batch = RunningBatch(rows, None, sampler, self.new_caches(len(rows)))
+        group = PrefillGroup(batch, [r.request.prompt_ids for r in rows])
         return Plan(RunningBatch(), group, group.width, batch)
 
     def warm_up_shapes(self, chunk: int, max_rows: int) -> list[Shape]:
@@ -283,17 +320,24 @@ class Runner:
     def _launch(self, batch: RunningBatch, constrained: list[tuple[Any, int]]) -> InFlight:
         """Queue one decode step for every row without waiting for it (async_eval). The
         step's inputs may themselves still be in flight (the previous step's tokens)."""
-        assert batch.next_tokens is not None and batch.sampler is not None
+        assert batch.next_tokens is not None
         self.shapes[("decode", len(batch), 1)] += 1
         logits = self._forward(batch.next_tokens[:, None], batch.caches, batch)[:, -1, :]
+        step = self._sample(batch, logits, constrained)
+        mx.async_eval(*_outputs(step), *batch.arrays(), *_arrays_of(batch.sampler))
+        return step
+
+    def _sample(self, batch: RunningBatch, logits: mx.array,
+                constrained: list[tuple[Any, int]]) -> InFlight:
+        """Each row's next token from `logits` [B, V] (masked where a row's grammar says),
+        recorded in the sampler and made the row's next input; the outputs, lazy."""
+        assert batch.sampler is not None
         masked, errors = _mask(logits, constrained)
         if masked is not None:
             logits = masked
         out = sample(logits.astype(mx.float32), batch.sampler)
         batch.sampler = batch.sampler.record(out.tokens)
         batch.next_tokens = out.tokens
-        extra = [a for a in (out.logprobs, out.top_ids, out.top_logprobs) if a is not None]
-        mx.async_eval(out.tokens, *extra, *batch.arrays(), *_arrays_of(batch.sampler))
         return InFlight(list(batch.rows), out.tokens, None, out.logprobs, out.top_ids,
                         out.top_logprobs, errors)
 
@@ -411,6 +455,29 @@ def _logprobs(
         return chosen.reshape(B, W), None, None
     K = ids.shape[-1]
     return chosen.reshape(B, W), ids.reshape(B, W, K), lps.reshape(B, W, K)
+
+
+def _outputs(step: InFlight) -> list[mx.array]:
+    return [a for a in (step.tokens, step.logprobs, step.top_ids, step.top_logprobs)
+            if a is not None]
+
+
+def _joined(result: StepResult, first: InFlight | None) -> StepResult:
+    """`result` with the first tokens of the rows whose prefill completed this step after its
+    own rows (`first`: already evaluated)."""
+    if first is None:
+        return result
+    new = _collect(first)
+    offset = len(result.rows)
+    for name in ("logprobs", "top_logprobs"):
+        a, b = getattr(result, name), getattr(new, name)
+        if a is not None or b is not None:
+            setattr(result, name, (a if a is not None else [[] for _ in result.rows])
+                    + (b if b is not None else [[] for _ in new.rows]))
+    result.rows = result.rows + new.rows
+    result.tokens = result.tokens + new.tokens
+    result.errors.update({offset + i: e for i, e in new.errors.items()})
+    return result
 
 
 def _collect(step: InFlight) -> StepResult:

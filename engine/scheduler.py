@@ -16,9 +16,10 @@ next token is late by about that much); while none do, nobody waits on a step, a
 idle group budget (`idle_budget_factor` times that). Both are at the rate measured at
 start-up, at least `prefill_chunk`, at most what the prefix cache's layouts allow
 (`PrefixIndex.max_chunk`), on block boundaries. Prefill covers the
-prompt minus its last token; the last token is the row's first decode input, so every sampled
-token comes from the batched decode step. A group joins the running batch in the step its
-prefill completes, and decodes in that same step.
+whole prompt (less its cached prefix; the prefix cache never holds a whole prompt, so at least
+its last token runs): a group's last chunk samples each row's first token from the logits at
+its last prompt token, and the step reports it. The group joins the running batch in that
+step and decodes its second token in the same step (plainly: a verify waits for the next).
 
 Which prompts start, and when (`_next_group`, `_order`, `_pick`):
 
@@ -56,8 +57,6 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import mlx.core as mx
 
 from engine.api import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, TokenEvent
 from engine.batch import RowMeta, RunningBatch
@@ -97,8 +96,8 @@ def auto_prefill_budget(tokens_per_s: float, chunk: int, step_s: float) -> int:
 class PrefillGroup:
     """Rows being prefilled together, as the batch they will join `running` as."""
 
-    batch: RunningBatch  # rows, last prompt tokens, sampler and spec state, the caches filled
-    token_lists: list[list[int]]  # what goes through prefill: prompt[cached:-1] per row
+    batch: RunningBatch  # rows, sampler and spec state, the caches filled
+    token_lists: list[list[int]]  # what goes through prefill: prompt[cached:] per row
     done: int = 0  # columns already processed
     chunk: int = 0  # the most columns one step of it runs (its activations were admitted)
 
@@ -415,11 +414,10 @@ class Scheduler:
         rows, sampler = self._sampler_for(picked)
         if not rows:
             return None
-        token_lists = [r.request.prompt_ids[r.num_cached_tokens : -1] for r in rows]
-        last = mx.array([r.request.prompt_ids[-1] for r in rows], dtype=mx.int32)
+        token_lists = [r.request.prompt_ids[r.num_cached_tokens :] for r in rows]
         spec = self.spec.admit(rows, len(self.running) + len(rows))
         caches = self.prefix.group_caches(rows)
-        batch = RunningBatch(rows, last, sampler, caches, spec)
+        batch = RunningBatch(rows, None, sampler, caches, spec)
         return PrefillGroup(batch, token_lists, chunk=self._picked_chunk)
 
     def _take_waiting(self, picked: list[RowMeta]) -> None:
@@ -564,8 +562,8 @@ class Scheduler:
 
 
 def _need(row: RowMeta) -> int:
-    """Prompt tokens the row's prefill runs: all but the cached prefix and the last token."""
-    return row.num_prompt_tokens - 1 - row.num_cached_tokens
+    """Prompt tokens the row's prefill runs: all but the cached prefix (at least one)."""
+    return row.num_prompt_tokens - row.num_cached_tokens
 
 
 def _seed_of(row: RowMeta) -> int:

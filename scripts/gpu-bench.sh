@@ -56,9 +56,8 @@ stage() {
         --hidden 4608 --layers 32 --intermediate 14336 --heads 48 --kv-heads 16 --bits 4 \
         > "$OUT/twin.log" 2>&1
       run spec 270 python3 -m bench spec --model "$TWIN" --draft-model "$DATA/tinycoder-draft-4m" \
-        --data "$DATA/tinycoder-dev.jsonl" --dtype bfloat16 --workloads chat --concurrency 1,4 \
-        --edit-concurrency 1,4 --max-tokens 256 --num-draft-tokens 4 --ngram-draft-tokens 8 \
-        --requests-per-stream 2 --edit-requests 4 --modes plain,draft,ngram \
+        --data "$DATA/tinycoder-dev.jsonl" --dtype bfloat16 --workloads chat,code --concurrency 1,4 \
+        --edit-concurrency 1,4 --max-tokens 256 --requests-per-stream 2 --edit-requests 4 --modes plain,draft,ngram \
         --edit-modes plain,ngram,draft --warmup --seconds 3 --repeats 2 --budget-s 190 --log \
         --out "$OUT/spec" ;;
     *) echo "unknown stage $1" >&2; return 2 ;;

@@ -8,6 +8,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+import mlx.core as mx
+
 from engine.api import Request, SamplingParams
 from engine.batch import RowMeta
 from engine.kv.memory import MemoryBudget, ModelFootprint
@@ -58,6 +60,8 @@ class FakeRunner:
         if plan.join is not None:
             for row in plan.join.rows:
                 self.joined[row.req_id] = self.step
+            # the last chunk samples the rows' first tokens (engine.runner)
+            plan.join.next_tokens = mx.full((len(plan.join),), 5, dtype=mx.int32)
             plan.batch.concat(plan.join)
         rows = list(plan.batch.rows)
         self.step += 1
@@ -168,7 +172,7 @@ def test_short_prompts_interleave_with_a_long_prefill():
     within two steps, not after its whole prefill, and the long one's prefill still ends within
     twice its chunks."""
     long_chunks = 10
-    arrivals = {0: [_row("long", long_chunks * CHUNK + 1, 4)]}
+    arrivals = {0: [_row("long", long_chunks * CHUNK, 4)]}
     for s in (2, 5, 9):
         arrivals[s] = [_row(f"s{s}", 40, 4)]
     runner = _drive(_fixed(), arrivals)
@@ -183,7 +187,7 @@ def test_short_prompts_interleave_with_a_long_prefill():
 def test_a_long_prompt_waits_for_the_long_slot_but_short_ones_do_not():
     """Two long prompts: the second starts after the first's prefill (one long one at a time);
     a short prompt arriving after both passes the second, not the first."""
-    arrivals = {0: [_row("a", 4 * CHUNK + 1, 4), _row("b", 4 * CHUNK + 1, 4)], 1: [_row("s", 9, 4)]}
+    arrivals = {0: [_row("a", 4 * CHUNK, 4), _row("b", 4 * CHUNK, 4)], 1: [_row("s", 9, 4)]}
     runner = _drive(_fixed(max_passed=4), arrivals)
     assert runner.started["b"] >= runner.joined["a"]
     assert runner.started["s"] < runner.started["b"]
@@ -192,7 +196,7 @@ def test_a_long_prompt_waits_for_the_long_slot_but_short_ones_do_not():
 def test_group_budget_grows_when_no_rows_decode():
     """With rows decoding a group holds budget / width rows; with none it may hold
     `idle_budget_factor` times as many."""
-    rows = [_row(f"r{i}", 33, 4) for i in range(40)]  # width 32
+    rows = [_row(f"r{i}", 32, 4) for i in range(40)]  # width 32
     idle = _scheduler(prefill_budget=128, idle_budget_factor=4)
     for r in rows:
         idle.add(r)
@@ -201,7 +205,7 @@ def test_group_budget_grows_when_no_rows_decode():
     busy.add(_row("d", 5, 100))
     busy.update(plan := busy.schedule(), FakeRunner().run(plan))
     for r in rows:
-        busy.add(_row("b" + r.req_id, 33, 4))
+        busy.add(_row("b" + r.req_id, 32, 4))
     assert len(busy.schedule().prefill.rows) == 4  # 128 / 32
 
 
@@ -225,7 +229,7 @@ def test_a_long_prompt_runs_in_chunks_of_the_budget_busy_and_the_idle_budget_idl
     """With no rows decoding, a long prompt's chunks are the idle budget (4 x 4 chunks; the
     last one what is left); while rows decode, the prefill budget (4 chunks); and when rows
     start decoding in the middle of its prefill, its chunks shrink to the prefill budget."""
-    n = 40 * CHUNK + 1  # 40 chunks of prefill
+    n = 40 * CHUNK  # 40 chunks of prefill
     runner, cols = _drive_cols(_measured(), {0: [_row("long", n, 4)]})
     assert _chunks(runner, cols, "long") == [16 * CHUNK, 16 * CHUNK, 8 * CHUNK]
     busy = {0: [_row("d", 5, 400)], 1: [_row("long", n, 4)]}
@@ -236,7 +240,7 @@ def test_a_long_prompt_runs_in_chunks_of_the_budget_busy_and_the_idle_budget_idl
     runner, cols = _drive_cols(_measured(), later)
     long_cols = _chunks(runner, cols, "long")
     assert long_cols[0] == 16 * CHUNK and set(long_cols[1:]) == {4 * CHUNK}
-    assert sum(long_cols) == n - 1
+    assert sum(long_cols) == n
 
 
 def test_the_idle_chunk_follows_the_measured_rate_within_the_layouts_limits():
@@ -271,7 +275,7 @@ def test_a_long_prompt_takes_small_chunks_when_big_ones_do_not_fit_memory():
     per_token = 1 << 20
     memory = MemoryBudget(budget=(8 * CHUNK) * per_token, weights=0,
                           footprint=ModelFootprint(()), prefill_bytes_per_token=per_token)
-    n = 12 * CHUNK + 1
+    n = 12 * CHUNK
     runner, cols = _drive_cols(_measured(memory), {0: [_row("long", n, 4)]})
     assert _chunks(runner, cols, "long") == [CHUNK] * 12
     roomy = MemoryBudget(budget=(32 * CHUNK) * per_token, weights=0,

@@ -107,15 +107,22 @@ def test_tiny_greedy_spec_equals_plain(arch):
     spec = SpecConfig("draft", draft_model=draft, num_draft_tokens=3, adaptive=False)
     st = _check(lm, spec, reqs, want, min_accept=0.2, prefill_chunk=32)
     assert st.tokens_per_row_round > 1.2
+    # n-gram: a 16-token vocabulary, whose greedy outputs repeat themselves, so lookups hit
+    # while decoding (the first token comes from the prefill, before any lookup)
+    model, cfg = tiny_model(arch, vocab_size=16)
+    lm = loaded(model, cfg)
+    prompts = _repetitive_prompts(cfg["vocab_size"], 6, seed=3)
+    reqs = [greedy(f"r{i}", p, max_tokens=20 + 9 * i) for i, p in enumerate(prompts)]
     spec = SpecConfig("ngram", num_draft_tokens=4, adaptive=False)
-    _check(lm, spec, reqs, want, prefill_chunk=32)
+    _check(lm, spec, reqs, prefill_chunk=32)
 
 
 def test_tiny_spec_rows_with_and_without_drafts_share_a_batch():
     """Sampled rows (seeded), greedy rows, a row under a repetition penalty and rows about to
     finish (max_tokens 1-2: no room for drafts) decode together; n-gram verification emits
-    what the plain sampler would draw, so even the sampled rows match plain decoding."""
-    model, cfg = tiny_model("llama")
+    what the plain sampler would draw, so even the sampled rows match plain decoding. (A
+    16-token vocabulary: outputs repeat themselves, so lookups hit while decoding.)"""
+    model, cfg = tiny_model("llama", vocab_size=16)
     lm = loaded(model, cfg)
     prompts = _repetitive_prompts(cfg["vocab_size"], 6, seed=5)
     params = [
@@ -137,8 +144,8 @@ def test_tiny_recurrent_hybrid_spec_equals_plain():
 
     mx.disable_compile()  # compiled helpers JIT per shape on CPU (slow); same answers
     try:
-        cfg = dict(TINY_CONFIGS["qwen3_next"])
-        model = registry_tiny("qwen3_next", seed=2)
+        cfg = dict(TINY_CONFIGS["qwen3_next"], vocab_size=16)  # outputs repeat: lookups hit
+        model = registry_tiny("qwen3_next", seed=2, vocab_size=16)
         lm = loaded(model, cfg)
         prompts = _repetitive_prompts(cfg["vocab_size"], 3, seed=7)
         reqs = [greedy(f"r{i}", p, max_tokens=24) for i, p in enumerate(prompts)]
@@ -329,9 +336,11 @@ def test_sampled_rows_with_a_draft_model_end_to_end():
 
 
 def test_sampled_distribution_end_to_end_matches_the_model():
-    """T = 1 on an 8-token vocabulary: the first two tokens of 3,000 seeded requests decoded
-    with a (deliberately poor) draft model follow p(x0) p(x1 | x0) computed from the target's
-    own logits (chi-square over the 64 cells)."""
+    """T = 1 on an 8-token vocabulary, a (deliberately poor) draft model, 3,000 seeded requests:
+    the first token comes from the prefill and the second from the plain step the rows join
+    the batch in, so the third and fourth are the first verify round's; their joint follows
+    the target's own marginal p(x2, x3) = sum over (x0, x1) of p(x0) p(x1 | x0) p(x2 | x0 x1)
+    p(x3 | x0 x1 x2) (chi-square over the 64 cells)."""
     from scipy.stats import chisquare
 
     model, cfg = tiny_model("llama", vocab_size=8)
@@ -339,26 +348,32 @@ def test_sampled_distribution_end_to_end_matches_the_model():
     draft = _perturbed(model, cfg, 0.5, seed=5)
     prompt = [1, 5, 2, 7, 3, 1, 5]
 
-    def probs(ids: list[int]) -> np.ndarray:
-        logits = model(mx.array([ids]))[0, -1].astype(mx.float32)
-        return np.array(mx.softmax(logits))
+    def probs(prefixes: np.ndarray) -> np.ndarray:
+        """[N, 8]: p(next | prompt + prefix) for every row of `prefixes` [N, k]."""
+        ids = np.concatenate([np.tile(prompt, (len(prefixes), 1)), prefixes], axis=1)
+        logits = model(mx.array(ids.astype(np.int32)))[:, -1].astype(mx.float32)
+        return np.array(mx.softmax(logits, axis=-1))
 
-    p0 = probs(prompt)
-    want = np.stack([p0[a] * probs(prompt + [a]) for a in range(8)]).reshape(-1)
+    grid = [np.zeros((1, 0), np.int64)]  # every prefix (x0 .. x_k-1) of length k, in order
+    grid += [np.array(list(np.ndindex(*(8,) * k)), dtype=np.int64) for k in range(1, 4)]
+    joint = probs(grid[0]).reshape(8)  # p(x0), then p(x0 .. x_k) over the grid
+    for k in range(1, 4):
+        joint = (joint[:, None] * probs(grid[k])).reshape(-1)
+    want = joint.reshape(64, 64).sum(axis=0)  # marginal over (x0, x1): cells x2 * 8 + x3
     n = 3000
     spec = SpecConfig("draft", draft_model=draft, num_draft_tokens=2, adaptive=False)
     eng = _engine(lm, spec, max_num_seqs=256, max_queue=4096)
     try:
         reqs = [
-            Request(f"r{i}", list(prompt), SamplingParams(temperature=1.0, seed=i, max_tokens=2))
+            Request(f"r{i}", list(prompt), SamplingParams(temperature=1.0, seed=i, max_tokens=4))
             for i in range(n)
         ]
         outs = _run(eng, reqs, stagger=False)
         st = eng.stats().spec
     finally:
         eng.stop()
-    pairs = np.array([outs[r.req_id].tokens for r in reqs])
-    observed = np.bincount(pairs[:, 0] * 8 + pairs[:, 1], minlength=64)
+    quads = np.array([outs[r.req_id].tokens for r in reqs])
+    observed = np.bincount(quads[:, 2] * 8 + quads[:, 3], minlength=64)
     keep = want * n >= 1
     obs = observed[keep].astype(np.float64)
     exp = want[keep].astype(np.float64)

@@ -30,7 +30,7 @@ def test_first_requests_run_only_warmed_shapes(tinycoder_path):
     # covered: prompts whose prefill is whole chunks (one long prompt at a time), decode at the
     # batch sizes 1..4 they reach together
     rng = random.Random(0)
-    lens = [chunk + 1, 2 * chunk + 1, 3 * chunk + 1, 2 * chunk + 1]  # one chunk+1: it could group
+    lens = [chunk, 2 * chunk, 3 * chunk, 2 * chunk]  # one chunk: it could group
     reqs = [greedy(f"r{i}", [rng.randrange(3, 4000) for _ in range(n)], 40)
             for i, n in enumerate(lens)]
     outs = [submit(eng, r) for r in reqs]  # all queued before the first step
@@ -46,7 +46,7 @@ def test_first_requests_run_only_warmed_shapes(tinycoder_path):
         # not covered (no padding): a prompt whose prefill is not whole chunks runs its own width
         odd = submit(eng, greedy("odd", [rng.randrange(3, 4000) for _ in range(100)], 2))
         assert odd.done.wait(300)
-        assert ("prefill", 1, 99) in set(runner.shapes) - set(warmed)
+        assert ("prefill", 1, 100) in set(runner.shapes) - set(warmed)
     finally:
         eng.stop()
 

@@ -209,10 +209,10 @@ class MemoryBudget:
     def alone_bytes(self, num_prompt_tokens: int, max_new_tokens: int, chunk: int) -> int:
         """What a request needs to run alone with the prefix cache emptied: the weights, its
         KV at its longest, and the activations of its costliest step: its last prefill chunk
-        (at most `chunk` of its prompt's tokens but the last, attending to the whole prompt)
+        (at most `chunk` of its prompt's tokens, attending to the whole prompt)
         and a decode step at its longest."""
         longest = self.row_tokens(num_prompt_tokens, max_new_tokens)
-        cols = max(0, min(num_prompt_tokens - 1, chunk))
+        cols = max(1, min(num_prompt_tokens, chunk))
         steps = self.transient(cols, num_prompt_tokens) + self.transient(1, longest)
         return self.weights + self.kv_bytes([longest]) + self.read_bytes([longest]) + steps
 

@@ -36,7 +36,7 @@ The scheduler's side is `PrefixIndex` (`NoPrefix` when the cache is off):
 
     prefix.lookup(row)                        # at admission: sets row.num_cached_tokens
     kv = prefix.group_caches(rows)            # restored rows + empty rows, one batch
-    ... prefill prompt[cached:-1] in chunks of at most prefix.chunk tokens ...
+    ... prefill prompt[cached:] in chunks of at most prefix.chunk tokens ...
     prefix.store(rows, kv)                    # after every chunk: insert each row's blocks
     prefix.advance(running.rows, running.caches)  # decoding rows passing a block boundary
     prefix.finish(row, running.caches, i, tail)   # a row that ended: prompt + answer + stop
@@ -677,7 +677,7 @@ class PrefixIndex:
                 continue
             row.prefix_boundary = boundary
             prompt = row.request.prompt_ids
-            if boundary <= (len(prompt) - 1) // bs * bs:
+            if boundary <= len(prompt) // bs * bs:
                 continue  # the prefill stored these
             ids = [*prompt, *row.output_ids]
             if len(ids) < n:
@@ -697,7 +697,7 @@ class PrefixIndex:
         prompt = row.request.prompt_ids
         ids = [*prompt, *row.output_ids, *tail]
         n = min(int(kvb.num_tokens(caches)[i]), len(ids))
-        if n // self.block_size <= (len(prompt) - 1) // self.block_size:
+        if n // self.block_size <= len(prompt) // self.block_size:
             return  # no complete block beyond those the prefill stored
         self._insert(row, ids, [_row_view(layer, i) for layer in caches], limit=n, wait=False)
 
