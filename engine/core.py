@@ -542,7 +542,20 @@ class Engine(EngineThread):
         if finished:  # a client told its request ended sees stats() without it
             self._publish()
         for sink, evs in by_sink.values():
-            sink(evs)
+            try:
+                sink(evs)
+            except Exception:  # noqa: BLE001 - a broken consumer ends its requests, not the engine
+                log.exception("an event sink failed; its requests are aborted")
+                self._drop_sink(sink)
+
+    def _drop_sink(self, sink: EventSink) -> None:
+        """Abort every request that delivers to `sink` (it failed): their rows leave at once
+        (KV freed, queue places given back), and nothing is delivered to it again."""
+        for req_id in [r for r, s in self._sinks.items() if s is sink]:
+            del self._sinks[req_id]
+            self.scheduler.abort(req_id)
+            with self._wake:
+                self._queued.discard(req_id)
 
     def _fail_all(self, message: str, reason: str = FINISH_ERROR) -> None:
         sched = self.scheduler

@@ -158,3 +158,30 @@ def test_a_bad_row_fails_alone_and_its_batch_mates_finish_as_alone():
         assert again.tokens == alone[good[0].req_id]
     finally:
         eng.stop()
+
+
+def test_a_sink_that_raises_aborts_its_request_and_the_engine_serves_on():
+    """A consumer whose sink raises (a server-side bug) loses its request, which leaves the
+    batch at once; its batch mates finish as alone and the engine thread keeps serving."""
+    model, cfg = tiny_model("llama")
+    lm = loaded(model, cfg)
+    eng = make_engine(lm)
+    try:
+        mate = greedy("mate", [5, 9, 13, 17], max_tokens=30)
+        alone = run_alone(eng, mate).tokens
+        calls = []
+
+        def broken(events):
+            calls.append(events)
+            raise RuntimeError("consumer bug")
+
+        eng.add(greedy("bad", [7, 11, 15], max_tokens=40), broken)
+        out = submit(eng, greedy("mate", [5, 9, 13, 17], max_tokens=30))
+        assert out.done.wait(120) and out.tokens == alone
+        assert len(calls) == 1  # nothing after the failure
+        later = run_alone(eng, greedy("later", [5, 9, 13, 17], max_tokens=30))
+        assert later.tokens == alone
+        stats = eng.stats()
+        assert stats.num_running == 0 and stats.num_queued == 0 and stats.active_requests == 0
+    finally:
+        eng.stop()
