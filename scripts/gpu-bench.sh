@@ -8,10 +8,12 @@
 # limit (LIMIT_<STAGE>=seconds overrides it); its log goes to $OUT/<stage>.log, its JSON and PNG
 # to $OUT/<stage>/, and after every stage $OUT is packed into $PACK (default $OUT.tgz), so that
 # a run cut short keeps what finished.
+# PEERS (default mlx_lm) are the servers sweep, agent and agent64 run beside mlxd ("" for none);
+# WRAP, when set, prefixes every stage's command (a profiler, e.g. `py-spy record ... --`).
 # Expects mlx[cuda] and mlxd's dependencies importable; DATA must hold tinycoder-draft-4m/ and
 # tinycoder-dev.jsonl (the spec stage); the models are written to /tmp on first use.
 set -u
-OUT=${OUT:-.bench/gpu}; DATA=${DATA:-../shared}; PACK=${PACK:-$OUT.tgz}
+OUT=${OUT:-.bench/gpu}; DATA=${DATA:-../shared}; PACK=${PACK:-$OUT.tgz}; PEERS=${PEERS-mlx_lm}
 MODEL=/tmp/llama-1b-32k; TWIN=/tmp/twin-8b4
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
@@ -27,7 +29,8 @@ run() {  # stage default_limit command...
   local var="LIMIT_${stage^^}"; limit=${!var:-$limit}
   local t0; t0=$(date +%s)
   echo "=== $stage (limit ${limit} s)"
-  timeout "$limit" "$@" > "$OUT/$stage.log" 2>&1
+  # shellcheck disable=SC2086  # WRAP is a command line
+  timeout "$limit" ${WRAP:-} "$@" > "$OUT/$stage.log" 2>&1
   echo "--- $stage rc=$? in $(( $(date +%s) - t0 )) s"
   grep -v -e '^\[transformers\]' "$OUT/$stage.log" | tail -n 25
   tar czf "$PACK" -C "$(dirname "$OUT")" "$(basename "$OUT")"
@@ -39,12 +42,12 @@ stage() {
                  --prompt-tokens 1024 --burst 16 --out "$OUT/coldstart" ;;
     prefill) need_model; run prefill 140 python3 -m bench prefill --model "$MODEL" --peers "" \
                --sizes 1024,8192,32768 --repeats 2 --out "$OUT/prefill" ;;
-    sweep) need_model; run sweep 230 python3 -m bench sweep --model "$MODEL" --peers mlx_lm \
+    sweep) need_model; run sweep 230 python3 -m bench sweep --model "$MODEL" --peers "$PEERS" \
              --prompt-tokens 1024 --output-tokens 128 --concurrency 64 --requests-per-level 128 \
              --level-deadline 60 --out "$OUT/sweep" ;;
-    agent) need_model; run agent 330 python3 -m bench agent --model "$MODEL" --peers mlx_lm \
+    agent) need_model; run agent 330 python3 -m bench agent --model "$MODEL" --peers "$PEERS" \
              --sessions 16 --turns 8 --tool-tokens 200,2000 --deadline 70 --out "$OUT/agent" ;;
-    agent64) need_model; run agent64 300 python3 -m bench agent --model "$MODEL" --peers mlx_lm \
+    agent64) need_model; run agent64 300 python3 -m bench agent --model "$MODEL" --peers "$PEERS" \
                --sessions 64 --turns 4 --tool-tokens 200,2000 --deadline 100 --out "$OUT/agent64" ;;
     attention) run attention 120 python3 -m bench attention --out "$OUT/attention" ;;
     switch) need_model; run switch 70 python3 -m bench switch \
