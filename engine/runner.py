@@ -11,7 +11,9 @@ and none when a joining row is under a grammar, which must take its first token 
 
 * width 1, pipelined: the step is launched (`mx.async_eval`) and the previous step's tokens are
   read while it computes, so Python bookkeeping overlaps the forward pass; the result is the
-  previous step's.
+  previous step's. Once every row's last token (its max_tokens) is in flight, nothing more is
+  launched: the step only reads that one, so the next request does not wait for a step whose
+  tokens would be thrown away.
 * width 1, synchronous (a row under a grammar: its mask needs the previous token consumed):
   launched and read in the same step.
 * width k + 1: a verify step: the speculation's drafts, one forward over
@@ -191,6 +193,10 @@ class Runner:
             result = self.verify(batch, width)
         elif sync:
             result = _collect(self._launch(batch, constrained))
+        elif _all_at_their_limit(batch, self._inflight, first):
+            # every row's last token is already computed: a launch would be thrown away, and a
+            # request arriving now would wait for it
+            return _joined(self._drain(), first)
         else:
             previous, self._inflight = self._inflight, self._launch(batch, constrained)
             result = _collect(previous) if previous is not None else StepResult()
@@ -455,6 +461,16 @@ def _logprobs(
         return chosen.reshape(B, W), None, None
     K = ids.shape[-1]
     return chosen.reshape(B, W), ids.reshape(B, W, K), lps.reshape(B, W, K)
+
+
+def _all_at_their_limit(batch: RunningBatch, inflight: InFlight | None,
+                        first: InFlight | None) -> bool:
+    """Whether every row of `batch` reaches its max_new_tokens with the tokens already computed
+    but not yet reported (the step in flight, the first tokens of this step's prefill)."""
+    pending = {id(r) for r in inflight.rows} if inflight is not None else set()
+    if first is not None:
+        pending.update(id(r) for r in first.rows)
+    return all(r.num_generated + (id(r) in pending) >= r.max_new_tokens for r in batch.rows)
 
 
 def _outputs(step: InFlight) -> list[mx.array]:

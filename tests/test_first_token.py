@@ -110,3 +110,31 @@ def test_first_tokens_of_a_group_sampled_seeded_with_logprobs():
         lps = [lp for ev in got.events for lp in (ev.logprobs or [])]
         assert lps == pytest.approx([lp for ev in alone.events for lp in (ev.logprobs or [])],
                                     abs=1e-4)
+
+
+def test_no_decode_step_is_launched_past_every_row_s_last_token():
+    """A request of max_tokens n costs its prefill and n - 1 decode forwards: once every row's
+    last token is computed (in flight, or the prefill's), nothing more is launched, so the next
+    request does not wait for a step whose tokens would be thrown away."""
+    model, cfg = tiny_llama("llama")
+    eng = Engine(loaded(model, cfg), EngineConfig(SchedulerConfig(prefill_chunk=32)))
+
+    def decodes() -> int:
+        return sum(n for (kind, _, _), n in eng.runner.shapes.items() if kind == "decode")
+
+    for n in (1, 2, 6):
+        before = decodes()
+        out = submit(eng, greedy(f"n{n}", [3, 8, 13, 18, 23], n))
+        while eng.has_pending():
+            eng.turn()
+        assert len(out.tokens) == n and out.finish == "length"
+        assert decodes() - before == n - 1, n
+        assert not eng.runner.in_flight
+    # two rows of different limits: the batch runs until the longer one's last token
+    before = decodes()
+    a = submit(eng, greedy("a", [3, 8, 13], 3))
+    b = submit(eng, greedy("b", [4, 9, 14], 7))
+    while eng.has_pending():
+        eng.turn()
+    assert len(a.tokens) == 3 and len(b.tokens) == 7
+    assert decodes() - before == 6
