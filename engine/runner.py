@@ -135,23 +135,16 @@ class Runner:
         only row i's logits at column last[i], [B, V] (`engine.models.heads`). The adapter
         indices are set only while the (lazy) graph is built, so no other forward of the model
         sees them."""
-
-        def call() -> mx.array:
-            return cast(mx.array, self.model(inputs, cache=caches))
-
-        def forward() -> mx.array:
-            if last is None:
-                return call()
-            rows = mx.arange(len(last), dtype=mx.int32)
-            return logits_at(self.model, call, rows, mx.array(last, dtype=mx.int32))
-
-        if self.adapters is None:
-            return forward()
-        self.adapters.select(batch.adapters if batch is not None else None)
+        if self.adapters is not None:
+            self.adapters.select(batch.adapters if batch is not None else None)
         try:
-            return forward()
+            if last is None:
+                return cast(mx.array, self.model(inputs, cache=caches))
+            return logits_at(self.model, lambda: self.model(inputs, cache=caches),
+                             mx.arange(len(last), dtype=mx.int32), mx.array(last, dtype=mx.int32))
         finally:
-            self.adapters.select(None)
+            if self.adapters is not None:
+                self.adapters.select(None)
 
     def new_caches(self, num_rows: int) -> list[Any]:
         return kvb.new_batch(self.model, num_rows, self.kv)
@@ -224,19 +217,19 @@ class Runner:
         rows = [t[start:end] + [0] * (width - len(t[start:end])) for t in group.token_lists]
         self.shapes[("prefill", len(rows), width)] += 1
         inputs = mx.array(rows, dtype=mx.int32)
+        first = None
         if end < group.width:
             self._forward(inputs, group.caches, group.batch)
             kvb.eval_state(group.caches)
-            self.prefix.store(group.rows, group.caches)
-            return None
-        # every row of a group ends in its last chunk (several rows run in one chunk)
-        last = [len(t) - 1 - start for t in group.token_lists]
-        assert min(last) >= 0, "a row of the group ended before its last chunk"
-        logits = self._forward(inputs, group.caches, group.batch, last=last)
-        kvb.finalize(group.caches)
-        first = self._sample(group.batch, logits, group.batch.constrained_rows())
-        mx.eval(*_outputs(first), *kvb.state_arrays(group.caches),
-                *_arrays_of(group.batch.sampler))
+        else:
+            # every row of a group ends in its last chunk (several rows run in one chunk)
+            last = [len(t) - 1 - start for t in group.token_lists]
+            assert min(last) >= 0, "a row of the group ended before its last chunk"
+            logits = self._forward(inputs, group.caches, group.batch, last=last)
+            kvb.finalize(group.caches)
+            first = self._sample(group.batch, logits, group.batch.constrained_rows())
+            mx.eval(*_outputs(first), *kvb.state_arrays(group.caches),
+                    *_arrays_of(group.batch.sampler))
         self.prefix.store(group.rows, group.caches)
         return first
 
