@@ -260,3 +260,30 @@ def test_cli_flags_map_to_spec_config():
         SpecConfig(method="draft")
     with pytest.raises(ValueError, match="at least 1"):
         SpecConfig(method="ngram", num_draft_tokens=0)
+
+
+def test_a_lookup_that_found_nothing_is_asked_again_at_the_next_step():
+    """Decoding plainly, a choice made on costs is held for `PLAIN_HOLD` steps, but when the
+    n-gram lookup found nothing it looks again at the very next step: a copied stretch can
+    start at any token."""
+    from types import SimpleNamespace
+
+    from engine.spec import build_speculation
+    from engine.spec.decoder import SpecRows
+
+    spec = build_speculation(SpecConfig(method="ngram"), None, vocab_size=100)
+    prompt = [10, 11, 12, 13, 14, 15, 16, 17]
+    request = SimpleNamespace(prompt_ids=prompt)
+    row = SimpleNamespace(request=request, output_ids=[50, 51], constraint=None,
+                          max_new_tokens=64, num_generated=2, num_prompt_tokens=len(prompt))
+    batch = SimpleNamespace(rows=[row], next_tokens=None, sampler=None,
+                            spec=SpecRows(1, spec.drafter.admit([prompt], False)))
+    asked = []
+    real = spec.drafter.available
+    spec.drafter.available = lambda ctx: asked.append(1) or real(ctx)
+    assert spec.decide(batch) == 1 and len(asked) == 1  # "50 51" occurred nowhere before
+    row.output_ids = [50, 51, 11, 12]  # "11 12" continues as "13 14 ..." in the prompt
+    row.num_generated = 4
+    width = spec.decide(batch)
+    assert len(asked) == 2  # asked again at once, not after a hold
+    assert real(spec._context(batch, np.array([4])))[0] == 4 and width >= 1
