@@ -287,3 +287,41 @@ def test_a_lookup_that_found_nothing_is_asked_again_at_the_next_step():
     width = spec.decide(batch)
     assert len(asked) == 2  # asked again at once, not after a hold
     assert real(spec._context(batch, np.array([4])))[0] == 4 and width >= 1
+
+
+def test_row_contexts_are_extended_in_place_and_follow_the_rows():
+    """The drafters' contexts (prompt + output) are kept per row by the batch's spec state and
+    extended by the tokens emitted since the last step, not rebuilt; they follow rows that
+    leave (`take`) and join (`concat`)."""
+    from types import SimpleNamespace
+
+    from engine.spec import build_speculation
+    from engine.spec.decoder import SpecRows
+
+    spec = build_speculation(SpecConfig(method="ngram"), None, vocab_size=100)
+
+    def row(prompt):
+        return SimpleNamespace(request=SimpleNamespace(prompt_ids=prompt), output_ids=[])
+
+    rows = [row([1, 2, 3]), row([4, 5])]
+    state = SpecRows(2, spec.drafter.admit([r.request.prompt_ids for r in rows], False))
+    batch = SimpleNamespace(rows=rows, next_tokens=None, sampler=None, spec=state)
+
+    def contexts():
+        return spec._context(batch, np.zeros(len(batch.rows), np.int64)).contexts
+
+    first = contexts()
+    assert first == [[1, 2, 3], [4, 5]]
+    rows[0].output_ids += [7, 8]
+    rows[1].output_ids += [9]
+    again = contexts()
+    assert again == [[1, 2, 3, 7, 8], [4, 5, 9]]
+    assert all(a is b for a, b in zip(first, again, strict=True))  # extended, not rebuilt
+    state.take([1])
+    batch.rows = [rows[1]]
+    new = row([6])
+    new.output_ids = [2]
+    state.concat(SpecRows(1, spec.drafter.admit([[6]], False)))
+    batch.rows = [rows[1], new]
+    rows[1].output_ids += [3]
+    assert contexts() == [[4, 5, 9, 3], [6, 2]]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
 import numpy as np
@@ -38,19 +38,22 @@ PLAIN_HOLD = 15  # decide() re-decides a plain choice every PLAIN_HOLD + 1 steps
 class SpecRows:
     """Per-row speculation state (struct of arrays), carried by `RunningBatch.spec`."""
 
-    __slots__ = ("drafter_state",)
+    __slots__ = ("drafter_state", "contexts")
 
     def __init__(self, num_rows: int, drafter_state: Any) -> None:
-        del num_rows  # the rows' state is the drafter's (acceptance is pooled: adaptive.py)
-        self.drafter_state = drafter_state
+        self.drafter_state = drafter_state  # acceptance is pooled (adaptive.py)
+        # each row's prompt + output so far, extended as it decodes (`Speculation._context`)
+        self.contexts: list[list[int] | None] = [None] * num_rows
 
     def take(self, keep: list[int]) -> None:
         if self.drafter_state is not None:
             self.drafter_state.take(keep)
+        self.contexts = [self.contexts[i] for i in keep]
 
     def concat(self, other: SpecRows) -> None:
         if self.drafter_state is not None:
             self.drafter_state.concat(other.drafter_state)
+        self.contexts = self.contexts + other.contexts
 
 
 @dataclass(slots=True)
@@ -102,7 +105,6 @@ class Speculation:
         self._plain_hold = 0  # further decide() calls answered "plain" without re-deciding
         self._plain_rows: list[Any] | None = None  # the batch's row list when it was decided
         self._min_gain: np.ndarray | None = None  # the last decision's (Decision.min_gain)
-        self._contexts: tuple[Any, list[int], list[list[int]]] | None = None  # see _context
         self.warmup_seconds = 0.0  # warm_up(): the speculative shapes built at engine start
         self.warmup_ms: dict[int, float] = {}  # verify ms by width, at warm-up
 
@@ -180,18 +182,22 @@ class Speculation:
         return self.drafter.propose(ctx).num_drafts
 
     def _context(self, batch: Any, caps: np.ndarray) -> ProposeContext:
-        # prompt + output per row, built once per (row list, lengths): `decide` and the step
-        # after it ask for the same contexts (a copy of every row's context each time, else)
-        rows = batch.rows
-        lengths = [len(r.output_ids) for r in rows]
-        cached = self._contexts
-        if cached is not None and cached[0] is rows and cached[1] == lengths:
-            contexts = cached[2]
-        else:
-            contexts = [r.request.prompt_ids + r.output_ids for r in rows]
-            self._contexts = (rows, lengths, contexts)
+        # prompt + output per row, kept by the batch's spec state and extended by the tokens
+        # emitted since (a copy of every row's context each step, else: ~0.8 ms a step at 64
+        # rows of 2,000 tokens)
+        spec: SpecRows = batch.spec
+        contexts = spec.contexts
+        for b, r in enumerate(batch.rows):
+            c = contexts[b]
+            if c is None:
+                contexts[b] = r.request.prompt_ids + r.output_ids
+                continue
+            have = len(c) - len(r.request.prompt_ids)
+            if have < len(r.output_ids):
+                c.extend(r.output_ids[have:])
         return ProposeContext(
-            contexts, caps, batch.next_tokens, batch.sampler, batch.spec.drafter_state
+            cast(list[list[int]], contexts), caps, batch.next_tokens, batch.sampler,
+            spec.drafter_state,
         )
 
     # -- the round -------------------------------------------------------------------------
