@@ -186,6 +186,8 @@ class Speculation:
         # emitted since (a copy of every row's context each step, else: ~0.8 ms a step at 64
         # rows of 2,000 tokens)
         spec: SpecRows = batch.spec
+        if len(spec.contexts) != len(batch.rows):  # never expected: start over rather than misalign
+            spec.contexts = [None] * len(batch.rows)
         contexts = spec.contexts
         for b, r in enumerate(batch.rows):
             c = contexts[b]
