@@ -183,8 +183,8 @@ class Speculation:
 
     def _context(self, batch: Any, caps: np.ndarray) -> ProposeContext:
         # prompt + output per row, kept by the batch's spec state and extended by the tokens
-        # emitted since (a copy of every row's context each step, else: ~0.8 ms a step at 64
-        # rows of 2,000 tokens)
+        # emitted since (rebuilt every step, a decision over 64 rows of 2,000-token prompts
+        # cost 611 us on this CPU, against 262)
         spec: SpecRows = batch.spec
         if len(spec.contexts) != len(batch.rows):  # never expected: start over rather than misalign
             spec.contexts = [None] * len(batch.rows)
