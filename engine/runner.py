@@ -460,6 +460,8 @@ def _all_at_their_limit(batch: RunningBatch, inflight: InFlight | None,
                         first: InFlight | None) -> bool:
     """Whether every row of `batch` reaches its max_new_tokens with the tokens already computed
     but not yet reported (the step in flight, the first tokens of this step's prefill)."""
+    if any(r.num_generated + 1 < r.max_new_tokens for r in batch.rows):
+        return False  # a row with two tokens to go: at most one of them is pending
     pending = {id(r) for r in inflight.rows} if inflight is not None else set()
     if first is not None:
         pending.update(id(r) for r in first.rows)
