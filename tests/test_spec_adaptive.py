@@ -284,9 +284,9 @@ def test_a_lookup_that_found_nothing_is_asked_again_at_the_next_step():
     assert spec.decide(batch) == 1 and len(asked) == 1  # "50 51" occurred nowhere before
     row.output_ids = [50, 51, 11, 12]  # "11 12" continues as "13 14 ..." in the prompt
     row.num_generated = 4
-    width = spec.decide(batch)
+    spec.decide(batch)
     assert len(asked) == 2  # asked again at once, not after a hold
-    assert real(spec._context(batch, np.array([4])))[0] == 4 and width >= 1
+    assert real(spec._context(batch, np.array([4])))[0] == 4
 
 
 def test_row_contexts_are_extended_in_place_and_follow_the_rows():
