@@ -37,6 +37,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from kernels import cpu as cpu_kernels
 from kernels.attention import decode as decode_attention
 from kernels.common import gpu_backend, swap_classes
 
@@ -167,7 +168,7 @@ def few_query_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.array]
     """mlx-lm's `scaled_dot_product_attention` with 2..`FEW_QUERIES` queries on plain ops, and
     one query a row over rows of different lengths (an array mask a full layout made, which
     MLX-CUDA would not fuse) through `kernels.attention.decode` with the layout's row lengths."""
-    if getattr(original, "_mlxd_few_query", False):
+    if getattr(original, "_mlxd_route", None) == "cuda":
         return original
 
     def sdpa(queries: mx.array, keys: Any, values: Any, cache: Any, scale: float,
@@ -182,28 +183,84 @@ def few_query_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.array]
                     return decode_attention.decode_attention(queries, keys, values, lens, scale)
         return original(queries, keys, values, cache, scale, mask, sinks)
 
-    sdpa._mlxd_few_query = True  # type: ignore[attr-defined]
+    sdpa._mlxd_route = "cuda"  # type: ignore[attr-defined]
+    sdpa._mlxd_original = original  # type: ignore[attr-defined]
     return sdpa
 
 
-def install_attention(model: nn.Module | None = None, force: bool = False) -> int:
+def cpu_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    """mlx-lm's `scaled_dot_product_attention` with float32 calls whose scores are big enough
+    through `kernels.cpu.attention` (the softmax on NumPy's vectorised exp), everything else
+    unchanged."""
+    if getattr(original, "_mlxd_route", None) == "cpu":
+        return original
+
+    def sdpa(queries: mx.array, keys: Any, values: Any, cache: Any, scale: float,
+             mask: Any, sinks: Any = None) -> mx.array:
+        if not hasattr(cache, "bits") and cpu_kernels.takes(queries, keys, values, mask, sinks):
+            return cpu_kernels.attention(queries, keys, values, scale, mask)
+        return original(queries, keys, values, cache, scale, mask, sinks)
+
+    sdpa._mlxd_route = "cpu"  # type: ignore[attr-defined]
+    sdpa._mlxd_original = original  # type: ignore[attr-defined]
+    return sdpa
+
+
+def cpu_swiglu(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    """mlx-lm's `swiglu` with float32 calls of at least `kernels.cpu.MIN_SWIGLU` elements
+    through `kernels.cpu.swiglu` (NumPy's exp), everything else unchanged."""
+    if getattr(original, "_mlxd_route", None) == "cpu":
+        return original
+
+    def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+        if cpu_kernels.swiglu_takes(gate, x):
+            return cpu_kernels.swiglu(gate, x)
+        return original(gate, x)
+
+    swiglu._mlxd_route = "cpu"  # type: ignore[attr-defined]
+    swiglu._mlxd_original = original  # type: ignore[attr-defined]
+    return swiglu
+
+
+def attention_route() -> str | None:
+    """Which attention route this process's device takes: "cuda" on MLX-CUDA, "cpu" on MLX's
+    CPU backend, None on Metal (its fused kernels need nothing)."""
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    return "cuda" if applies() else None
+
+
+def install_attention(model: nn.Module | None = None, force: bool = False,
+                      route: str | None = None) -> int:
     """Point the `scaled_dot_product_attention` of every mlx-lm module that defines one of
-    `model`'s layers at `few_query_sdpa` (MLX-CUDA only, or `force`); returns how many modules
-    changed. Idempotent."""
+    `model`'s layers at the device's route (`attention_route`): `few_query_sdpa` on MLX-CUDA,
+    `cpu_sdpa` on a CPU, where the modules' `swiglu` also becomes `cpu_swiglu`. `force` takes
+    the CUDA route anywhere and `route` names one (tests). Returns how many modules changed.
+    Idempotent; a module on another route is switched (a CPU route's `swiglu` stays)."""
     import sys
 
-    from mlx_lm.models import base
+    from mlx_lm.models import activations, base
 
-    if model is None or not (force or applies()):
+    route = route or ("cuda" if force else attention_route())
+    if model is None or route is None:
         return 0
+    # (attribute, mlx-lm's function, its wrapper on this route)
+    swaps: list[tuple[str, Any, Callable[..., Any]]] = [
+        ("scaled_dot_product_attention", base.scaled_dot_product_attention,
+         few_query_sdpa if route == "cuda" else cpu_sdpa)]
+    if route == "cpu":
+        swaps.append(("swiglu", activations.swiglu, cpu_swiglu))
     names = {type(m).__module__ for _, m in model.named_modules()}
     count = 0
     for name in sorted(names):
         module = sys.modules.get(name)
-        fn = getattr(module, "scaled_dot_product_attention", None)
-        if module is None or fn is None or getattr(fn, "_mlxd_few_query", False):
-            continue
-        if fn is base.scaled_dot_product_attention:
-            module.scaled_dot_product_attention = few_query_sdpa(fn)  # type: ignore[attr-defined]
-            count += 1
+        changed = False
+        for attr, theirs, wrap in swaps:
+            fn = getattr(module, attr, None)
+            if fn is None or getattr(fn, "_mlxd_route", None) == route:
+                continue
+            if getattr(fn, "_mlxd_original", fn) is theirs:
+                setattr(module, attr, wrap(theirs))
+                changed = True
+        count += changed
     return count

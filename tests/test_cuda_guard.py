@@ -38,7 +38,7 @@ def _restore_attention():
 
     for name, mod in list(sys.modules.items()):
         fn = getattr(mod, "scaled_dot_product_attention", None)
-        if name.startswith("mlx_lm.models.") and getattr(fn, "_mlxd_few_query", False):
+        if name.startswith("mlx_lm.models.") and getattr(fn, "_mlxd_route", None):
             mod.scaled_dot_product_attention = base.scaled_dot_product_attention
 
 
@@ -272,16 +272,21 @@ def test_install_attention_patches_the_model_module_and_stays_exact(monkeypatch)
     assert float(mx.abs(got - want).max()) < 1e-4
 
 
-def test_loader_leaves_attention_alone_off_cuda():
-    """On a CPU the loader patches nothing: mlx-lm's function stays in place."""
+def test_loader_routes_attention_by_device():
+    """The loader puts the device's route in place: on a CPU `cpu_sdpa` and `cpu_swiglu` over
+    mlx-lm's own functions (kernels/cpu.py), on MLX-CUDA `few_query_sdpa`."""
     import mlx_lm.models.llama as llama_module
-    from mlx_lm.models import base
+    from mlx_lm.models import activations, base
 
     from engine.loader import load_model
 
     load_model(str(DEFAULT_MODEL_DIR))
-    if not cuda_guard.applies():
-        assert llama_module.scaled_dot_product_attention is base.scaled_dot_product_attention
+    route = cuda_guard.attention_route()
+    fn = llama_module.scaled_dot_product_attention
+    assert fn._mlxd_route == route and fn._mlxd_original is base.scaled_dot_product_attention
+    if route == "cpu":
+        assert llama_module.swiglu._mlxd_route == "cpu"
+        assert llama_module.swiglu._mlxd_original is activations.swiglu
 
 
 SPEC_BF16_SCRIPT = r"""
