@@ -164,46 +164,65 @@ def plain_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
     return (probs @ v[:, :, None]).reshape(B, H, L, v.shape[-1])
 
 
-def few_query_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
-    """mlx-lm's `scaled_dot_product_attention` with 2..`FEW_QUERIES` queries on plain ops, and
-    one query a row over rows of different lengths (an array mask a full layout made, which
-    MLX-CUDA would not fuse) through `kernels.attention.decode` with the layout's row lengths."""
-    if getattr(original, "_mlxd_route", None) == "cuda":
+def _tagged(fn: Callable[..., Any], route: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` marked as `route`'s stand-in for `original` (so `install_attention` can tell it
+    and give `original` back)."""
+    fn._mlxd_route = route  # type: ignore[attr-defined]
+    fn._mlxd_original = original  # type: ignore[attr-defined]
+    return fn
+
+
+def _route_sdpa(original: Callable[..., mx.array], route: str,
+                call: Callable[..., mx.array | None]) -> Callable[..., mx.array]:
+    """mlx-lm's `scaled_dot_product_attention` with plain-KV calls offered to `call` first (it
+    answers None to pass); `original` itself when it is already on `route`."""
+    if getattr(original, "_mlxd_route", None) == route:
         return original
 
     def sdpa(queries: mx.array, keys: Any, values: Any, cache: Any, scale: float,
              mask: Any, sinks: Any = None) -> mx.array:
-        if sinks is None and not hasattr(cache, "bits") and isinstance(keys, mx.array):
-            if 2 <= queries.shape[2] <= FEW_QUERIES:
-                return plain_attention(queries, keys, values, scale, mask)
-            if isinstance(mask, mx.array) and decode_attention.takes(queries, keys, values):
-                lengths = getattr(cache, "decode_lengths", None)
-                lens = lengths() if lengths is not None else None
-                if lens is not None:
-                    return decode_attention.decode_attention(queries, keys, values, lens, scale)
+        if not hasattr(cache, "bits"):
+            out = call(queries, keys, values, cache, scale, mask, sinks)
+            if out is not None:
+                return out
         return original(queries, keys, values, cache, scale, mask, sinks)
 
-    sdpa._mlxd_route = "cuda"  # type: ignore[attr-defined]
-    sdpa._mlxd_original = original  # type: ignore[attr-defined]
-    return sdpa
+    return _tagged(sdpa, route, original)
+
+
+def _few_query_call(queries: mx.array, keys: Any, values: Any, cache: Any, scale: float,
+                    mask: Any, sinks: Any) -> mx.array | None:
+    if sinks is not None or not isinstance(keys, mx.array):
+        return None
+    if 2 <= queries.shape[2] <= FEW_QUERIES:
+        return plain_attention(queries, keys, values, scale, mask)
+    if isinstance(mask, mx.array) and decode_attention.takes(queries, keys, values):
+        lengths = getattr(cache, "decode_lengths", None)
+        lens = lengths() if lengths is not None else None
+        if lens is not None:
+            return decode_attention.decode_attention(queries, keys, values, lens, scale)
+    return None
+
+
+def _cpu_call(queries: mx.array, keys: Any, values: Any, cache: Any, scale: float,
+              mask: Any, sinks: Any) -> mx.array | None:
+    if cpu_kernels.takes(queries, keys, values, mask, sinks):
+        return cpu_kernels.attention(queries, keys, values, scale, mask)
+    return None
+
+
+def few_query_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    """mlx-lm's `scaled_dot_product_attention` with 2..`FEW_QUERIES` queries on plain ops, and
+    one query a row over rows of different lengths (an array mask a full layout made, which
+    MLX-CUDA would not fuse) through `kernels.attention.decode` with the layout's row lengths."""
+    return _route_sdpa(original, "cuda", _few_query_call)
 
 
 def cpu_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     """mlx-lm's `scaled_dot_product_attention` with float32 calls whose scores are big enough
     through `kernels.cpu.attention` (the softmax on NumPy's vectorised exp), everything else
     unchanged."""
-    if getattr(original, "_mlxd_route", None) == "cpu":
-        return original
-
-    def sdpa(queries: mx.array, keys: Any, values: Any, cache: Any, scale: float,
-             mask: Any, sinks: Any = None) -> mx.array:
-        if not hasattr(cache, "bits") and cpu_kernels.takes(queries, keys, values, mask, sinks):
-            return cpu_kernels.attention(queries, keys, values, scale, mask)
-        return original(queries, keys, values, cache, scale, mask, sinks)
-
-    sdpa._mlxd_route = "cpu"  # type: ignore[attr-defined]
-    sdpa._mlxd_original = original  # type: ignore[attr-defined]
-    return sdpa
+    return _route_sdpa(original, "cpu", _cpu_call)
 
 
 def cpu_swiglu(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
@@ -217,9 +236,7 @@ def cpu_swiglu(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
             return cpu_kernels.swiglu(gate, x)
         return original(gate, x)
 
-    swiglu._mlxd_route = "cpu"  # type: ignore[attr-defined]
-    swiglu._mlxd_original = original  # type: ignore[attr-defined]
-    return swiglu
+    return _tagged(swiglu, "cpu", original)
 
 
 def attention_route() -> str | None:
