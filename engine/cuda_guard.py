@@ -207,7 +207,10 @@ def _few_query_call(queries: mx.array, keys: Any, values: Any, cache: Any, scale
 def _cpu_call(queries: mx.array, keys: Any, values: Any, cache: Any, scale: float,
               mask: Any, sinks: Any) -> mx.array | None:
     if cpu_kernels.takes(queries, keys, values, mask, sinks):
-        return cpu_kernels.attention(queries, keys, values, scale, mask)
+        try:
+            return cpu_kernels.attention(queries, keys, values, scale, mask)
+        except cpu_kernels.InTransform:  # traced (mx.compile / vmap): MLX's op
+            return None
     return None
 
 
@@ -233,7 +236,10 @@ def cpu_swiglu(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
 
     def swiglu(gate: mx.array, x: mx.array) -> mx.array:
         if cpu_kernels.swiglu_takes(gate, x):
-            return cpu_kernels.swiglu(gate, x)
+            try:
+                return cpu_kernels.swiglu(gate, x)
+            except cpu_kernels.InTransform:  # traced (mx.compile / vmap): MLX's op
+                pass
         return original(gate, x)
 
     return _tagged(swiglu, "cpu", original)

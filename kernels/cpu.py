@@ -23,7 +23,8 @@ graph up to the scores is evaluated there, so it is taken only where the scores 
 bfloat16 skips BLAS).
 
 Differences from the fallback: a query that sees no key gets zeros instead of NaN; otherwise
-the results agree to float32 rounding.
+the results agree to float32 rounding. Inside `mx.compile` or `mx.vmap` nothing can be evaluated:
+both kernels raise `InTransform` there and the engine's route calls MLX's op instead.
 
 SwiGLU. `swiglu(gate, x)` = silu(gate) * x (mlx-lm's `activations.swiglu`, which 77 of its
 model files use) as `x * gate / (1 + exp(-gate))` in NumPy, for float32 inputs of at least
@@ -42,6 +43,20 @@ import numpy as np
 
 MIN_SCORES = 1 << 13  # below this many scores (B x H x L x K) MLX's fallback is as fast
 MIN_SWIGLU = 1 << 12  # below this many elements MLX's SwiGLU is as fast
+
+
+class InTransform(Exception):
+    """MLX refused to evaluate: the call is being traced (inside `mx.compile` or `mx.vmap`),
+    where these kernels cannot run; the caller takes MLX's own op instead."""
+
+
+def _eval(*arrays: mx.array) -> None:
+    try:
+        mx.eval(*arrays)
+    except ValueError as e:
+        if "transformations" in str(e):
+            raise InTransform(str(e)) from None
+        raise
 
 
 def takes(q: mx.array, k: Any, v: Any, mask: Any, sinks: Any = None) -> bool:
@@ -82,9 +97,9 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
     if isinstance(mask, mx.array):
         if mask.dtype != mx.bool_:
             mask = mask.astype(mx.float32)
-        mx.eval(scores, mask)
+        _eval(scores, mask)
     else:
-        mx.eval(scores)
+        _eval(scores)
     s = np.array(scores, copy=False).reshape(B, Hkv, rep, L, K)  # a view: written in place
     if isinstance(mask, str):
         pos = np.arange(K)
@@ -115,7 +130,7 @@ def swiglu_takes(gate: mx.array, x: mx.array) -> bool:
 
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     """silu(gate) * x = x * gate / (1 + exp(-gate)), float32 (see `swiglu_takes`)."""
-    mx.eval(gate, x)
+    _eval(gate, x)
     g = np.array(gate, copy=False)
     out = np.negative(g)
     np.exp(out, out=out)

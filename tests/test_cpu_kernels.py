@@ -138,3 +138,18 @@ def test_a_cpu_model_routes_here_and_keeps_its_logits(monkeypatch, _restore_modu
     assert calls == {"attention": cfg["num_hidden_layers"], "swiglu": cfg["num_hidden_layers"]}
     assert float(mx.abs(got - want).max()) < 1e-4
     assert cuda_guard.attention_route() == "cpu"
+
+
+def test_a_traced_call_takes_mlx_ops(_restore_modules):
+    """Inside mx.compile nothing can be evaluated: the kernels raise InTransform and the
+    route answers with mlx-lm's own functions, so a compiled forward still works."""
+    q, k, v = _qkv(1, 6, 2, 64, 256)
+    with pytest.raises(cpu.InTransform):
+        mx.compile(lambda a, b, c: cpu.attention(a, b, c, 0.25, None))(q, k, v)
+    sdpa = cuda_guard.cpu_sdpa(base.scaled_dot_product_attention)
+    got = mx.compile(lambda a, b, c: sdpa(a, b, c, None, 0.25, "causal"))(q, k, v)
+    assert float(mx.abs(got - _reference(q, k, v, 0.25, "causal")).max()) < 1e-5
+    swiglu = cuda_guard.cpu_swiglu(activations.swiglu)
+    gate, x = mx.random.normal((64, 128)), mx.random.normal((64, 128))
+    got = mx.compile(swiglu)(gate, x)
+    assert float(mx.abs(got - activations.swiglu(gate, x)).max()) < 1e-5
