@@ -29,7 +29,9 @@ from engine.spec.decoder import NoSpec, Round, SpecRows, Speculation
 METHODS = ("none", "draft", "ngram")
 # the ceiling of the draft length when none is given: a draft model's greedy rounds stop where
 # their drafts stop paying (adaptive.py, rule 6), so a deep ceiling costs nothing when they are
-# unsure; n-gram offers are verified whole, and on the CPU twin's edits 16 ran below 4
+# unsure. N-gram offers are unpriced and its probes go to the ceiling: 16 gained on the CPU twin
+# (docs/benchmarks.md) but a width-17 probe cost ~15 plain steps on the H200, so 4 until a GPU
+# measures 16
 CEILINGS = {"draft": 16, "ngram": 4}
 DEFAULT_CEILING = 4
 
