@@ -39,7 +39,7 @@ import mlx.nn as nn
 
 from kernels import cpu as cpu_kernels
 from kernels.attention import decode as decode_attention
-from kernels.common import gpu_backend, swap_classes
+from kernels.common import gpu_backend, mask_5d, swap_classes
 
 ROWS = 256  # most rows (batch x heads) of one-query RoPE that launched (512 failed)
 SMALL_HEAD = 64  # head dims below this are affected (16 failed, 64 never did)
@@ -132,15 +132,6 @@ def install(model: nn.Module | None = None, force: bool = False) -> int:
 FEW_QUERIES = 16  # query lengths 2..16 (verify widths, short last chunks) take plain ops
 
 
-def _mask_5d(mask: mx.array, heads: int, kv_heads: int) -> mx.array:
-    """A mask of `[L, K]`, `[B, 1|H, L, K]` as `[B|1, kv_heads, 1|rep, L, K]`."""
-    if mask.ndim == 2:
-        return mask[None, None, None]
-    if mask.shape[1] == heads and heads != 1:
-        return mask.reshape(mask.shape[0], kv_heads, heads // kv_heads, *mask.shape[2:])
-    return mask[:, :, None]
-
-
 def plain_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
                     mask: mx.array | str | None) -> mx.array:
     """softmax(q k^T * scale + mask) v with grouped-query heads, in plain MLX ops: `q`
@@ -155,7 +146,7 @@ def plain_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
         rows = mx.arange(K - L, K)[:, None]
         mask = rows >= mx.arange(K)[None]
     if mask is not None:
-        m = _mask_5d(mask, H, Hkv)
+        m = mask_5d(mask, H, Hkv)
         if m.dtype == mx.bool_:
             scores = mx.where(m, scores, mx.array(-mx.inf, scores.dtype))
         else:

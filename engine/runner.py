@@ -12,9 +12,10 @@ and none when a joining row is under a grammar, which must take its first token 
 * width 1, pipelined: the step is launched (`mx.async_eval`) and the previous step's tokens are
   read while it computes, so Python bookkeeping overlaps the forward pass; the result is the
   previous step's. (On a CPU, a layer whose attention or SwiGLU takes `kernels.cpu` evaluates
-  its inputs while the step is built, so long-context and many-row steps overlap less.) Once every row's last token (its max_tokens) is in flight, nothing more is
-  launched: the step only reads that one, so the next request does not wait for a step whose
-  tokens would be thrown away.
+  its inputs while the step is built, so long-context and many-row steps overlap less.) Once
+  every row's last token (its max_tokens) is in flight, nothing more is launched: the step
+  only reads that one, so the next request does not wait for a step whose tokens would be
+  thrown away.
 * width 1, synchronous (a row under a grammar: its mask needs the previous token consumed):
   launched and read in the same step.
 * width k + 1: a verify step: the speculation's drafts, one forward over

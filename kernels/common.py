@@ -9,6 +9,9 @@ qualifier, the unroll pragma and the shuffle, so the text serves CUDA, Metal and
 
 `gpu_backend` says which GPU backend the default device has ("cuda", "metal" or None).
 
+`mask_5d` lays an attention mask out for grouped-query scores (the plain-op and the CPU
+attention share it; MLX or NumPy arrays alike).
+
 `swap_classes` gives a model's modules a subclass in place (the few-row matmuls, the CUDA
 guards, the affine kernel's layer).
 
@@ -119,6 +122,16 @@ def compile_cpu_library(source: str, tag: str, flags: tuple[str, ...] = ("-O2",)
         subprocess.run([cxx, *flags, "-std=c++17", "-shared", "-fPIC", str(cpp), "-o", str(tmp)], check=True)
         tmp.replace(lib)  # atomic: a parallel test process never loads a half-written library
     return ctypes.CDLL(str(lib))
+
+
+def mask_5d(mask: Any, heads: int, kv_heads: int) -> Any:
+    """A mask of `[L, K]` or `[B|1, 1|H, L, K]` (an MLX or NumPy array) as one broadcastable to
+    grouped-query scores `[B, kv_heads, heads / kv_heads, L, K]`."""
+    if mask.ndim == 2:
+        return mask[None, None, None]
+    if mask.shape[1] == heads and heads != 1:
+        return mask.reshape(mask.shape[0], kv_heads, heads // kv_heads, *mask.shape[2:])
+    return mask[:, :, None]
 
 
 def swap_classes(model: Any, mapping: dict[type, type]) -> int:

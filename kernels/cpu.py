@@ -41,6 +41,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from kernels.common import mask_5d
+
 MIN_SCORES = 1 << 13  # below this many scores (B x H x L x K) MLX's fallback is as fast
 MIN_SWIGLU = 1 << 12  # below this many elements MLX's SwiGLU is as fast
 
@@ -73,17 +75,6 @@ def takes(q: mx.array, k: Any, v: Any, mask: Any, sinks: Any = None) -> bool:
     return B * H * L * k.shape[2] >= MIN_SCORES
 
 
-def _mask_view(mask: mx.array, B: int, Hkv: int, rep: int, L: int, K: int) -> np.ndarray:
-    """An array mask (`[L, K]` or `[B|1, 1|H, L, K]`) as a NumPy array broadcastable to the
-    scores' `[B, Hkv, rep, L, K]`."""
-    m = np.asarray(mask)
-    if m.ndim == 2:
-        return m[None, None, None]
-    if m.shape[1] == Hkv * rep and Hkv * rep != 1:
-        return m.reshape(m.shape[0], Hkv, rep, *m.shape[2:])
-    return m[:, :, None]
-
-
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
               mask: mx.array | str | None) -> mx.array:
     """softmax(q k^T * scale + mask) v: `q` `[B, H, L, D]`, `k`/`v` `[B, Hkv, K, D]` (H a
@@ -101,12 +92,13 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
     else:
         _eval(scores)
     s = np.array(scores, copy=False).reshape(B, Hkv, rep, L, K)  # a view: written in place
-    if isinstance(mask, str):
-        pos = np.arange(K)
-        allowed = pos[None, :] <= pos[K - L:, None]
-        np.copyto(s, np.float32(-np.inf), where=~allowed)
-    elif isinstance(mask, mx.array):
-        m = _mask_view(mask, B, Hkv, rep, L, K)
+    if mask is not None:
+        if isinstance(mask, str):  # "causal": the queries are the last L of K positions
+            pos = np.arange(K)
+            m = pos[None, :] <= pos[K - L:, None]
+        else:
+            m = np.asarray(mask)
+        m = mask_5d(m, H, Hkv)
         if m.dtype == np.bool_:
             np.copyto(s, np.float32(-np.inf), where=~m)
         else:
