@@ -16,10 +16,13 @@ Per turn: TTFT, prompt tokens, `usage.prompt_tokens_details.cached_tokens`, outp
 time, and the tokens the server could have reused (the previous turn's prompt and answer; for
 a first turn, its agent's system prompt). Per server: turns per minute, output tok/s, TTFT p50/p99
 by turn index, the prefix-cache hit ratio (cached / prompt tokens), and the ideal TTFT of each
-turn: the server's own TTFT for a fresh prompt as long as the turn's new tokens, interpolated from
-a calibration (fresh random prompts of `--calib-sizes` tokens, one at a time, fastest of
-`--calib-repeats`) run on the same server before the sessions start. The ideal is a single-stream
-figure: under S concurrent sessions a turn also waits for the others.
+turn: the server's own TTFT, alone, for the turn's new tokens after its reusable tokens (cached),
+interpolated from calibrations run on the same server before the sessions start, one request
+at a time, fastest of `--calib-repeats`: fresh random prompts of `--calib-sizes` tokens (prefix
+0), and the same sizes after a cached fresh prefix of 1/4, 1/2 and 3/4 of the context (the new
+tokens attend over the prefix, which no cache saves). `--no-in-context` skips the second (the
+ideal is then a fresh prompt of the new tokens, reported as `ideal_fresh` either way). The
+ideal is a single-stream figure: under S concurrent sessions a turn also waits for the others.
 
 `prefill` is that calibration alone at the long sizes: prefill tok/s of one prompt at concurrency
 1 (tokens / TTFT) for each size (sizes past the model's context are clipped to it), per server,
@@ -194,7 +197,8 @@ class TurnRecord:
     tool_calls: int = 0
     reusable_tokens: int = 0  # what a cache could hold: last prompt + answer (turn 1: system)
     new_tokens: int | None = None  # prompt_tokens - reusable_tokens
-    ideal_ttft: float | None = None
+    ideal_ttft: float | None = None  # the new tokens after the reusable ones, cached
+    ideal_fresh_ttft: float | None = None  # the new tokens as a fresh prompt
     finish_reason: str | None = None
     ok: bool = False
     error: str | None = None
@@ -365,6 +369,83 @@ def interp(xs: list[int], ys: list[float], x: float) -> float | None:
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
+def calibrate_in_context(srv: ServerProcess, model: str, levels: list[tuple[int, list[int]]],
+                         repeats: int, seed: int, eos_bias: dict[str, float] | None
+                         ) -> dict[str, Any]:
+    """TTFT of `n` new tokens after a cached prefix of `p` tokens, for each (p, [n, ...]) of
+    `levels`: a fresh prefix is sent alone (its prefill fills the server's prefix cache), then
+    once per `n` followed by `n` fresh tokens; fastest of `repeats` fresh prefixes per point.
+    A point's coordinates are what the server reports: the prefix is its cached tokens (the
+    prefix request's prompt tokens when it reports none), the new tokens the rest."""
+    spec = LoadSpec(srv.url, srv.model_id or "default", [], 1, 4,
+                    ignore_eos=srv.spec.supports_ignore_eos,
+                    eos_bias=None if srv.spec.supports_ignore_eos else eos_bias)
+
+    async def one(text: str) -> Any:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30)) as client:
+            return await one_request(client, spec, text)
+
+    out = []
+    for i, (p, news) in enumerate(levels):
+        heads = calib_prompts(model, [p], repeats, seed + 101 + i)[p]
+        tails = calib_prompts(model, news, repeats, seed + 211 + i)
+        best: dict[int, tuple[float, int, int]] = {}
+        for r, head in enumerate(heads):
+            first = asyncio.run(one(head))
+            if not first.ok:
+                continue
+            for n in news:
+                rec = asyncio.run(one(head + " " + tails[n][r]))
+                if not rec.ok or rec.ttft is None or rec.prompt_tokens is None:
+                    continue
+                cached = rec.cached_tokens if rec.cached_tokens is not None else first.prompt_tokens
+                cached = min(int(cached or 0), rec.prompt_tokens)
+                if n not in best or rec.ttft < best[n][0]:
+                    best[n] = (rec.ttft, cached, rec.prompt_tokens - cached)
+        if best:
+            pts = sorted(best.values(), key=lambda t: t[2])
+            out.append({"prefix": p, "cached_tokens": [c for _, c, _ in pts],
+                        "new_tokens": [m for _, _, m in pts], "ttft_s": [t for t, _, _ in pts]})
+    return {"levels": out}
+
+
+def in_context_levels(context: int, sizes: list[int]) -> list[tuple[int, list[int]]]:
+    """Prefixes at a quarter, a half and three quarters of the context, each with the
+    calibration sizes up to 2,048 new tokens that fit after it."""
+    levels = []
+    for q in (1, 2, 3):
+        p = context * q // 4
+        news = [n for n in sizes if n <= 2048 and p + n + 16 <= context]
+        if news:
+            levels.append((p, news))
+    return levels
+
+
+def ideal_in_context(fresh: dict[str, Any], in_ctx: dict[str, Any] | None, prefix: int,
+                     new: int) -> float | None:
+    """The TTFT of `new` tokens after a cached `prefix`: each calibrated prefix's TTFT at `new`
+    (the fresh calibration at prefix 0), linear in the prefix between them and extrapolated
+    along the last two past the longest."""
+    base = interp(fresh["prompt_tokens"], fresh["ttft_s"], new)
+    if base is None:
+        return None
+    xs, ys = [0.0], [base]
+    for lv in (in_ctx or {}).get("levels", []):
+        y = interp(lv["new_tokens"], lv["ttft_s"], new)
+        if y is not None:
+            xs.append(sum(lv["cached_tokens"]) / len(lv["cached_tokens"]))
+            ys.append(y)
+    if len(xs) == 1 or prefix <= 0:
+        return base
+    i = 1
+    while i < len(xs) - 1 and prefix > xs[i]:
+        i += 1
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    if x1 <= x0:
+        return y1
+    return max(0.0, y0 + (y1 - y0) * (prefix - x0) / (x1 - x0))
+
+
 def calib_prompts(model: str, sizes: list[int], repeats: int, seed: int) -> dict[int, list[str]]:
     """Fresh random prompts of each size (distinct, so that no prefix cache hits them)."""
     from bench.workload import prompts_of_lengths
@@ -489,12 +570,17 @@ def _pq(values: list[float]) -> dict[str, float | None]:
     return {"p50": percentile(values, 50), "p99": percentile(values, 99), "n": len(values)}
 
 
-def fill_ideal(records: list[TurnRecord], calib: dict[str, Any]) -> None:
+def fill_ideal(records: list[TurnRecord], calib: dict[str, Any],
+               in_ctx: dict[str, Any] | None = None) -> None:
+    """Each turn's ideal TTFT: its new tokens (the prompt less what it could reuse) prefilled
+    after the reusable ones, cached (`in_ctx`), and as a fresh prompt (`ideal_fresh_ttft`)."""
     for r in records:
         if r.prompt_tokens is None:
             continue
         r.new_tokens = max(0, r.prompt_tokens - r.reusable_tokens)
-        r.ideal_ttft = interp(calib["prompt_tokens"], calib["ttft_s"], r.new_tokens)
+        r.ideal_fresh_ttft = interp(calib["prompt_tokens"], calib["ttft_s"], r.new_tokens)
+        r.ideal_ttft = ideal_in_context(calib, in_ctx, r.prompt_tokens - r.new_tokens,
+                                        r.new_tokens)
 
 
 def summarize_run(records: list[TurnRecord], ended: Counter[str], wall: float) -> dict[str, Any]:
@@ -516,6 +602,7 @@ def summarize_run(records: list[TurnRecord], ended: Counter[str], wall: float) -
     cached_later = sum(r.cached_tokens or 0 for r in later if r.cached_tokens is not None)
     out_tokens = sum(r.output_tokens for r in ok)
     over = [r.ttft / r.ideal_ttft for r in later if r.ttft and r.ideal_ttft]
+    over_fresh = [r.ttft / r.ideal_fresh_ttft for r in later if r.ttft and r.ideal_fresh_ttft]
     return {
         "sessions": sum(ended.values()), "ended_by": dict(ended),
         "turns_completed": len(ok), "turns_failed": len(records) - len(ok),
@@ -527,6 +614,9 @@ def summarize_run(records: list[TurnRecord], ended: Counter[str], wall: float) -
         "ttft_turn2plus_s": _pq([r.ttft for r in later if r.ttft is not None]),
         "ideal_ttft_turn2plus_s": _pq([r.ideal_ttft for r in later if r.ideal_ttft is not None]),
         "ttft_over_ideal_turn2plus": _pq(over),
+        "ideal_fresh_ttft_turn2plus_s": _pq([r.ideal_fresh_ttft for r in later
+                                             if r.ideal_fresh_ttft is not None]),
+        "ttft_over_ideal_fresh_turn2plus": _pq(over_fresh),
         "ttft_by_turn": by_turn,
         "prompt_tokens": prompt,
         "cached_tokens": cached if reported else None,
@@ -633,6 +723,9 @@ def run_agent(args: argparse.Namespace, out: Path, log: Any = print,
             entry = _server_entry(spec, srv, models[spec.name])
             _warm_up(srv, model, bias, args.seed)
             entry["calibration"] = calibrate(srv, prompts, bias)
+            if not args.no_in_context:
+                entry["calibration_in_context"] = calibrate_in_context(
+                    srv, model, in_context_levels(ctx, sizes), args.calib_repeats, args.seed, bias)
             cfg = RunConfig(srv.url, srv.model_id or "default", args.max_tokens, ctx, args.turns)
             result["loadavg"][spec.name] = [round(x, 2) for x in os.getloadavg()]
             cpu0 = cpu_seconds(srv.pid)
@@ -640,7 +733,7 @@ def run_agent(args: argparse.Namespace, out: Path, log: Any = print,
             records, ended, wall = asyncio.run(
                 run_sessions(cfg, work, args.deadline, args.request_timeout))
             cpu1 = cpu_seconds(srv.pid)
-            fill_ideal(records, entry["calibration"])
+            fill_ideal(records, entry["calibration"], entry.get("calibration_in_context"))
             entry["summary"] = summarize_run(records, ended, wall)
             entry["summary"]["server_cpu_s"] = _cpu(cpu0, cpu1)
             entry["summary"]["ttft_parts_mean_s"] = ttft_parts_mean(parts0, ttft_parts(srv.url))
@@ -719,9 +812,10 @@ def agent_table(result: dict[str, Any]) -> str:
     rows = ["| server | turns | failed turns | sessions ended by | turns/min | output tok/s | "
             "TTFT p50 (s) | TTFT p99 (s) | "
             "TTFT p50 turns ≥2 (s) | TTFT p99 turns ≥2 (s) | ideal p50 turns ≥2 (s) | "
+            "TTFT / ideal p50, p99 turns ≥2 | "
             "prompt tokens | cached / prompt | cached / reusable, turns ≥2 | "
             "new tokens / turn ≥2 | re-prefilled / turn ≥2 | server CPU-s |",
-            "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for e in result["servers"].values():
         s = e["summary"]
         ended = ", ".join(f"{k} {v}" for k, v in sorted(s["ended_by"].items()))
@@ -730,7 +824,9 @@ def agent_table(result: dict[str, Any]) -> str:
             f"{s['turns_per_min']:.1f} | "
             f"{s['output_tok_s']:.1f} | {_f(s['ttft_s']['p50'])} | {_f(s['ttft_s']['p99'])} | "
             f"{_f(s['ttft_turn2plus_s']['p50'])} | {_f(s['ttft_turn2plus_s']['p99'])} | "
-            f"{_f(s['ideal_ttft_turn2plus_s']['p50'])} | {s['prompt_tokens']} | "
+            f"{_f(s['ideal_ttft_turn2plus_s']['p50'])} | "
+            f"{_f(s['ttft_over_ideal_turn2plus']['p50'], 2)}, "
+            f"{_f(s['ttft_over_ideal_turn2plus']['p99'], 2)} | {s['prompt_tokens']} | "
             f"{_f(s['prefix_hit_ratio'])} | {_f(s['cached_of_reusable_turn2plus'])} | "
             f"{_f(s['new_tokens_turn2plus_mean'], 0)} | {_f(s['reprefilled_turn2plus_mean'], 0)} | "
             f"{_f(s.get('server_cpu_s'), 1)} |")
@@ -923,6 +1019,8 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--calib-sizes", type=common.int_list, default=None,
                    help="prompt sizes of the ideal-TTFT calibration (default 128..3072)")
     p.add_argument("--calib-repeats", type=int, default=2)
+    p.add_argument("--no-in-context", action="store_true",
+                   help="skip the in-context calibration (the ideal is then a fresh prompt's)")
     p.add_argument("--deadline", type=float, default=1800.0, help="seconds per server")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.set_defaults(func=cmd_agent)

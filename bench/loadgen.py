@@ -146,6 +146,8 @@ async def one_request(client: httpx.AsyncClient, spec: LoadSpec, prompt: str) ->
         if usage:
             rec.output_tokens = int(usage.get("completion_tokens") or 0)
             rec.prompt_tokens = usage.get("prompt_tokens")
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            rec.cached_tokens = int(cached) if cached is not None else None
         if not rec.output_tokens:
             rec.output_tokens = len(rec.chunk_times)
         rec.chunk_tokens = spread_tokens(len(rec.chunk_times), rec.output_tokens)

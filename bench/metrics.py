@@ -31,6 +31,7 @@ class RequestRecord:
     chunk_tokens: list[int] = field(default_factory=list)  # tokens carried by each chunk
     output_tokens: int = 0  # from usage when the server reports it, else counted chunks
     prompt_tokens: int | None = None  # from usage
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if reported
     ok: bool = False
     error: str | None = None  # short kind, e.g. "http_429", "connection_reset", "timeout"
     status: int | None = None

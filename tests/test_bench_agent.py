@@ -98,6 +98,35 @@ def test_interp_and_summary_arithmetic():
     assert set(s["ttft_by_turn"]) == {"1", "2"}
 
 
+def test_ideal_in_context_interpolates_over_the_prefix():
+    fresh = {"prompt_tokens": [100, 1000], "ttft_s": [0.1, 1.0]}
+    in_ctx = {"levels": [
+        {"prefix": 1000, "cached_tokens": [990, 1010], "new_tokens": [100, 1000],
+         "ttft_s": [0.2, 2.0]},
+        {"prefix": 2000, "cached_tokens": [2000], "new_tokens": [100, 1000], "ttft_s": [0.3, 3.0]},
+    ]}
+    ideal = agent.ideal_in_context
+    assert ideal(fresh, in_ctx, 0, 500) == pytest.approx(0.5)  # no prefix: the fresh prompt
+    assert ideal(fresh, None, 1500, 500) == pytest.approx(0.5)  # no in-context calibration
+    assert ideal(fresh, in_ctx, 1000, 500) == pytest.approx(1.0)
+    assert ideal(fresh, in_ctx, 500, 500) == pytest.approx(0.75)  # between prefix 0 and 1000
+    assert ideal(fresh, in_ctx, 1500, 100) == pytest.approx(0.25)
+    assert ideal(fresh, in_ctx, 3000, 1000) == pytest.approx(4.0)  # past the longest prefix
+    recs = [TurnRecord(0, 0, 2, 0.0, 1.0, 2.0, 1500, 992, 10, reusable_tokens=1000, ok=True)]
+    agent.fill_ideal(recs, fresh, in_ctx)
+    assert recs[0].ideal_ttft == pytest.approx(1.0) and recs[0].ideal_fresh_ttft == pytest.approx(0.5)
+    s = summarize_run(recs, Counter({"turns": 1}), wall=1.0)
+    assert s["ttft_over_ideal_turn2plus"]["p50"] == pytest.approx(2.0)
+    assert s["ttft_over_ideal_fresh_turn2plus"]["p50"] == pytest.approx(4.0)
+
+
+def test_in_context_levels_fit_the_context():
+    levels = agent.in_context_levels(4096, [128, 512, 1024, 2048, 3072])
+    assert [p for p, _ in levels] == [1024, 2048, 3072]
+    assert levels[0][1] == [128, 512, 1024, 2048] and levels[2][1] == [128, 512]
+    assert all(p + n < 4096 for p, news in levels for n in news)
+
+
 def test_parsers():
     args = build_parser().parse_args(["agent", "--tool-tokens", "300,900", "--peers", ""])
     assert args.tool_tokens == (300, 900) and args.peers == "" and callable(args.func)
@@ -119,6 +148,11 @@ def test_agent_toy_run_writes_its_json(tmp_path: Path):
     assert result["raw"]["prefill_tok_s"][0] > 0
     e = result["servers"]["mlxd"]
     assert len(e["calibration"]["ttft_s"]) == 2 and min(e["calibration"]["ttft_s"]) > 0
+    levels = e["calibration_in_context"]["levels"]
+    assert [lv["prefix"] for lv in levels] == [1024, 2048, 3072]
+    for lv in levels:  # the server reports the prefix as cached, up to its last partial block
+        assert all(lv["prefix"] - 64 <= c <= lv["prefix"] + 8 for c in lv["cached_tokens"])
+        assert all(t > 0 for t in lv["ttft_s"]) and lv["new_tokens"] == sorted(lv["new_tokens"])
     turns = e["turns"]
     assert sorted((t["session"], t["turn"]) for t in turns) == [(0, 1), (0, 2), (1, 1), (1, 2)]
     for t in turns:
