@@ -29,9 +29,9 @@ from engine.spec.decoder import NoSpec, Round, SpecRows, Speculation
 METHODS = ("none", "draft", "ngram")
 # the ceiling of the draft length when none is given: a draft model's greedy rounds stop where
 # their drafts stop paying (adaptive.py, rule 6), so a deep ceiling costs nothing when they are
-# unsure. N-gram offers are unpriced and its probes go to the ceiling: 16 gained on the CPU twin
-# (docs/benchmarks.md) but a width-17 probe cost ~15 plain steps on the H200, so 4 until a GPU
-# measures 16
+# unsure. N-gram offers are unpriced and its probes go to the ceiling: 16 gained at one to four
+# streams on the CPU twin but lost at sixteen (0.93x: a width-17 probe of 16 rows cost 6.2 plain
+# steps; docs/benchmarks.md), so 4
 CEILINGS = {"draft": 16, "ngram": 4}
 DEFAULT_CEILING = 4
 
