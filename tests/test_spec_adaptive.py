@@ -147,6 +147,18 @@ def test_a_priced_probe_ends_where_it_cannot_pay_its_expected_yield():
     assert 1 <= priced.count(5) <= 2, priced
 
 
+def test_a_probe_stops_at_the_budget_once_it_has_a_sample():
+    """A width-17 verify at 15 plain steps is not hopeless for an unpriced drafter (17 tokens
+    could come), but its first measured sample spends more than the start allowance: the probe
+    (from speculating at a narrow width, so its first step is measured) stops after that
+    sample instead of taking three."""
+    ctl = Controller(ControllerConfig(max_draft=16))
+    widths = _drive(ctl, lambda w: 0.15 if w == 17 else 0.01 * (1 + 0.05 * (w - 1)), 0.3, 120)
+    assert widths.count(17) == 1, widths
+    cell = ctl.costs.cells[(1, 17)]
+    assert cell.count == 1 and cell.samples[-1] == pytest.approx(0.15)
+
+
 def test_probes_stay_within_the_budget_and_never_stop_for_good():
     """Launch-bound costs over a long run: what probes cost beyond plain decoding stays within
     the budget (plus the start allowance), and probes still come in the last stretch."""

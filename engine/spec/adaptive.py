@@ -22,7 +22,8 @@ The rule (docs/speculative.md, "The controller"):
    than `W` plain steps cannot pay and ends the probe (for a priced drafter, rule 6, more than
    the `E(W - 1)` tokens a round is expected to yield: its rounds would be priced anyway).
 5. Budget. Probes at widths above 1 may cost at most `budget` of the engine's busy time (plus
-   `ALLOWANCE` plain steps at the start) beyond what plain decoding of their tokens would take.
+   `ALLOWANCE` plain steps at the start) beyond what plain decoding of their tokens would take:
+   none starts past it, and one under way stops there once it has a measured sample.
 6. Prices. A drafter that can tell its drafts' chances (a draft model on greedy rows) gets the
    widest width the rows fill, with a price per draft past the first: the choice's expected
    rate times what one more column costs (costs past the widest measured width continue its
@@ -234,7 +235,8 @@ class Controller:
         if plain is None:
             return Decision(1, caps)  # measure plain decoding first
         if self._probe_left > 0:
-            if self._probe_width > 1 and self._hopeless(b, self._probe_width, plain, priced):
+            if self._probe_width > 1 and (self._hopeless(b, self._probe_width, plain, priced)
+                                          or self._spent(b, self._probe_width, plain)):
                 self._probe_left = 0
             else:
                 return self._probe_decision(min(self._probe_width, top), caps)
@@ -322,6 +324,13 @@ class Controller:
             and cell.last_step >= self._probe_start
             and cell.samples[-1] > tokens * plain
         )
+
+    def _spent(self, b: int, width: int, plain: float) -> bool:
+        """The probe under way has a measured sample and the budget is spent (rule 5): an
+        expensive width's probe stops at one sample instead of running past the budget."""
+        cell = self.costs.cells.get((b, width))
+        return (cell is not None and cell.last_step >= self._probe_start
+                and not self._may_explore(plain))
 
     def _may_explore(self, plain: float) -> bool:
         return self.explore_excess <= self.config.budget * self.busy + ALLOWANCE * plain
