@@ -57,7 +57,7 @@ from engine.batch import RowMeta, RunningBatch
 from engine.kv import batch as kvb
 from engine.kv.batch import KVConfig
 from engine.kv.prefix_cache import NoPrefix, PrefixIndex
-from engine.models import prepare_model
+from engine.models import UnsupportedArchitecture, prepare_model, speculation_blocker
 from engine.models.heads import logits_at
 from engine.sampling import SamplerState, sample, token_logprobs
 from engine.scheduler import Plan, PrefillGroup, StepResult
@@ -116,6 +116,8 @@ class Runner:
         prepare_model(model)  # once: recurrent mixers step through padding / rollback
         kvb.check_supported(model, self.kv)  # quantized KV: fail at start, not per request
         self.spec = spec or NoSpec()
+        if not isinstance(self.spec, NoSpec) and (why := speculation_blocker(model)):
+            raise UnsupportedArchitecture(why)  # at start-up, not in every request
         self.prefix = prefix or NoPrefix(self.new_caches)
         self._inflight: InFlight | None = None
         self._held = 0  # a width chosen while a step was in flight: the next decode's

@@ -87,6 +87,35 @@ def test_unsupported_architectures_are_a_clear_error_at_load(arch):
     assert res.status == "unsupported" and res.checks["load"].reason.startswith("architecture")
 
 
+@pytest.mark.parametrize("arch", ["jamba", "rwkv7"])
+def test_speculation_is_refused_at_start_where_rollback_cannot_work(arch):
+    """Recurrent mixers the stepping wrapper cannot take (jamba's `(x, cache)`, rwkv7's
+    `v_first`): an engine with speculation on refuses to start, with the reason; one without
+    serves; and the sweep's n-gram check reports the refusal as the expected outcome."""
+    from engine.core import Engine, EngineConfig
+    from engine.models import speculation_blocker
+    from engine.scheduler import SchedulerConfig
+    from engine.spec import SpecConfig
+
+    model, cfg = sweep.build_model(arch)
+    assert speculation_blocker(model)
+    harness = sweep._Harness(model, cfg)
+    with pytest.raises(ValueError, match=f"not supported for architecture {arch}.*without --spec"):
+        Engine(harness.lm, EngineConfig(SchedulerConfig(), spec=SpecConfig("ngram")))
+    Engine(harness.lm, EngineConfig(SchedulerConfig())).stop()
+    res = sweep.run_one(arch, checks=("load", "ngram"))
+    assert res.checks["ngram"].ok is True
+    assert res.checks["ngram"].reason.startswith("refused: speculative decoding is not supported")
+
+
+def test_stepping_recurrent_mixers_can_speculate():
+    from engine.models import speculation_blocker
+
+    for arch in ("qwen3_next", "mamba2", "llama"):
+        model, _ = sweep.build_model(arch)
+        assert speculation_blocker(model) is None, arch
+
+
 def test_a_registered_unsupported_architecture_names_its_reason():
     assert "gemma2" in UNSUPPORTED
     model, _ = sweep.build_model("gemma2")

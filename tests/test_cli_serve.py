@@ -296,3 +296,26 @@ def test_unsupported_architecture_is_one_line(tmp_path):
     r = _run("serve", "--port", "0", "--model", str(tmp_path))
     assert r.returncode == 2, r.stderr[-2000:]
     _assert_short_error(r, "gemma2")
+
+
+def test_speculation_that_cannot_roll_back_is_one_line(tmp_path):
+    """`--spec ngram` on an architecture whose recurrent mixers cannot be rolled back (jamba)
+    ends `mlxd serve` at start-up with one line saying to serve it without --spec, exit 2."""
+    import json
+    import shutil
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from bench import models as sweep
+    from mlxd import DEFAULT_MODEL_DIR
+
+    model, cfg = sweep.build_model("jamba")
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEFAULT_MODEL_DIR / name, tmp_path / name)
+    r = _run("serve", "--port", "0", "--model", str(tmp_path), "--spec", "ngram")
+    assert r.returncode == 2, r.stderr[-2000:]
+    _assert_short_error(r, "jamba")
+    assert "without --spec" in r.stderr

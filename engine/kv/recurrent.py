@@ -279,6 +279,11 @@ def install_stepping(module: Any) -> None:
     module.__class__ = _STEPPING_CLASSES[cls]
 
 
+def is_stepping(module: Any) -> bool:
+    """Whether `install_stepping` made this mixer feed a captured chunk one token at a time."""
+    return isinstance(module, _SteppingMixer)
+
+
 def _or_zeros(x: mx.array | None, ref: mx.array, num_rows: int | None = None) -> mx.array:
     """`x`, or zeros shaped as `ref` (with `num_rows` rows, when given) where it is missing."""
     if x is not None:

@@ -11,6 +11,7 @@ from engine.models.registry import (
     make_batch_layouts,
     prepare_model,
     spec_for,
+    speculation_blocker,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "make_batch_layouts",
     "prepare_model",
     "spec_for",
+    "speculation_blocker",
 ]

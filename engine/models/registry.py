@@ -27,7 +27,7 @@ from engine.kv.attention import (
     QuantizedRotatingLayout,
     RotatingLayout,
 )
-from engine.kv.recurrent import RecurrentLayout, install_stepping
+from engine.kv.recurrent import RecurrentLayout, install_stepping, is_stepping
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +212,25 @@ def prepare_model(model: Any) -> ArchSpec:
             if mixer is not None and _called_as_x_mask_cache(mixer):
                 install_stepping(mixer)
     return spec
+
+
+def speculation_blocker(model: Any) -> str | None:
+    """Why speculative decoding cannot run on `model`, or None: a rejected draft rolls
+    recurrent state back to the accepted length, which needs every recurrent layer's mixer
+    stepping (fed a verified chunk one token at a time; `prepare_model` installs it)."""
+    prepare_model(model)
+    recurrent = sum(isinstance(t, mlc.ArraysCache) for t in layer_templates(model))
+    if not recurrent:
+        return None
+    attr = spec_for(model).mixer_attr
+    stepping = 0 if attr is None else sum(
+        is_stepping(getattr(layer, attr, None)) for layer in _model_layers(model))
+    if stepping >= recurrent:
+        return None
+    return (f"speculative decoding is not supported for architecture {arch_name(model)}: "
+            "rolling back a rejected draft needs its recurrent mixers fed one token at a time, "
+            "and they take arguments mlxd's stepping wrapper does not forward; serve it "
+            "without --spec")
 
 
 def _called_as_x_mask_cache(module: Any) -> bool:
