@@ -45,7 +45,7 @@ import os
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -355,7 +355,7 @@ async def run_sessions(cfg: RunConfig, work: Workload, deadline_s: float, timeou
 
 
 # -- prefill calibration: the same server, one fresh prompt at a time ---------------------------
-def interp(xs: list[int], ys: list[float], x: float) -> float | None:
+def interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float | None:
     """Piecewise-linear y(x) through the points; proportional below the first, extrapolated
     along the last segment above the last."""
     if not xs:
@@ -369,14 +369,9 @@ def interp(xs: list[int], ys: list[float], x: float) -> float | None:
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
-def calibrate_in_context(srv: ServerProcess, model: str, levels: list[tuple[int, list[int]]],
-                         repeats: int, seed: int, eos_bias: dict[str, float] | None
-                         ) -> dict[str, Any]:
-    """TTFT of `n` new tokens after a cached prefix of `p` tokens, for each (p, [n, ...]) of
-    `levels`: a fresh prefix is sent alone (its prefill fills the server's prefix cache), then
-    once per `n` followed by `n` fresh tokens; fastest of `repeats` fresh prefixes per point.
-    A point's coordinates are what the server reports: the prefix is its cached tokens (the
-    prefix request's prompt tokens when it reports none), the new tokens the rest."""
+def _alone(srv: ServerProcess, eos_bias: dict[str, float] | None) -> Callable[[str], Any]:
+    """Send one prompt at a time to `srv` (4 tokens asked, EOS kept away) and return its
+    `RequestRecord`: the calibrations' request."""
     spec = LoadSpec(srv.url, srv.model_id or "default", [], 1, 4,
                     ignore_eos=srv.spec.supports_ignore_eos,
                     eos_bias=None if srv.spec.supports_ignore_eos else eos_bias)
@@ -385,17 +380,29 @@ def calibrate_in_context(srv: ServerProcess, model: str, levels: list[tuple[int,
         async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30)) as client:
             return await one_request(client, spec, text)
 
+    return lambda text: asyncio.run(one(text))
+
+
+def calibrate_in_context(srv: ServerProcess, model: str, levels: list[tuple[int, list[int]]],
+                         repeats: int, seed: int, eos_bias: dict[str, float] | None
+                         ) -> dict[str, Any]:
+    """TTFT of `n` new tokens after a cached prefix of `p` tokens, for each (p, [n, ...]) of
+    `levels`: a fresh prefix is sent alone (its prefill fills the server's prefix cache), then
+    once per `n` followed by `n` fresh tokens; fastest of `repeats` fresh prefixes per point.
+    A point's coordinates are what the server reports: the prefix is its cached tokens (the
+    prefix request's prompt tokens when it reports none), the new tokens the rest."""
+    one = _alone(srv, eos_bias)
     out = []
     for i, (p, news) in enumerate(levels):
         heads = calib_prompts(model, [p], repeats, seed + 101 + i)[p]
         tails = calib_prompts(model, news, repeats, seed + 211 + i)
         best: dict[int, tuple[float, int, int]] = {}
         for r, head in enumerate(heads):
-            first = asyncio.run(one(head))
+            first = one(head)
             if not first.ok:
                 continue
             for n in news:
-                rec = asyncio.run(one(head + " " + tails[n][r]))
+                rec = one(head + " " + tails[n][r])
                 if not rec.ok or rec.ttft is None or rec.prompt_tokens is None:
                     continue
                 cached = rec.cached_tokens if rec.cached_tokens is not None else first.prompt_tokens
@@ -431,19 +438,14 @@ def ideal_in_context(fresh: dict[str, Any], in_ctx: dict[str, Any] | None, prefi
         return None
     xs, ys = [0.0], [base]
     for lv in (in_ctx or {}).get("levels", []):
+        x = sum(lv["cached_tokens"]) / len(lv["cached_tokens"])
         y = interp(lv["new_tokens"], lv["ttft_s"], new)
-        if y is not None:
-            xs.append(sum(lv["cached_tokens"]) / len(lv["cached_tokens"]))
+        if y is not None and x > xs[-1]:  # a level the server did not hold longer says nothing
+            xs.append(x)
             ys.append(y)
     if len(xs) == 1 or prefix <= 0:
         return base
-    i = 1
-    while i < len(xs) - 1 and prefix > xs[i]:
-        i += 1
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    if x1 <= x0:
-        return y1
-    return max(0.0, y0 + (y1 - y0) * (prefix - x0) / (x1 - x0))
+    return interp(xs, ys, prefix)
 
 
 def calib_prompts(model: str, sizes: list[int], repeats: int, seed: int) -> dict[int, list[str]]:
@@ -458,19 +460,11 @@ def calib_prompts(model: str, sizes: list[int], repeats: int, seed: int) -> dict
 def calibrate(srv: ServerProcess, prompts: dict[int, list[str]],
               eos_bias: dict[str, float] | None) -> dict[str, Any]:
     """TTFT of each fresh prompt alone (fastest of its repeats) and prefill tok/s = tokens / TTFT."""
-    spec = LoadSpec(srv.url, srv.model_id or "default", [], 1, 4,
-                    ignore_eos=srv.spec.supports_ignore_eos,
-                    eos_bias=None if srv.spec.supports_ignore_eos else eos_bias)
-
-    async def one(text: str) -> tuple[float | None, int | None]:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30)) as client:
-            r = await one_request(client, spec, text)
-        return (r.ttft if r.ok else None), r.prompt_tokens
-
+    one = _alone(srv, eos_bias)
     sizes, ttfts, cpus, seen = [], [], [], []
     for n, texts in prompts.items():
         cpu0 = cpu_seconds(srv.pid)
-        got = [asyncio.run(one(t)) for t in texts]
+        got = [((r.ttft if r.ok else None), r.prompt_tokens) for r in map(one, texts)]
         cpu = _cpu(cpu0, cpu_seconds(srv.pid))
         times = [t for t, _ in got if t is not None]
         if times:
