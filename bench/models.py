@@ -628,17 +628,25 @@ def check_prefix(h: _Harness, seed: int = 1) -> Check:
     return Check(True, f"reused {outs[1].cached} and {outs[2].cached} prompt tokens, same output")
 
 
+def _refused(h: _Harness, otherwise: str, **engine_args: Any) -> Check:
+    """A configuration the registry says cannot work: the engine must refuse it at start-up
+    with a clear error (the check passes, with the reason), else it fails with `otherwise`."""
+    try:
+        h.engine(**engine_args).stop()
+    except ValueError as exc:
+        return Check(True, f"refused: {_one_line(str(exc))}")
+    return Check(False, otherwise)
+
+
 def check_ngram(h: _Harness, seed: int = 2) -> Check:
-    from engine.models import speculation_blocker
+    from engine.models import prepare_model, speculation_blocker
     from engine.spec import SpecConfig
 
     spec = SpecConfig("ngram", num_draft_tokens=3, adaptive=False, ngram_min=1)
+    prepare_model(h.model)
     if speculation_blocker(h.model):  # the engine must refuse it at start-up, clearly
-        try:
-            h.engine(spec=spec).stop()
-        except ValueError as exc:
-            return Check(True, f"refused: {_one_line(str(exc))}")
-        return Check(False, "speculation was not refused, though its rollback cannot work")
+        return _refused(h, "speculation was not refused, though its rollback cannot work",
+                        spec=spec)
     reqs = [_request(f"s{i}", p, 12) for i, p in enumerate(_repetitive(seed, 3))]
     ref = [mlx_greedy(h.model, r.prompt_ids, r.params.max_tokens) for r in reqs]
     outs, stats = h.batched(reqs, spec=spec)
@@ -659,11 +667,8 @@ def check_kv8(h: _Harness, seed: int = 3) -> Check:
     spec = spec_for(h.model)
     reqs = [_request(f"q{i}", p, n) for i, (p, n) in enumerate(zip(_prompts(seed), MAX_TOKENS, strict=True))]
     if not spec.can_quantize:
-        try:
-            h.engine(kv_bits=8).stop()
-        except ValueError as exc:
-            return Check(True, f"refused: {_one_line(str(exc))}")
-        return Check(False, "8-bit KV was not refused, though the registry says it cannot work")
+        return _refused(h, "8-bit KV was not refused, though the registry says it cannot work",
+                        kv_bits=8)
     try:
         h.engine(kv_bits=8).stop()
     except ValueError as exc:  # the engine's start-up probe: a clear error, not wrong output

@@ -93,11 +93,12 @@ def test_speculation_is_refused_at_start_where_rollback_cannot_work(arch):
     `v_first`): an engine with speculation on refuses to start, with the reason; one without
     serves; and the sweep's n-gram check reports the refusal as the expected outcome."""
     from engine.core import Engine, EngineConfig
-    from engine.models import speculation_blocker
+    from engine.models import prepare_model, speculation_blocker
     from engine.scheduler import SchedulerConfig
     from engine.spec import SpecConfig
 
     model, cfg = sweep.build_model(arch)
+    prepare_model(model)
     assert speculation_blocker(model)
     harness = sweep._Harness(model, cfg)
     with pytest.raises(ValueError, match=f"not supported for architecture {arch}.*without --spec"):
@@ -109,10 +110,11 @@ def test_speculation_is_refused_at_start_where_rollback_cannot_work(arch):
 
 
 def test_stepping_recurrent_mixers_can_speculate():
-    from engine.models import speculation_blocker
+    from engine.models import prepare_model, speculation_blocker
 
     for arch in ("qwen3_next", "mamba2", "llama"):
         model, _ = sweep.build_model(arch)
+        prepare_model(model)
         assert speculation_blocker(model) is None, arch
 
 

@@ -215,10 +215,10 @@ def prepare_model(model: Any) -> ArchSpec:
 
 
 def speculation_blocker(model: Any) -> str | None:
-    """Why speculative decoding cannot run on `model`, or None: a rejected draft rolls
-    recurrent state back to the accepted length, which needs every recurrent layer's mixer
-    stepping (fed a verified chunk one token at a time; `prepare_model` installs it)."""
-    prepare_model(model)
+    """Why speculative decoding cannot run on `model` (after `prepare_model`, which makes the
+    mixers it can stepping), or None: a rejected draft rolls recurrent state back to the
+    accepted length, which needs every recurrent layer's mixer fed a verified chunk one token
+    at a time."""
     recurrent = sum(isinstance(t, mlc.ArraysCache) for t in layer_templates(model))
     if not recurrent:
         return None

@@ -317,20 +317,19 @@ class Controller:
         """This probe's latest sample costs more than plain decoding of `width` tokens (for a
         priced drafter, of the tokens the round is expected to yield: its speculative steps are
         priced rounds, so an unpriced wide probe only has to show the width's cost)."""
-        cell = self.costs.cells.get((b, width))
+        cell = self._probe_sample(b, width)
         tokens = float(self.acceptance.expected(np.array(width - 1))) if priced else width
-        return (
-            cell is not None
-            and cell.last_step >= self._probe_start
-            and cell.samples[-1] > tokens * plain
-        )
+        return cell is not None and cell.samples[-1] > tokens * plain
 
     def _spent(self, b: int, width: int, plain: float) -> bool:
         """The probe under way has a measured sample and the budget is spent (rule 5): an
         expensive width's probe stops at one sample instead of running past the budget."""
+        return self._probe_sample(b, width) is not None and not self._may_explore(plain)
+
+    def _probe_sample(self, b: int, width: int) -> _Cell | None:
+        """The probed width's cost cell if the probe under way has measured it, else None."""
         cell = self.costs.cells.get((b, width))
-        return (cell is not None and cell.last_step >= self._probe_start
-                and not self._may_explore(plain))
+        return cell if cell is not None and cell.last_step >= self._probe_start else None
 
     def _may_explore(self, plain: float) -> bool:
         return self.explore_excess <= self.config.budget * self.busy + ALLOWANCE * plain
