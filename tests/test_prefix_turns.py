@@ -204,3 +204,36 @@ def test_divergence_inside_a_wrapped_answer_keeps_the_hit_up_to_it():
         plain.stop()
     assert got.events[-1].num_cached_tokens == (len(first) + 41) // BLOCK * BLOCK
     assert got.tokens == ref.tokens
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_requests_arriving_together_share_the_first_ones_prefix(arch):
+    """Three long prompts with a common 80-token system prompt reach the engine in one burst
+    (queued before its thread runs, so the first lookups all miss): each starts after the one
+    before it has stored its blocks, and finds the shared prefix then. Greedy tokens equal
+    each prompt alone with the cache off; the counters count each row once."""
+    model, cfg = tiny_model(arch, seed=9)
+    lm = loaded(model, cfg)
+    rng = random.Random(10)
+    system = _prompt(rng, cfg["vocab_size"], 80)
+    prompts = [system + _prompt(rng, cfg["vocab_size"], 30 + 7 * i) for i in range(3)]
+    eng = Engine(lm, EngineConfig(SchedulerConfig(prefill_chunk=32), prefix_cache_bytes=64 << 20,
+                                  prefix_block_size=BLOCK))
+    runs = [submit(eng, greedy(f"s{i}", p, 12)) for i, p in enumerate(prompts)]
+    eng.start()
+    try:
+        for c in runs:
+            assert c.done.wait(120)
+        stats = eng.stats().prefix_cache
+    finally:
+        eng.stop()
+    cached = sorted(c.events[-1].num_cached_tokens for c in runs)
+    assert cached[0] == 0 and cached[1] >= len(system) // BLOCK * BLOCK
+    assert stats is not None and stats.queries == 3 and stats.hits == 2
+    assert stats.hit_tokens == sum(cached)
+    plain = _engine(lm, prefix_bytes=0, prefill_chunk=32)
+    try:
+        for c, p in zip(runs, prompts, strict=True):
+            assert c.tokens == run_alone(plain, greedy("ref", p, 12)).tokens
+    finally:
+        plain.stop()

@@ -45,8 +45,10 @@ The scheduler's side is `PrefixIndex` (`NoPrefix` when the cache is off):
 
 Under the memory budget the cache holds at most `min(max_bytes, room)`: the scheduler sets
 `room` to what the weights, the admitted rows' KV and a step's activations leave, and evicts
-least recently used blocks to admit a request (engine.scheduler). A waiting row whose hit was
-evicted meanwhile is looked up again before it starts.
+least recently used blocks to admit a request (engine.scheduler). A waiting row is looked up
+again before it starts when its hit was evicted meanwhile or the cache stored blocks since its
+last lookup (a burst of requests sharing a system prompt: the first one's prefill stores it,
+the others hit it); the hit counters count each started row once, with the hit it starts with.
 
 Across turns: a finished row's whole sequence goes in (`finish`), so a next turn that re-sends
 the answer restores through it. Ring and recurrent layers cannot give back boundaries the row
@@ -166,6 +168,7 @@ class PrefixCache:
         self.last_node: _Node | None = None  # the deepest node of the last insert's path
         self._nbytes = 0
         self.stats = PrefixCounters()
+        self.version = 0  # grows with every insert that stores something (see `PrefixIndex.lookup`)
 
     # ---------------------------------------------------------------- queries
 
@@ -204,12 +207,15 @@ class PrefixCache:
         return self._roots.setdefault(key, _Node((), None, 0))
 
     def lookup(
-        self, token_ids: Sequence[int], max_tokens: int | None = None, key: int = 0
+        self, token_ids: Sequence[int], max_tokens: int | None = None, key: int = 0,
+        count: bool = True,
     ) -> PrefixHit | None:
         """The longest cached, restorable, block-aligned prefix of `token_ids` (<= max_tokens)
         among the blocks inserted under `key` (rows whose KV differs, such as rows with
-        different adapters, use different keys)."""
-        self.stats.queries += 1
+        different adapters, use different keys). `count=False` leaves the query and hit
+        counters to the caller (`count_hit`)."""
+        if count:
+            self.stats.queries += 1
         limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
         node, path = self._root(key), []
         for block in self._blocks(token_ids, limit):
@@ -221,10 +227,18 @@ class PrefixCache:
         for cand in reversed(path):
             if self._restorable(path[: cand.depth]):
                 self._touch(cand)
-                self.stats.hits += 1
-                self.stats.hit_tokens += cand.depth * self.block_size
-                return PrefixHit(cand.depth * self.block_size, cand)
+                hit = PrefixHit(cand.depth * self.block_size, cand)
+                if count:
+                    self.count_hit(hit)
+                return hit
         return None
+
+    def count_hit(self, hit: PrefixHit | None, query: bool = False) -> None:
+        """Count a hit (and, with `query`, the query that found it or missed)."""
+        self.stats.queries += int(query)
+        if hit is not None:
+            self.stats.hits += 1
+            self.stats.hit_tokens += hit.num_tokens
 
     def _restorable(self, path: list[_Node]) -> bool:
         boundary = len(path) * self.block_size
@@ -362,6 +376,8 @@ class PrefixCache:
         if node.parent is not None:
             self._touch(node)
         self.stats.inserted_blocks += created
+        if created or filled:
+            self.version += 1
         self._evict()
         return created
 
@@ -589,6 +605,7 @@ class PrefixIndex:
         self.chunk = min(self.max_chunk, max(block_size, prefill_chunk // block_size * block_size))
         self._make_caches = make_caches
         self._hits: dict[str, PrefixHit | None] = {}  # req_id -> hit (None: looked up, missed)
+        self._looked: dict[str, int] = {}  # req_id -> the cache's `version` at that lookup
         # Ring and recurrent layers cannot give a finished row's earlier boundaries back (the
         # ring moved on, the state is at the row's length), so rows capture each boundary while
         # decoding, at most `_reach` tokens past it (ring: window - keep positions before the
@@ -602,19 +619,25 @@ class PrefixIndex:
         self._store_finished = not recurrent  # the recurrent state is past the last boundary
 
     def lookup(self, row: RowMeta) -> None:
-        """Find the row's longest cached prefix (at most prompt - 1 tokens): once per row, and
-        again if its blocks were evicted while it waited."""
+        """Find the row's longest cached prefix (at most prompt - 1 tokens), again while it
+        waits whenever the cache has stored blocks since (requests that share a system prompt
+        and arrive together hit it once the first one's prefill stored it) or its hit was
+        evicted."""
+        version = self.cache.version
         if row.req_id in self._hits:
             old = self._hits[row.req_id]
-            if old is None or self.cache.holds(old):
+            held = old is None or self.cache.holds(old)
+            if held and self._looked[row.req_id] == version:
                 return
         ids = row.request.prompt_ids
-        hit = self.cache.lookup(ids, max_tokens=len(ids) - 1, key=row.adapter)
+        hit = self.cache.lookup(ids, max_tokens=len(ids) - 1, key=row.adapter, count=False)
         self._hits[row.req_id] = hit
+        self._looked[row.req_id] = version
         row.num_cached_tokens = hit.num_tokens if hit is not None else 0
 
     def forget(self, row: RowMeta) -> None:
         self._hits.pop(row.req_id, None)
+        self._looked.pop(row.req_id, None)
 
     def _insert(self, row: RowMeta, ids: Sequence[int], layers: Sequence[Any], *,
                 limit: int | None = None, wait: bool = True) -> None:
@@ -647,6 +670,9 @@ class PrefixIndex:
 
     def group_caches(self, rows: list[RowMeta]) -> list[Any]:
         hits = [self._hits.pop(r.req_id, None) for r in rows]
+        for r, h in zip(rows, hits, strict=True):
+            self._looked.pop(r.req_id, None)
+            self.cache.count_hit(h, query=True)
         assert all(h is None or self.cache.holds(h) for h in hits), "a picked row's hit was evicted"
         if not any(hits):
             return self._make_caches(len(rows))
