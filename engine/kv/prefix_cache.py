@@ -168,6 +168,7 @@ class PrefixCache:
         self.last_node: _Node | None = None  # the deepest node of the last insert's path
         self._nbytes = 0
         self.stats = PrefixCounters()
+        self.walk_end: _Node | None = None  # where the last `lookup` stopped walking the trie
         self.version = 0  # grows with every insert that stores something (see `PrefixIndex.lookup`)
 
     # ---------------------------------------------------------------- queries
@@ -224,6 +225,7 @@ class PrefixCache:
                 break
             path.append(child)
             node = child
+        self.walk_end = node
         for cand in reversed(path):
             if self._restorable(path[: cand.depth]):
                 self._touch(cand)
@@ -232,6 +234,17 @@ class PrefixCache:
                     self.count_hit(hit)
                 return hit
         return None
+
+    def walks_past(self, token_ids: Sequence[int], max_tokens: int, node: _Node | None) -> bool:
+        """Whether a lookup of `token_ids` that stopped at `node` (its `walk_end`; None: it
+        was evicted since) would now walk further: the node is gone or has gained a child
+        for the next block."""
+        if node is None or node.parent is not None and not self.attached(node):
+            return True
+        bs, d = self.block_size, node.depth
+        if (d + 1) * bs > min(max_tokens, len(token_ids)):
+            return False
+        return tuple(token_ids[d * bs : (d + 1) * bs]) in node.children
 
     def count_hit(self, hit: PrefixHit | None, query: bool = False) -> None:
         """Count a hit (and, with `query`, the query that found it or missed)."""
@@ -605,7 +618,8 @@ class PrefixIndex:
         self.chunk = min(self.max_chunk, max(block_size, prefill_chunk // block_size * block_size))
         self._make_caches = make_caches
         self._hits: dict[str, PrefixHit | None] = {}  # req_id -> hit (None: looked up, missed)
-        self._looked: dict[str, int] = {}  # req_id -> the cache's `version` at that lookup
+        # req_id -> the cache's `version` at the row's lookup, and where that lookup stopped
+        self._looked: dict[str, tuple[int, weakref.ref[_Node]]] = {}
         # Ring and recurrent layers cannot give a finished row's earlier boundaries back (the
         # ring moved on, the state is at the row's length), so rows capture each boundary while
         # decoding, at most `_reach` tokens past it (ring: window - keep positions before the
@@ -623,16 +637,23 @@ class PrefixIndex:
         waits whenever the cache has stored blocks since (requests that share a system prompt
         and arrive together hit it once the first one's prefill stored it) or its hit was
         evicted."""
-        version = self.cache.version
+        version, ids = self.cache.version, row.request.prompt_ids
         if row.req_id in self._hits:
             old = self._hits[row.req_id]
-            held = old is None or self.cache.holds(old)
-            if held and self._looked[row.req_id] == version:
-                return
-        ids = row.request.prompt_ids
+            seen, end_ref = self._looked[row.req_id]
+            if old is None or self.cache.holds(old):
+                if seen == version:
+                    return
+                # nothing new on its path (the common case: a cheap check, not a walk)
+                end = end_ref()
+                whole = end is not None and end.depth == (old.node.depth if old else 0)
+                if whole and not self.cache.walks_past(ids, len(ids) - 1, end):
+                    self._looked[row.req_id] = (version, end_ref)
+                    return
         hit = self.cache.lookup(ids, max_tokens=len(ids) - 1, key=row.adapter, count=False)
+        assert self.cache.walk_end is not None
         self._hits[row.req_id] = hit
-        self._looked[row.req_id] = version
+        self._looked[row.req_id] = (version, weakref.ref(self.cache.walk_end))
         row.num_cached_tokens = hit.num_tokens if hit is not None else 0
 
     def forget(self, row: RowMeta) -> None:
