@@ -304,8 +304,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "none decoding: what the device prefills in 200 ms, at least this)")
     g.add_argument("--prefill-budget", type=_budget, default=None,
                    help="rows x tokens of prefill work per engine step, or auto (default): "
-                        "what the prefill rate measured at start-up does in 50 ms (one to 16 "
-                        "chunks); four times that when no rows are decoding")
+                        "what the prefill rate measured at start-up does in 200 ms (one to 16 "
+                        "chunks); four times that for short prompts when no rows are decoding")
     g.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip running the first requests' shapes at start-up (the first "
                         "requests then build their kernels; the auto budget is then 2048)")

@@ -32,7 +32,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 def test_idle_chunks_give_the_same_tokens_and_fewer_forwards():
     prompt = _prompt(9 * CHUNK + 5, 0)
     plain = _engine(None)
-    big = _engine(8 * CHUNK / (4 * 0.05))  # an idle chunk of 8 chunks
+    big = _engine(8 * CHUNK / 0.2)  # an idle chunk of 8 chunks
     assert big.scheduler.idle_chunk == 8 * CHUNK
     assert big.runner.shapes[("prefill", 1, 8 * CHUNK)] == 1  # warmed at start-up
     for eng in (plain, big):
@@ -51,7 +51,7 @@ def test_idle_chunks_give_the_same_tokens_and_fewer_forwards():
 def test_rows_decoding_take_long_prompts_in_chunks_of_the_prefill_budget():
     """A long prompt that arrives while a row decodes runs in chunks of the prefill budget (2
     chunks here; 8 when idle), and both rows' tokens are those they get alone."""
-    eng = _engine(8 * CHUNK / (4 * 0.05), prefix=False, budget=2 * CHUNK)
+    eng = _engine(8 * CHUNK / 0.2, prefix=False, budget=2 * CHUNK)
     assert eng.runner.shapes[("prefill", 1, 2 * CHUNK)] == 1  # the busy width warmed too
     long_prompt, short_prompt = _prompt(6 * CHUNK + 1, 1), _prompt(10, 2)
     eng.start()

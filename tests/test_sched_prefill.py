@@ -78,7 +78,7 @@ def _scheduler(memory: MemoryBudget | None = None, **cfg) -> Scheduler:
 def _measured(memory: MemoryBudget | None = None) -> Scheduler:
     """A scheduler whose start-up measurement gave an idle chunk of 16 chunks."""
     sched = _scheduler(memory)
-    sched.size_idle_chunk(16 * CHUNK / (4 * 0.05))
+    sched.size_idle_chunk(16 * CHUNK / 0.2)  # 200 ms (`prefill_step_s`) of prefill
     return sched
 
 
