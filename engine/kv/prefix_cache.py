@@ -651,9 +651,10 @@ class PrefixIndex:
                     self._looked[row.req_id] = (version, end_ref)
                     return
         hit = self.cache.lookup(ids, max_tokens=len(ids) - 1, key=row.adapter, count=False)
-        assert self.cache.walk_end is not None
+        end, self.cache.walk_end = self.cache.walk_end, None  # no strong reference kept
+        assert end is not None
         self._hits[row.req_id] = hit
-        self._looked[row.req_id] = (version, weakref.ref(self.cache.walk_end))
+        self._looked[row.req_id] = (version, weakref.ref(end))
         row.num_cached_tokens = hit.num_tokens if hit is not None else 0
 
     def forget(self, row: RowMeta) -> None:
