@@ -168,7 +168,6 @@ class PrefixCache:
         self.last_node: _Node | None = None  # the deepest node of the last insert's path
         self._nbytes = 0
         self.stats = PrefixCounters()
-        self.walk_end: _Node | None = None  # where the last `lookup` stopped walking the trie
         self.version = 0  # grows with every insert that stores something (see `PrefixIndex.lookup`)
 
     # ---------------------------------------------------------------- queries
@@ -208,15 +207,17 @@ class PrefixCache:
         return self._roots.setdefault(key, _Node((), None, 0))
 
     def lookup(
-        self, token_ids: Sequence[int], max_tokens: int | None = None, key: int = 0,
-        count: bool = True,
+        self, token_ids: Sequence[int], max_tokens: int | None = None, key: int = 0
     ) -> PrefixHit | None:
         """The longest cached, restorable, block-aligned prefix of `token_ids` (<= max_tokens)
         among the blocks inserted under `key` (rows whose KV differs, such as rows with
-        different adapters, use different keys). `count=False` leaves the query and hit
-        counters to the caller (`count_hit`)."""
-        if count:
-            self.stats.queries += 1
+        different adapters, use different keys). Counted by `count_hit`, not here."""
+        return self.find(token_ids, max_tokens, key)[0]
+
+    def find(
+        self, token_ids: Sequence[int], max_tokens: int | None = None, key: int = 0
+    ) -> tuple[PrefixHit | None, _Node]:
+        """`lookup`, and the node where its walk down the trie stopped (for `walks_past`)."""
         limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
         node, path = self._root(key), []
         for block in self._blocks(token_ids, limit):
@@ -225,19 +226,15 @@ class PrefixCache:
                 break
             path.append(child)
             node = child
-        self.walk_end = node
         for cand in reversed(path):
             if self._restorable(path[: cand.depth]):
                 self._touch(cand)
-                hit = PrefixHit(cand.depth * self.block_size, cand)
-                if count:
-                    self.count_hit(hit)
-                return hit
-        return None
+                return PrefixHit(cand.depth * self.block_size, cand), node
+        return None, node
 
     def walks_past(self, token_ids: Sequence[int], max_tokens: int, node: _Node | None) -> bool:
-        """Whether a lookup of `token_ids` that stopped at `node` (its `walk_end`; None: it
-        was evicted since) would now walk further: the node is gone or has gained a child
+        """Whether a lookup of `token_ids` that stopped at `node` (`find`'s; None: it was
+        evicted since) would now walk further: the node is gone or has gained a child
         for the next block."""
         if node is None or node.parent is not None and not self.attached(node):
             return True
@@ -246,9 +243,9 @@ class PrefixCache:
             return False
         return tuple(token_ids[d * bs : (d + 1) * bs]) in node.children
 
-    def count_hit(self, hit: PrefixHit | None, query: bool = False) -> None:
-        """Count a hit (and, with `query`, the query that found it or missed)."""
-        self.stats.queries += int(query)
+    def count_hit(self, hit: PrefixHit | None) -> None:
+        """Count a query that started a row, and its hit (None: it missed)."""
+        self.stats.queries += 1
         if hit is not None:
             self.stats.hits += 1
             self.stats.hit_tokens += hit.num_tokens
@@ -601,6 +598,16 @@ def _row_view(layer: KVLayout | RecurrentLayout, i: int) -> KVLayout | Recurrent
     return out
 
 
+@dataclass(slots=True)
+class _Looked:
+    """A waiting row's last lookup: its hit (None: missed, or dropped), the cache's
+    `version` then, and where the walk stopped (weakly: eviction is not held up by it)."""
+
+    hit: PrefixHit | None
+    version: int
+    end: weakref.ref[_Node]
+
+
 class PrefixIndex:
     """The scheduler's prefix-cache policy over a `PrefixCache` (see the module docstring)."""
 
@@ -617,9 +624,7 @@ class PrefixIndex:
         self.max_chunk = max(block_size, limit // block_size * block_size)
         self.chunk = min(self.max_chunk, max(block_size, prefill_chunk // block_size * block_size))
         self._make_caches = make_caches
-        self._hits: dict[str, PrefixHit | None] = {}  # req_id -> hit (None: looked up, missed)
-        # req_id -> the cache's `version` at the row's lookup, and where that lookup stopped
-        self._looked: dict[str, tuple[int, weakref.ref[_Node]]] = {}
+        self._looked: dict[str, _Looked] = {}  # req_id -> its last lookup
         # Ring and recurrent layers cannot give a finished row's earlier boundaries back (the
         # ring moved on, the state is at the row's length), so rows capture each boundary while
         # decoding, at most `_reach` tokens past it (ring: window - keep positions before the
@@ -638,28 +643,26 @@ class PrefixIndex:
         and arrive together hit it once the first one's prefill stored it) or its hit was
         evicted."""
         version, ids = self.cache.version, row.request.prompt_ids
-        if row.req_id in self._hits:
-            old = self._hits[row.req_id]
-            seen, end_ref = self._looked[row.req_id]
-            if old is None or self.cache.holds(old):
-                if seen == version:
-                    return
-                # nothing new on its path (the common case: a cheap check, not a walk)
-                end = end_ref()
-                whole = end is not None and end.depth == (old.node.depth if old else 0)
-                if whole and not self.cache.walks_past(ids, len(ids) - 1, end):
-                    self._looked[row.req_id] = (version, end_ref)
-                    return
-        hit = self.cache.lookup(ids, max_tokens=len(ids) - 1, key=row.adapter, count=False)
-        end, self.cache.walk_end = self.cache.walk_end, None  # no strong reference kept
-        assert end is not None
-        self._hits[row.req_id] = hit
-        self._looked[row.req_id] = (version, weakref.ref(end))
+        looked = self._looked.get(row.req_id)
+        if looked is not None and (looked.hit is None or self.cache.holds(looked.hit)):
+            if looked.version == version:
+                return
+            # nothing new on its path (the common case: a cheap check, not a walk)
+            end = looked.end()
+            whole = end is not None and end.depth == (looked.hit.node.depth if looked.hit else 0)
+            if whole and not self.cache.walks_past(ids, len(ids) - 1, end):
+                looked.version = version
+                return
+        hit, end = self.cache.find(ids, max_tokens=len(ids) - 1, key=row.adapter)
+        self._looked[row.req_id] = _Looked(hit, version, weakref.ref(end))
         row.num_cached_tokens = hit.num_tokens if hit is not None else 0
 
     def forget(self, row: RowMeta) -> None:
-        self._hits.pop(row.req_id, None)
         self._looked.pop(row.req_id, None)
+
+    def _hit(self, row: RowMeta) -> PrefixHit | None:
+        looked = self._looked.get(row.req_id)
+        return looked.hit if looked is not None else None
 
     def _insert(self, row: RowMeta, ids: Sequence[int], layers: Sequence[Any], *,
                 limit: int | None = None, wait: bool = True) -> None:
@@ -672,7 +675,9 @@ class PrefixIndex:
 
     def drop_hit(self, row: RowMeta) -> None:
         """Prefill the row from scratch: its hit's blocks may be evicted."""
-        self._hits[row.req_id] = None
+        looked = self._looked.get(row.req_id)
+        if looked is not None:
+            looked.hit = None
         row.num_cached_tokens = 0
 
     @property
@@ -683,7 +688,7 @@ class PrefixIndex:
         """Evict least recently used blocks until the cache holds at most `nbytes`, keeping
         the blocks the hits of `rows` will restore; nothing is evicted when that cannot be
         reached. Returns whether it was."""
-        pins = [h for h in (self._hits.get(r.req_id) for r in rows) if h is not None]
+        pins = [h for h in map(self._hit, rows) if h is not None]
         return nbytes >= 0 and self.cache.evict_to(nbytes, pins)
 
     def set_room(self, nbytes: int) -> None:
@@ -691,10 +696,10 @@ class PrefixIndex:
         self.cache.set_room(nbytes)
 
     def group_caches(self, rows: list[RowMeta]) -> list[Any]:
-        hits = [self._hits.pop(r.req_id, None) for r in rows]
+        hits = [self._hit(r) for r in rows]
         for r, h in zip(rows, hits, strict=True):
-            self._looked.pop(r.req_id, None)
-            self.cache.count_hit(h, query=True)
+            self.forget(r)
+            self.cache.count_hit(h)
         assert all(h is None or self.cache.holds(h) for h in hits), "a picked row's hit was evicted"
         if not any(hits):
             return self._make_caches(len(rows))
