@@ -35,10 +35,8 @@ Which prompts start, and when (`_next_group`, `_order`, `_pick`):
   it). `prefill_budget=None` (the default) is sized at start-up by `auto_prefill_budget` from
   the prefill rate the runner's warm-up measures: the prefill work of one step costs about
   `prefill_step_s` (200 ms), so a decoding row's next token is late by about that much, at least
-  one chunk and at most 16. 200 ms rather than less because a step's decode is paid once per
-  step: on the H100 (1B shape, 4-bit, 64 agent sessions whose second turns arrive together)
-  200 ms gave 1.12x the turns per minute of 50 ms and turn-2 TTFT p50 / p99 3.6 / 7.5 s against
-  4.5 / 9.1 s (docs/benchmarks.md).
+  one chunk and at most 16. Not less: every step also decodes the running rows, so a smaller
+  budget pays that decode more often per prompt (the measured trade: docs/architecture.md).
 
 Memory (`_admits`, engine.kv.memory): a row starts only while the weights, the KV of every
 admitted row at its longest (one batch: rows as wide as the longest, in 256-column steps, at the
