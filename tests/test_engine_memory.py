@@ -114,7 +114,7 @@ def test_no_per_request_state_left_after_finish_and_aborts(lm):
         assert all(o.done.wait(60) for o in outs)
         assert _wait(lambda: eng.stats().num_running == 0 and eng.stats().kv_bytes == 0)
         assert eng._sinks == {}
-        assert eng.scheduler.prefix._hits == {}
+        assert eng.scheduler.prefix._looked == {}
         assert not eng.scheduler.waiting and eng.scheduler.prefill is None
         assert eng.stats().active_requests == 0
     finally:
