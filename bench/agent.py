@@ -461,9 +461,9 @@ def calibrate(srv: ServerProcess, prompts: dict[int, list[str]],
               eos_bias: dict[str, float] | None) -> dict[str, Any]:
     """TTFT of each fresh prompt alone (fastest of its repeats) and prefill tok/s = tokens / TTFT."""
     one = _alone(srv, eos_bias)
-    sizes, ttfts, cpus, seen = [], [], [], []
+    sizes, ttfts, cpus, seen, parts = [], [], [], [], []
     for n, texts in prompts.items():
-        cpu0 = cpu_seconds(srv.pid)
+        cpu0, parts0 = cpu_seconds(srv.pid), ttft_parts(srv.url)
         got = [((r.ttft if r.ok else None), r.prompt_tokens) for r in map(one, texts)]
         cpu = _cpu(cpu0, cpu_seconds(srv.pid))
         times = [t for t, _ in got if t is not None]
@@ -472,8 +472,12 @@ def calibrate(srv: ServerProcess, prompts: dict[int, list[str]],
             ttfts.append(min(times))
             cpus.append(cpu / len(texts) if cpu is not None else None)
             seen.append(next((p for _, p in got if p is not None), n))
+            parts.append(ttft_parts_mean(parts0, ttft_parts(srv.url)))
     return {"sizes": sizes, "prompt_tokens": seen, "ttft_s": ttfts,
             "cpu_s_per_request": cpus,  # server CPU seconds (prefill + 4 tokens), mean
+            # mlxd's own split of the server-side TTFT, mean over the size's requests (None: a
+            # peer without those metrics)
+            "ttft_parts_mean_s": parts,
             "prefill_tok_s": [p / t for p, t in zip(seen, ttfts, strict=True)]}
 
 
@@ -858,6 +862,16 @@ def prefill_table(result: dict[str, Any]) -> str:
             cells.append(_f(ratio(c["prompt_tokens"][j], cpu) if j is not None else None, 0))
         rc = ratio(raw["prompt_tokens"][i], raw["cpu_s"][i]) if raw.get("cpu_s") else None
         rows.append(f"| {n} | " + " | ".join(cells) + f" | {_f(rc, 0)} |")
+    split = [(e["label"], e["calibration"]) for e in result["servers"].values()
+             if any(e["calibration"].get("ttft_parts_mean_s") or [])]
+    for label, c in split:  # where a server's TTFT goes (its own /metrics)
+        rows += ["", f"{label}'s TTFT in parts, mean ms (HTTP in → submit, queued, prefill; "
+                 "the rest is the client's side and the stream's first chunk):", "",
+                 "| prompt tokens | TTFT (fastest) | preprocess | queue | prefill |",
+                 "|---:|---:|---:|---:|---:|"]
+        for n, t, part in zip(c["sizes"], c["ttft_s"], c["ttft_parts_mean_s"], strict=True):
+            ms = [_f(part.get(k) * 1e3 if part and k in part else None, 1) for k in TTFT_PARTS]
+            rows.append(f"| {n} | {t * 1e3:.1f} | " + " | ".join(ms) + " |")
     return "\n".join(rows)
 
 

@@ -245,8 +245,13 @@ def test_prefill_toy_run_against_raw(tmp_path: Path):
     assert raw["prompt_tokens"] == [64, 200] and all(v > 0 for v in raw["cpu_s"])
     eng = result["engine"]
     assert eng["sizes"] == eng["prompt_tokens"] == [64, 200] and all(v > 0 for v in eng["prefill_s"])
+    # mlxd splits its TTFT: the parts are positive and add up to no more than the client's TTFT
+    # of the request (the fastest one here is the only one)
+    for t, part in zip(c["ttft_s"], c["ttft_parts_mean_s"], strict=True):
+        assert set(part) >= {"preprocess", "queue", "prefill"} and min(part.values()) >= 0
+        assert 0 < sum(part[k] for k in ("preprocess", "queue", "prefill")) <= t
     table = (out / "table.md").read_text()
-    assert "| 200 |" in table and "engine alone / raw" in table
+    assert "| 200 |" in table and "engine alone / raw" in table and "TTFT in parts" in table
 
 
 def test_deadline_keeps_the_turns_that_finished(tok):
