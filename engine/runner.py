@@ -224,7 +224,12 @@ class Runner:
         first = None
         if end < group.width:
             self._forward(inputs, group.caches, group.batch)
-            kvb.eval_state(group.caches)
+            # launched, not waited for: the prefix cache's bookkeeping below and the next
+            # step's graph are built while the device runs this chunk; what was launched
+            # before (the previous chunk) is waited for first, so the host stays at most one
+            # chunk ahead
+            mx.synchronize()
+            mx.async_eval(kvb.state_arrays(group.caches))
         else:
             # every row of a group ends in its last chunk (several rows run in one chunk)
             last = [len(t) - 1 - start for t in group.token_lists]
@@ -234,7 +239,7 @@ class Runner:
             first = self._sample(group.batch, logits, group.batch.constrained_rows())
             mx.eval(*_outputs(first), *kvb.state_arrays(group.caches),
                     *_arrays_of(group.batch.sampler))
-        self.prefix.store(group.rows, group.caches)
+        self.prefix.store(group.rows, group.caches, wait=first is not None)
         return first
 
     def prefill_row(self, caches: list[Any], token_ids: list[int]) -> None:

@@ -14,7 +14,7 @@ from engine.api import Request, SamplingParams
 from engine.core import Engine, EngineConfig
 from engine.host_memory import background_trims, memory_readings, release_idle_memory
 from engine.scheduler import SchedulerConfig
-from tests.tiny_models import greedy, loaded, submit, tiny_model
+from tests.tiny_models import greedy, greedy_deviations, loaded, submit, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +119,33 @@ def test_no_per_request_state_left_after_finish_and_aborts(lm):
         assert eng.stats().active_requests == 0
     finally:
         eng.stop()
+
+
+def test_a_long_prompt_aborted_mid_prefill_leaves_no_chunk_behind(lm):
+    """A long prompt's chunks are launched, not waited for; cut off between two chunks, it
+    leaves nothing running, and a prompt prefilled in such chunks next is exact."""
+    eng = Engine(lm, EngineConfig(SchedulerConfig(prefill_chunk=64, prefill_budget=64),
+                                  prefix_block_size=16))
+    events: list = []
+    prompt = [1 + j % 400 for j in range(600)]
+    eng.add(Request("long", prompt, SamplingParams(temperature=0.0, max_tokens=4)), events.extend)
+    eng.turn()
+    eng.turn()
+    group = eng.scheduler.prefill
+    assert group is not None and 0 < group.done < len(prompt)  # between two chunks
+    eng.abort("long")
+    while eng.has_pending():
+        eng.turn()
+    assert eng.scheduler.prefill is None and eng.stats().kv_bytes == 0
+    assert events and events[-1].finish_reason == "abort"
+    # a prompt prefilled in several launched-ahead chunks decodes as in one forward
+    short = prompt[:300]
+    got: list = []
+    eng.add(Request("again", short, SamplingParams(temperature=0.0, max_tokens=8)), got.extend)
+    while eng.has_pending():
+        eng.turn()
+    tokens = [t for e in got for t in e.token_ids]
+    assert len(tokens) == 8 and greedy_deviations(lm.model, short, tokens) == (0, 0.0)
 
 
 def test_memory_readings_by_owner():

@@ -706,13 +706,15 @@ class PrefixIndex:
         parts = [self.cache.restore(h) if h is not None else self._make_caches(1) for h in hits]
         return kvb.merge_rows(None, parts)
 
-    def store(self, rows: list[RowMeta], caches: list[Any]) -> None:
-        """Insert the complete blocks each row now holds."""
+    def store(self, rows: list[RowMeta], caches: list[Any], wait: bool = True) -> None:
+        """Insert the complete blocks each row now holds; `wait=False` queues the copies behind
+        the chunk that wrote the blocks, which may still be computing."""
         counts = kvb.num_tokens(caches)
         for i, row in enumerate(rows):
             n = int(counts[i])
             if n >= self.block_size:
-                self._insert(row, row.request.prompt_ids[:n], kvb.extract_row(caches, i))
+                self._insert(row, row.request.prompt_ids[:n], kvb.extract_row(caches, i),
+                             wait=wait)
 
     def advance(self, rows: Sequence[RowMeta], caches: list[Any] | None) -> None:
         """While decoding (ring or recurrent layers only): a row whose length has just passed
@@ -796,8 +798,8 @@ class NoPrefix:
     def group_caches(self, rows: list[RowMeta]) -> list[Any]:
         return self._make_caches(len(rows))
 
-    def store(self, rows: list[RowMeta], caches: list[Any]) -> None:
-        del rows, caches
+    def store(self, rows: list[RowMeta], caches: list[Any], wait: bool = True) -> None:
+        del rows, caches, wait
 
     def advance(self, rows: Sequence[RowMeta], caches: list[Any] | None) -> None:
         del rows, caches
