@@ -129,6 +129,7 @@ class SpecStats:
     expected_tokens_per_round: float = 1.0
     acceptance_by_position: list[float] = field(default_factory=list)
     overhead_ms_per_spec_step: float = 0.0  # drafter work outside the measured steps
+    switch_ms_per_spec_step: float = 0.0  # what switching modes costs, charged to speculating
     explore_ms: float = 0.0  # time spent trying widths that did not pay
     busy_s: float = 0.0
     speculating_by_bucket: dict[str, bool] = field(default_factory=dict)  # batch-size bucket

@@ -153,6 +153,7 @@ _SPEC_DOCS = {
     "tokens_per_row_round": "Tokens a row gained per round it drafted in",
     "expected_tokens_per_round": "The controller's estimate of tokens_per_row_round at the ceiling",
     "overhead_ms_per_spec_step": "Drafter milliseconds outside the measured steps, per step",
+    "switch_ms_per_spec_step": "Milliseconds that switching modes costs, per speculative step",
     "explore_ms": "Milliseconds spent trying widths that did not pay",
 }
 

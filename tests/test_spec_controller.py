@@ -61,6 +61,7 @@ def simulate(
     seed: int = 0,
     ctl: Controller | None = None,
     catch_up: Callable[[int], float] | None = None,
+    switch: float = 0.0,
 ) -> Run:
     """Drive the controller as the decoder does. `acceptance(i, step)`: the per-token acceptance
     probability of the i-th speculative round, at engine step `step` (drafts i.i.d. Bernoulli until the first
@@ -68,7 +69,8 @@ def simulate(
     `cost(W)`: seconds of a step verifying W columns, recorded with a shared machine's jitter;
     `catch_up(lag)`: a draft model's catch-up, inside the first speculative step after `lag`
     plain ones (that step is atypical, and the seconds are reported as drafter work, as
-    `Speculation.record` does)."""
+    `Speculation.record` does); `switch`: seconds the first step after a switch between plain
+    and speculative decoding costs beyond its mode's (the pipeline drained or refilled)."""
     rng = np.random.default_rng(seed)
     if ctl is None:
         ctl = Controller(ControllerConfig(max_draft=K), prior=0.5 if offer else 0.6)
@@ -89,13 +91,14 @@ def simulate(
             ctl.learn(k, a)
         extra = catch_up(lag) if catch_up is not None and width > 1 and lag else 0.0
         lag = 0 if width > 1 else lag + 1
-        ctl.record(rows, width, cost(width) * rng.uniform(0.85, 1.2) + extra, not extra,
-                   float((a + 1).mean()), extra)
+        switched = switch if run.widths and (run.widths[-1] > 1) != (width > 1) else 0.0
+        ctl.record(rows, width, cost(width) * rng.uniform(0.85, 1.2) + extra + switched,
+                   not extra, float((a + 1).mean()), extra)
         run.widths.append(width)
         run.tokens.append(int((a + 1).sum()))
-        run.seconds.append(cost(width) + extra)
+        run.seconds.append(cost(width) + extra + switched)
         tokens += int((a + 1).sum())
-        seconds += cost(width) + extra
+        seconds += cost(width) + extra + switched
     run.ratio = tokens / seconds / (rows / cost(1))
     return run
 
@@ -216,6 +219,29 @@ def test_bursty_lookup_on_an_edit_workload():
         run = simulate(cost, lambda i, s: 0.8, 160, K=8, offer=offer, seed=seed)
         first = next(i for i, w in enumerate(run.widths) if w > 1)
         assert first <= 6 and run.ratio > 1.3, (seed, first, run.ratio)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_lookups_that_come_and_go_do_not_pay_for_their_switches(seed):
+    """A lookup that finds drafts on half of the steps at random, on memory-bound costs: every
+    round is a switch into speculation and one out of it. Free switches: speculating whenever
+    there are drafts pays (~1.17x). Switches that cost a plain step each (a drained or refilled
+    pipeline, measured in no cost cell): speculating so lost (0.83x before switches were
+    charged); the controller stays within 5 % of plain decoding."""
+    def offer(rng: np.random.Generator) -> int:
+        return 4 if rng.random() < 0.5 else 0
+
+    def acceptance(i: int, s: int) -> float:
+        return 0.6
+
+    free = simulate(memory_bound, acceptance, 3000, offer=offer, seed=seed)
+    assert free.ratio >= 1.12 and free.spec_share() > 0.4, (free.ratio, free.spec_share())
+    costly = simulate(memory_bound, acceptance, 3000, offer=offer, seed=seed, switch=PLAIN_S)
+    assert costly.ratio >= 0.95 and costly.spec_share() < 0.1, (costly.ratio, costly.spec_share())
+    # a lookup that keeps finding drafts switches rarely and still speculates with those costs
+    steady = simulate(memory_bound, acceptance, 3000, offer=lambda rng: 4, seed=seed,
+                      switch=PLAIN_S)
+    assert steady.ratio >= 1.25 and steady.spec_share() > 0.95, steady.ratio
 
 
 def test_bursts_of_acceptance():

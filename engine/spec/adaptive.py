@@ -11,8 +11,12 @@ The rule (docs/speculative.md, "The controller"):
 2. Cost. The step time per (batch-size bucket, width), the median of its last `WINDOW`
    samples; widths between two measured ones are interpolated linearly, wider ones are unknown.
 3. Choice. The width with the most expected tokens per second, `sum_b E(min(W - 1, caps_b)) /
-   (cost(W) + drafter overhead)`; speculation starts when it beats plain decoding by `MARGIN`
-   and stops when it no longer beats it (`HOLD`): noise in the estimates does not flip it.
+   (cost(W) + drafter overhead + switching)`; speculation starts when it beats plain decoding
+   by `MARGIN` and stops when it no longer beats it (`HOLD`): noise in the estimates does not
+   flip it. `switching` is what the first steps after switches between plain and speculative
+   decoding cost beyond their mode's typical step, per speculative step (no cost cell holds
+   it; lookups that come and go make a switch of every round); it decays while decoding
+   plainly, so speculation is tried again.
 4. Probes. Every `gap` steps a probe measures `PROBE_STEPS - 1` steps at the least recently
    measured of widths 1, 2 and the widest the rows fill (never the current choice, nor width 1
    while speculating is expected to beat plain decoding by `CLEAR`); the gap doubles
@@ -50,6 +54,7 @@ MARGIN = 1.1  # speculation starts when it beats plain by 10 % (estimates are no
 HOLD = 1.0  # ... and stops when it no longer beats plain decoding
 CLEAR = 1.5  # speculation expected to beat plain by this much: width 1 is not probed
 PROBE_STEPS = 4  # a probe's measured samples + 1 (a step after a mode switch is not measured)
+SWITCH_DECAY = 0.995  # the switching cost's decay per plain step (speculation is retried)
 WINDOW = 8  # samples per cost cell
 MIN_SAMPLES = 2  # samples before a cell is used
 ALLOWANCE = 8.0  # plain steps of probing excess allowed before any busy time has accrued
@@ -182,6 +187,9 @@ class Controller:
     busy: float = 0.0  # seconds of every recorded step
     explore_excess: float = 0.0  # seconds probes cost beyond plain decoding of their tokens
     overhead: float = 0.0  # EMA of drafter seconds no typical step shows, per spec step
+    switching: float = 0.0  # EMA of mode switches' excess seconds, per spec step (rule 3)
+    _switch_excess: float = 0.0  # switches' excess since the last speculative step
+    _was_probe: bool = False  # the previous step belonged to a probe
     _last_width: int = 0  # width of the previous engine step (0: none yet)
     _probe_left: int = 0  # further measured samples the probe under way needs
     _probe_steps: int = 0  # further steps it may take to get them
@@ -256,7 +264,7 @@ class Controller:
             if cost is None:
                 break
             rate = float(self.acceptance.expected(np.minimum(caps, w - 1)).sum())
-            rate /= cost + self.overhead
+            rate /= cost + self.overhead + max(0.0, self.switching)
             if rate > best_rate * (margin if best_w == 1 else 1.0):
                 best_w, best_rate = w, rate
         return best_w, best_rate * plain / len(caps)
@@ -354,9 +362,27 @@ class Controller:
 
         The first step after a switch between plain and speculative decoding drains or
         refills the pipeline, so only a step in the same mode as the one before is measured.
+        What such a step costs beyond its mode's typical step is charged to speculating
+        (`switching`, per speculative step): where the rows' lookups come and go, each round
+        brings two switches, which no cost cell shows. Switches into and out of probes are
+        left out (the budget holds those), and the charge decays while decoding plainly, so
+        speculation is tried again when the rows change.
         """
         b = bucket_of(max(num_rows, 1))
         same_mode = self._last_width > 0 and (self._last_width > 1) == (width > 1)
+        probe = self._probing or self._probe_left > 0
+        regular = not probe and not self._was_probe
+        if regular and self._last_width > 0 and num_rows > 0:
+            if not same_mode:
+                typical_cost = self.costs.estimate(b, width)
+                if typical and typical_cost is not None:
+                    self._switch_excess += seconds - typical_cost
+            elif width > 1:
+                self.switching += 0.1 * (self._switch_excess - self.switching)
+                self._switch_excess = 0.0
+            else:
+                self.switching *= SWITCH_DECAY
+        self._was_probe = probe
         if width > 1:
             self.overhead += 0.1 * (drafter - self.overhead)
             if self._probing:  # what the probe cost beyond plain decoding of its tokens
