@@ -14,9 +14,9 @@ The rule (docs/speculative.md, "The controller"):
    (cost(W) + drafter overhead + switching)`; speculation starts when it beats plain decoding
    by `MARGIN` and stops when it no longer beats it (`HOLD`): noise in the estimates does not
    flip it. `switching` is what the first steps after switches between plain and speculative
-   decoding cost beyond their mode's typical step, per speculative step (no cost cell holds
-   it; lookups that come and go make a switch of every round); it decays while decoding
-   plainly, so speculation is tried again.
+   decoding that the drafter's offers caused cost beyond their mode's typical step, per
+   speculative step (no cost cell holds it; lookups that come and go make a switch of every
+   round); it decays while decoding plainly, so speculation is tried again.
 4. Probes. Every `gap` steps a probe measures `PROBE_STEPS - 1` steps at the least recently
    measured of widths 1, 2 and the widest the rows fill (never the current choice, nor width 1
    while speculating is expected to beat plain decoding by `CLEAR`); the gap doubles
@@ -190,6 +190,8 @@ class Controller:
     switching: float = 0.0  # EMA of mode switches' excess seconds, per spec step (rule 3)
     _switch_excess: float = 0.0  # switches' excess since the last speculative step
     _was_probe: bool = False  # the previous step belonged to a probe
+    _offered: bool = False  # the last decision's rows had drafts to offer
+    _offer_changed: bool = False  # ... and the one before's had not, or the other way round
     _last_width: int = 0  # width of the previous engine step (0: none yet)
     _probe_left: int = 0  # further measured samples the probe under way needs
     _probe_steps: int = 0  # further steps it may take to get them
@@ -234,6 +236,7 @@ class Controller:
         offers it the widest width the rows fill."""
         top = int(caps.max(initial=0)) + 1
         self._probing = False
+        self._offer_changed, self._offered = self._offered != (top > 1), top > 1
         if top == 1:
             return Decision(1, caps)
         if not self.config.adaptive:
@@ -362,25 +365,26 @@ class Controller:
 
         The first step after a switch between plain and speculative decoding drains or
         refills the pipeline, so only a step in the same mode as the one before is measured.
-        What such a step costs beyond its mode's typical step is charged to speculating
+        What such a step costs beyond its mode's typical step, when the drafter's offers
+        caused the switch (drafts appeared or ran out), is charged to speculating
         (`switching`, per speculative step): where the rows' lookups come and go, each round
-        brings two switches, which no cost cell shows. Switches into and out of probes are
-        left out (the budget holds those), and the charge decays while decoding plainly, so
-        speculation is tried again when the rows change.
+        brings two switches, which no cost cell shows. The controller's own switches and
+        those into and out of probes (the budget holds those) are left out, and the charge
+        decays while decoding plainly, so speculation is tried again when the rows change.
         """
         b = bucket_of(max(num_rows, 1))
         same_mode = self._last_width > 0 and (self._last_width > 1) == (width > 1)
         probe = self._probing or self._probe_left > 0
         regular = not probe and not self._was_probe
         if regular and self._last_width > 0 and num_rows > 0:
-            if not same_mode:
-                typical_cost = self.costs.estimate(b, width)
-                if typical and typical_cost is not None:
-                    self._switch_excess += seconds - typical_cost
-            elif width > 1:
+            typical_cost = self.costs.estimate(b, width)
+            # switches the drafter's offers caused (not the controller's own choice)
+            if not same_mode and typical and typical_cost is not None and self._offer_changed:
+                self._switch_excess += seconds - typical_cost
+            if width > 1:  # per speculative step: the switches since the last one
                 self.switching += 0.1 * (self._switch_excess - self.switching)
                 self._switch_excess = 0.0
-            else:
+            elif same_mode:
                 self.switching *= SWITCH_DECAY
         self._was_probe = probe
         if width > 1:
