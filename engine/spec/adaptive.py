@@ -267,7 +267,7 @@ class Controller:
             if cost is None:
                 break
             rate = float(self.acceptance.expected(np.minimum(caps, w - 1)).sum())
-            rate /= cost + self.overhead + max(0.0, self.switching)
+            rate /= cost + self.overhead + self.switch_seconds
             if rate > best_rate * (margin if best_w == 1 else 1.0):
                 best_w, best_rate = w, rate
         return best_w, best_rate * plain / len(caps)
@@ -377,10 +377,11 @@ class Controller:
         probe = self._probing or self._probe_left > 0
         regular = not probe and not self._was_probe
         if regular and self._last_width > 0 and num_rows > 0:
-            typical_cost = self.costs.estimate(b, width)
             # switches the drafter's offers caused (not the controller's own choice)
-            if not same_mode and typical and typical_cost is not None and self._offer_changed:
-                self._switch_excess += seconds - typical_cost
+            if not same_mode and typical and self._offer_changed:
+                typical_cost = self.costs.estimate(b, width)
+                if typical_cost is not None:
+                    self._switch_excess += seconds - typical_cost
             if width > 1:  # per speculative step: the switches since the last one
                 self.switching += 0.1 * (self._switch_excess - self.switching)
                 self._switch_excess = 0.0
@@ -403,6 +404,12 @@ class Controller:
         self.busy += seconds
         self._last_width = width
         self.step += 1
+
+    @property
+    def switch_seconds(self) -> float:
+        """What switching modes costs per speculative step (`switching`, never below 0: its
+        samples are signed, so noise averages out instead of piling up)."""
+        return max(0.0, self.switching)
 
     @property
     def speculating(self) -> dict[int, bool]:

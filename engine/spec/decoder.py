@@ -349,7 +349,7 @@ class Speculation:
                 np.array(self.max_draft))), 3),
             acceptance_by_position=[round(float(a), 4) for a in ctl.acceptance.rates],
             overhead_ms_per_spec_step=round(ctl.overhead * 1e3, 3),
-            switch_ms_per_spec_step=round(max(0.0, ctl.switching) * 1e3, 3),
+            switch_ms_per_spec_step=round(ctl.switch_seconds * 1e3, 3),
             explore_ms=round(ctl.explore_excess * 1e3, 3),
             busy_s=round(ctl.busy, 3),
             speculating_by_bucket={str(b): v for b, v in sorted(ctl.speculating.items())},
