@@ -703,7 +703,18 @@ class PrefixIndex:
         assert all(h is None or self.cache.holds(h) for h in hits), "a picked row's hit was evicted"
         if not any(hits):
             return self._make_caches(len(rows))
-        parts = [self.cache.restore(h) if h is not None else self._make_caches(1) for h in hits]
+        # rows with the same hit (an agent's sessions on its system prompt) share one restore:
+        # the merge copies it into each row, so nothing of it is written twice
+        restored: dict[tuple[int, int], list[Any]] = {}
+        parts = []
+        for h in hits:
+            if h is None:
+                parts.append(self._make_caches(1))
+                continue
+            key = (id(h.node), h.num_tokens)
+            if key not in restored:
+                restored[key] = self.cache.restore(h)
+            parts.append(restored[key])
         return kvb.merge_rows(None, parts)
 
     def store(self, rows: list[RowMeta], caches: list[Any], wait: bool = True) -> None:
