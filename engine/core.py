@@ -55,9 +55,10 @@ from engine.kv.memory import MemoryBudget
 from engine.kv.prefix_cache import NoPrefix, PrefixIndex
 from engine.loader import LoadedModel
 from engine.runner import Runner, Shape, WarmUp
-from engine.scheduler import Scheduler, SchedulerConfig, auto_prefill_budget
+from engine.scheduler import Plan, Scheduler, SchedulerConfig, StepResult, auto_prefill_budget
 from engine.spec import SpecConfig, build_speculation
 from engine.spec.decoder import Speculation
+from engine.steptrace import StepTrace
 from kernels.affine.prebuild import prebuild as prebuild_qmm
 
 log = logging.getLogger("mlxd.engine")
@@ -91,6 +92,7 @@ class EngineConfig:
     # ranks must agree on that budget first: engine.distributed warms them after)
     warm_chunks: bool = True
     embed_batch_tokens: int = 4096  # padded tokens per embedding batch (one longer input: alone)
+    trace_steps: str | None = None  # append each step's phases to this file (engine.steptrace)
 
 
 # the automatic prefix cache is this fraction of the memory budget: 16 growing agent sessions on
@@ -150,6 +152,9 @@ class Engine(EngineThread):
             if cfg.prefix_cache_bytes != 0 else NoPrefix(make, chunk)
         )
         self.runner = Runner(model, kv, self.spec, self.prefix)
+        self._trace = StepTrace(cfg.trace_steps) if cfg.trace_steps else None
+        if self._trace is not None:
+            self.runner.timings = {}
         # after the runner's start-up checks: this runs the first forward
         self.budget = self._new_budget(
             model, cfg.memory_budget,
@@ -469,6 +474,9 @@ class Engine(EngineThread):
         self._fail_all("the engine is shutting down", reason=FINISH_ABORT)
         self._fail_embeddings("the engine is shutting down")
         self._publish()
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
 
     def _new_budget(self, model: Any, budget: int | None, kv_kwargs: dict[str, Any]) -> MemoryBudget:
         """The memory admission this engine runs under (engine.pool shares one among models)."""
@@ -511,12 +519,18 @@ class Engine(EngineThread):
     def _step(self) -> None:
         start = time.perf_counter()
         sched = self.scheduler
+        if self.runner.timings is not None:
+            self.runner.timings.clear()  # what the runner ran outside steps (the warm-up)
         plan = sched.schedule()
+        scheduled = time.perf_counter()
+        prefill_from = plan.prefill.done if plan.prefill is not None else 0
         if plan.prefill is not None:
             self._dequeue(plan.prefill.rows)  # a started row no longer counts against max_queue
         result = self.runner.run(plan)
         num_rows = len(plan.batch)
+        ran = time.perf_counter()
         events = sched.update(plan, result)
+        updated = time.perf_counter()
         self._num_steps += 1
         self._num_generated += sum(len(e.token_ids) for e in events)
         self._steps_since_release += 1
@@ -527,6 +541,28 @@ class Engine(EngineThread):
         if result.width:  # the speculation learns what a step costs
             seconds = time.perf_counter() - start
             self.spec.record(num_rows, result.width, seconds, plan.prefill is None)
+        if self._trace is not None:
+            self._trace_step(plan, result, start, scheduled, ran, updated, prefill_from, num_rows)
+
+    def _trace_step(self, plan: Plan, result: StepResult, start: float, scheduled: float,
+                    ran: float, updated: float, prefill_from: int, num_rows: int) -> None:
+        """One line of the step trace (engine.steptrace)."""
+        assert self._trace is not None and self.runner.timings is not None
+        end = time.perf_counter()
+        group = plan.prefill
+        record: dict[str, Any] = {
+            "t": round(start, 6), "seconds": round(end - start, 6),
+            "schedule": round(scheduled - start, 6),
+            **{k: round(v, 6) for k, v in self.runner.timings.items()},
+            "update": round(updated - ran, 6), "emit": round(end - updated, 6),
+            "decode_rows": num_rows, "width": result.width,
+            "prefill_rows": len(group.rows) if group is not None else 0,
+            "prefill_cols": plan.prefill_end - prefill_from if group is not None else 0,
+            "prefill_cached": (sum(r.num_cached_tokens for r in group.rows)
+                               if group is not None and prefill_from == 0 else 0),
+            "joined": len(plan.join) if plan.join is not None else 0,
+        }
+        self._trace.write(record)
 
     def _emit(self, events: list[TokenEvent]) -> None:
         by_sink: dict[int, tuple[EventSink, list[TokenEvent]]] = {}

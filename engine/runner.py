@@ -122,6 +122,8 @@ class Runner:
         self._inflight: InFlight | None = None
         self._held = 0  # a width chosen while a step was in flight: the next decode's
         self.shapes: Counter[Shape] = Counter()  # forwards run so far per shape (warm-up included)
+        # seconds of this step's phases so far, while the engine traces steps (engine.steptrace)
+        self.timings: dict[str, float] | None = None
         # LoRA adapters installed by the loader (engine/lora.py): each forward's rows select theirs
         self.adapters = lora.attached(model)
 
@@ -165,7 +167,10 @@ class Runner:
 
     # -- the step --------------------------------------------------------------------------
     def run(self, plan: Plan) -> StepResult:
+        t0 = time.perf_counter()
         first = self._prefill(plan) if plan.prefill is not None else None
+        if plan.prefill is not None:
+            self._lap("prefill", t0)
         batch = plan.batch
         if plan.join is not None:
             batch.concat(plan.join)
@@ -195,8 +200,11 @@ class Runner:
             # request arriving now would wait for it
             return _joined(self._drain(), first)
         else:
+            t0 = time.perf_counter()
             previous, self._inflight = self._inflight, self._launch(batch, constrained)
+            t0 = self._lap("launch", t0)
             result = _collect(previous) if previous is not None else StepResult()
+            self._lap("collect", t0)
         result.width = width
         return _joined(result, first)
 
@@ -237,10 +245,22 @@ class Runner:
             logits = self._forward(inputs, group.caches, group.batch, last=last)
             kvb.finalize(group.caches)
             first = self._sample(group.batch, logits, group.batch.constrained_rows())
+            t0 = time.perf_counter()
             mx.eval(*_outputs(first), *kvb.state_arrays(group.caches),
                     *_arrays_of(group.batch.sampler))
+            self._lap("prefill_wait", t0)
+        t0 = time.perf_counter()
         self.prefix.store(group.rows, group.caches, wait=first is not None)
+        self._lap("store", t0)
         return first
+
+    def _lap(self, phase: str, since: float) -> float:
+        """Now; with `timings` on (engine.steptrace), also record `phase` as lasting since
+        `since`."""
+        now = time.perf_counter()
+        if self.timings is not None:
+            self.timings[phase] = now - since
+        return now
 
     def prefill_row(self, caches: list[Any], token_ids: list[int]) -> None:
         """One row's prompt into fresh `caches` (speculation's warm-up batch, no adapter)."""

@@ -311,6 +311,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "requests then build their kernels; the auto budget is then 2048)")
     g.add_argument("--max-queue", type=_int_in(1), default=1024,
                    help="waiting requests before new ones get 429")
+    g.add_argument("--trace-steps", metavar="FILE", default=None,
+                   help="append one JSON line per engine step to FILE: the seconds of its "
+                        "phases (schedule, prefill, store, decode launch, ...) and its rows; "
+                        "for finding where time goes (docs/architecture.md)")
     g = p.add_argument_group("KV cache")
     g.add_argument("--kv-bits", type=int, default=16, choices=[16, 8, 4],
                    help="KV precision: 16 = model dtype, 8 / 4 = MLX affine quantized")

@@ -102,6 +102,7 @@ def _engine_config(opts: dict[str, Any]) -> Any:
         mlx_cache_limit=parse_bytes(opts.get("mlx_cache_limit")),
         spec=_spec_config(opts),
         warmup=opts.get("warmup", True),
+        trace_steps=opts.get("trace_steps"),
     )
 
 

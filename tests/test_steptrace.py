@@ -1,0 +1,51 @@
+"""`--trace-steps`: one JSON line per engine step with its phases' seconds and its rows
+(engine.steptrace), consistent with what the engine ran."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from engine.core import PREFIX_BLOCK_SIZE, Engine, EngineConfig
+from engine.loader import load_model
+from engine.scheduler import SchedulerConfig
+from tests.tiny_models import greedy, submit
+
+
+def _drive(eng, reqs):
+    outs = [submit(eng, r) for r in reqs]
+    while not all(o.done.is_set() for o in outs):
+        eng.turn()
+    return outs
+
+
+def test_each_step_is_traced_with_its_phases_and_rows(tinycoder_path, tmp_path):
+    lm = load_model(str(tinycoder_path), dtype="float32")
+    lm.eos_token_ids = ()
+    rng = random.Random(2)
+    path = tmp_path / "steps.jsonl"
+    eng = Engine(lm, EngineConfig(SchedulerConfig(prefill_chunk=256), warmup=True,
+                                  trace_steps=str(path)))
+    shared = [rng.randrange(3, 8000) for _ in range(700)]  # a long prompt: three chunks
+    first = greedy("a", shared, 6)
+    _drive(eng, [first])
+    second = greedy("b", shared + [rng.randrange(3, 8000) for _ in range(40)], 6)
+    (got,) = _drive(eng, [second])
+    eng.shutdown()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == eng.stats().num_steps  # warm-up forwards are not steps
+    for rec in lines:
+        phases = [rec.get(k, 0.0) for k in
+                  ("schedule", "prefill", "launch", "collect", "update", "emit")]
+        assert min(phases) >= 0 and sum(phases) <= rec["seconds"] + 1e-6
+        assert rec.get("prefill_wait", 0.0) + rec.get("store", 0.0) <= rec.get("prefill", 0.0)
+        assert (rec["prefill_rows"] > 0) == ("prefill" in rec)
+    prefilled = [r for r in lines if r["prefill_rows"]]
+    # the first prompt in three chunks, nothing cached; the second: its uncached tail
+    cached = got.events[-1].num_cached_tokens
+    assert cached == len(shared) // PREFIX_BLOCK_SIZE * PREFIX_BLOCK_SIZE
+    assert sum(r["prefill_cols"] for r in prefilled) == len(shared) + len(second.prompt_ids) - cached
+    assert [r["prefill_cached"] for r in prefilled if r["prefill_cached"]] == [cached]
+    assert sum("prefill_wait" in r for r in prefilled) == 2  # each prompt's last chunk
+    assert sum(r["joined"] for r in lines) == 2
+    assert any(r["decode_rows"] == 1 and "launch" in r and not r["prefill_rows"] for r in lines)
