@@ -6,7 +6,7 @@ import random
 
 from engine.core import PREFIX_BLOCK_SIZE
 from engine.loader import load_model
-from tests.tiny_models import greedy, loaded, run_alone, submit, tiny_model
+from tests.tiny_models import drive, greedy, loaded, run_alone, tiny_model
 
 
 def _engine(lm, **cfg):
@@ -82,14 +82,6 @@ def test_memory_budget_refuses_what_cannot_fit():
         eng.stop()
 
 
-def _drive(eng, reqs):
-    """Queue `reqs` together, then run the engine's steps on this thread until all finish (so
-    they are admitted in the same steps)."""
-    outs = [submit(eng, r) for r in reqs]
-    while not all(o.done.is_set() for o in outs):
-        eng.turn()
-    return outs
-
 
 def test_rows_with_the_same_hit_share_one_restore(tinycoder_path):
     """An agent's sessions arriving together on its cached system prompt start as one group
@@ -107,11 +99,11 @@ def test_rows_with_the_same_hit_share_one_restore(tinycoder_path):
     restores = []
     restore = eng.prefix.cache.restore
     eng.prefix.cache.restore = lambda hit: restores.append(hit) or restore(hit)
-    _drive(eng, [greedy("seed", shared + [7, 8, 9], 2)])
-    got = _drive(eng, reqs)
+    drive(eng, [greedy("seed", shared + [7, 8, 9], 2)])
+    got = drive(eng, reqs)
     block = PREFIX_BLOCK_SIZE
     assert [o.events[-1].num_cached_tokens for o in got] == [len(shared) // block * block] * 4
     assert len(restores) == 1
     plain = Engine(lm, EngineConfig(SchedulerConfig(), prefix_cache_bytes=0))
-    ref = _drive(plain, [greedy(r.req_id, r.prompt_ids, 12) for r in reqs])
+    ref = drive(plain, [greedy(r.req_id, r.prompt_ids, 12) for r in reqs])
     assert [o.tokens for o in got] == [o.tokens for o in ref]

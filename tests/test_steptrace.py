@@ -9,14 +9,7 @@ import random
 from engine.core import PREFIX_BLOCK_SIZE, Engine, EngineConfig
 from engine.loader import load_model
 from engine.scheduler import SchedulerConfig
-from tests.tiny_models import greedy, submit
-
-
-def _drive(eng, reqs):
-    outs = [submit(eng, r) for r in reqs]
-    while not all(o.done.is_set() for o in outs):
-        eng.turn()
-    return outs
+from tests.tiny_models import drive, greedy
 
 
 def test_each_step_is_traced_with_its_phases_and_rows(tinycoder_path, tmp_path):
@@ -28,9 +21,9 @@ def test_each_step_is_traced_with_its_phases_and_rows(tinycoder_path, tmp_path):
                                   trace_steps=str(path)))
     shared = [rng.randrange(3, 8000) for _ in range(700)]  # a long prompt: three chunks
     first = greedy("a", shared, 6)
-    _drive(eng, [first])
+    drive(eng, [first])
     second = greedy("b", shared + [rng.randrange(3, 8000) for _ in range(40)], 6)
-    (got,) = _drive(eng, [second])
+    (got,) = drive(eng, [second])
     eng.shutdown()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(lines) == eng.stats().num_steps  # warm-up forwards are not steps

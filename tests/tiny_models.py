@@ -92,6 +92,15 @@ def submit(eng: Engine, req: Request) -> Collected:
     return out
 
 
+def drive(eng: Engine, reqs: list[Request]) -> list[Collected]:
+    """Queue `reqs` together, then run the engine's steps on this thread until all finish
+    (no engine thread: they are admitted in the same steps)."""
+    outs = [submit(eng, r) for r in reqs]
+    while not all(o.done.is_set() for o in outs):
+        eng.turn()
+    return outs
+
+
 def greedy(req_id: str, prompt: list[int], max_tokens: int, **kw: Any) -> Request:
     return Request(req_id, list(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw))
 
