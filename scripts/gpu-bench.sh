@@ -9,7 +9,9 @@
 # to $OUT/<stage>/, and after every stage $OUT is packed into $PACK (default $OUT.tgz), so that
 # a run cut short keeps what finished.
 # PEERS (default mlx_lm) are the servers sweep, agent and agent64 run beside mlxd ("" for none);
-# WRAP, when set, prefixes every stage's command (a profiler, e.g. `py-spy record ... --`).
+# WRAP, when set, prefixes every stage's command (a profiler, e.g. `py-spy record ... --`);
+# MLXD_ARGS are passed to mlxd serve in sweep, agent and agent64 (e.g. "--trace-steps
+# $OUT/steps.jsonl": where each engine step's time goes).
 # Expects mlx[cuda] and mlxd's dependencies importable; DATA must hold tinycoder-draft-4m/ and
 # tinycoder-dev.jsonl (the spec stage); the models are written to /tmp on first use.
 set -u
@@ -44,11 +46,13 @@ stage() {
                --sizes 1024,8192,32768 --repeats 2 --out "$OUT/prefill" ;;
     sweep) need_model; run sweep 230 python3 -m bench sweep --model "$MODEL" --peers "$PEERS" \
              --prompt-tokens 1024 --output-tokens 128 --concurrency 64 --requests-per-level 128 \
-             --level-deadline 60 --out "$OUT/sweep" ;;
+             --level-deadline 60 --mlxd-args "${MLXD_ARGS:-}" --out "$OUT/sweep" ;;
     agent) need_model; run agent 330 python3 -m bench agent --model "$MODEL" --peers "$PEERS" \
-             --sessions 16 --turns 8 --tool-tokens 200,2000 --deadline 70 --out "$OUT/agent" ;;
+             --sessions 16 --turns 8 --tool-tokens 200,2000 --deadline 70 \
+             --mlxd-args "${MLXD_ARGS:-}" --out "$OUT/agent" ;;
     agent64) need_model; run agent64 300 python3 -m bench agent --model "$MODEL" --peers "$PEERS" \
-               --sessions 64 --turns 4 --tool-tokens 200,2000 --deadline 100 --out "$OUT/agent64" ;;
+               --sessions 64 --turns 4 --tool-tokens 200,2000 --deadline 100 \
+               --mlxd-args "${MLXD_ARGS:-}" --out "$OUT/agent64" ;;
     attention) run attention 120 python3 -m bench attention --out "$OUT/attention" ;;
     switch) need_model; run switch 70 python3 -m bench switch \
               --model coder=mlxd/models/tinycoder-16m --model "big=$MODEL" --rounds 2 \
