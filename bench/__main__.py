@@ -12,6 +12,7 @@
     trellis      trellis weights: mat-vec speed (GPU), layout sweep (GPU), perplexity
     qmm          few-row affine 4-bit matmul on CUDA: kernel speed, layout sweep, model steps
     attention    decode attention over rows of different lengths: kernel vs masked (CUDA)
+    steps        where a run's engine steps spent their time (mlxd serve --trace-steps)
     plot         redraw the PNG of any result JSON
     random-model write a random-weight model directory of a known shape
     wide-twin    a wider, deeper llama checkpoint that computes its source's logits
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         plot,
         qmm,
         spec,
+        steps,
         sweep,
         switch,
         tp,
@@ -53,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
     for module in (sweep, agent, coldstart, embed, spec, kv, constrained, trellis, qmm, attention,
-                   plot, modelprep, widetwin, models, tp, switch):
+                   steps, plot, modelprep, widetwin, models, tp, switch):
         module.add_parsers(sub)
     return parser
 

@@ -33,6 +33,7 @@ PLOTTERS = {
     "qmm": "bench.qmm:plot",
     "attention": "bench.attention:plot",
     "switch": "bench.switch:plot",
+    "steps": "bench.steps:plot",
 }
 
 COLORS = ["#1f77b4", "#d62728", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b"]

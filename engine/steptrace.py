@@ -17,8 +17,8 @@ device is still busy with the step before), `collect` (waiting for the previous 
 and reading its tokens), `update` (the scheduler's bookkeeping), `emit` (events to the
 requests' queues). What they leave out of `seconds` is the loop's own code.
 
-`python -m bench agent --mlxd-args "--trace-steps trace.jsonl"` records a run's steps; the
-numbers in docs/benchmarks.md on where a burst step's time goes came from such a file.
+`python -m bench agent --mlxd-args "--trace-steps $PWD/steps.jsonl"` records a run's steps and
+`python -m bench steps steps.jsonl` sums them up by kind of step (docs/benchmarks.md).
 """
 
 from __future__ import annotations

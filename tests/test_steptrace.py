@@ -42,3 +42,15 @@ def test_each_step_is_traced_with_its_phases_and_rows(tinycoder_path, tmp_path):
     assert sum("prefill_wait" in r for r in prefilled) == 2  # each prompt's last chunk
     assert sum(r["joined"] for r in lines) == 2
     assert any(r["decode_rows"] == 1 and "launch" in r and not r["prefill_rows"] for r in lines)
+
+    # `python -m bench steps` sorts them into kinds and writes its JSON and PNG
+    from bench.__main__ import main
+
+    assert main(["steps", str(path), "--out", str(tmp_path / "out")]) == 0
+    result = json.loads((tmp_path / "out" / "steps.json").read_text())
+    assert (tmp_path / "out" / "steps.png").stat().st_size > 0
+    kinds = {k["kind"]: k for k in result["kinds"]}
+    assert result["steps"] == len(lines) == sum(k["steps"] for k in kinds.values())
+    assert sum(k["steps"] for name, k in kinds.items() if "join" in name) == 2
+    assert kinds["decode"]["steps"] == sum(not r["prefill_rows"] for r in lines)
+    assert kinds["decode"]["prefill_median"] == 0 and kinds["decode"]["launch_median"] > 0
