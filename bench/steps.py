@@ -35,10 +35,16 @@ def add_parsers(sub: Any) -> None:
 
 
 def kind(step: dict[str, Any]) -> str:
-    rows, decoding = step.get("prefill_rows", 0), step.get("decode_rows", 0)
-    name = ("group" if rows > 1 else "prefill+decode" if rows and decoding - step.get("joined", 0)
-            else "prefill" if rows else "decode")
-    return name + ("+join" if step.get("joined") else "")
+    rows, joined = step.get("prefill_rows", 0), step.get("joined", 0)
+    if rows > 1:
+        name = "group"
+    elif not rows:
+        name = "decode"
+    elif step.get("decode_rows", 0) > joined:  # rows other than the joining ones decoded
+        name = "prefill+decode"
+    else:
+        name = "prefill"
+    return name + ("+join" if joined else "")
 
 
 def summarise(steps: list[dict[str, Any]]) -> dict[str, Any]:
