@@ -118,6 +118,15 @@ class RunningBatch:
         return out
 
 
+def compact_order(num_rows: int, drop: set[int]) -> list[int]:
+    """The rows of a batch of `num_rows` that stay when `drop` leave, in the order that moves
+    the fewest: rows keep their slots, and each dropped slot below the new length takes a
+    staying row from past it (the KV layouts then copy only those rows, `KVLayout.filter`)."""
+    size = num_rows - len(drop)
+    tail = iter([i for i in range(size, num_rows) if i not in drop])
+    return [next(tail) if i in drop else i for i in range(size)]
+
+
 def _adapter_rows(rows: list[RowMeta]) -> mx.array | None:
     """The rows' adapter indices as a device array, or None when no row has an adapter."""
     if not any(r.adapter for r in rows):

@@ -59,7 +59,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.api import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, TokenEvent
-from engine.batch import RowMeta, RunningBatch
+from engine.batch import RowMeta, RunningBatch, compact_order
+from engine.kv import batch as kvb
 from engine.kv.memory import MemoryBudget
 from engine.kv.prefix_cache import NoPrefix, PrefixIndex
 from engine.sampling import SamplerState
@@ -334,8 +335,10 @@ class Scheduler:
 
     def kv_reserved(self, extra: Sequence[RowMeta] = ()) -> int:
         """KV the admitted rows (running, prefilling) and `extra` will allocate at their longest:
-        one batch, every row as wide as the longest (engine.kv.memory)."""
-        return self.budget.kv_bytes(self._row_tokens([*self._admitted(), *extra]))
+        one batch, every row as wide as the longest (engine.kv.memory); and the running
+        batch's free slots."""
+        return (self.budget.kv_bytes(self._row_tokens([*self._admitted(), *extra]))
+                + kvb.spare_bytes(self.running.caches))
 
     def reserved_bytes(self) -> int:
         """Memory held or promised besides the weights: the admitted rows' KV at their longest
@@ -372,7 +375,8 @@ class Scheduler:
         if chunk is None:
             chunk = self.step_chunk()
         tokens = admitted + self._row_tokens(list(group))
-        held = self.budget.weights + self.budget.others + self.budget.kv_bytes(tokens)
+        held = (self.budget.weights + self.budget.others + self.budget.kv_bytes(tokens)
+                + kvb.spare_bytes(self.running.caches))
         return self.budget.budget - held - self._step_transient(group, tokens, chunk)
 
     def _admits(self, picked: list[RowMeta], row: RowMeta, admitted: list[int], chunk: int) -> int:
@@ -546,8 +550,9 @@ class Scheduler:
 
     def drop_finished(self) -> None:
         running = self.running
-        if any(r.finished for r in running.rows):
-            running.take([i for i, r in enumerate(running.rows) if not r.finished])
+        drop = {i for i, r in enumerate(running.rows) if r.finished}
+        if drop:
+            running.take(compact_order(len(running.rows), drop))
 
     def abort_event(self, row: RowMeta, reason: str = FINISH_ABORT, error: str | None = None) -> TokenEvent:
         return TokenEvent(

@@ -185,3 +185,35 @@ def test_a_sink_that_raises_aborts_its_request_and_the_engine_serves_on():
         assert stats.num_running == 0 and stats.num_queued == 0 and stats.active_requests == 0
     finally:
         eng.stop()
+
+
+def test_a_row_joins_into_the_slot_a_finished_row_left(monkeypatch):
+    """When a row finishes, the batch keeps its slot free (the last row moves into it) and a
+    row that joins later is written into the free slot instead of the whole batch being
+    copied; every row still equals the same request alone."""
+    from engine.core import Engine, EngineConfig
+    from engine.kv.attention import KVLayout
+    from engine.scheduler import SchedulerConfig
+    from tests.tiny_models import drive
+
+    model, cfg = tiny_model("llama")
+    lm = loaded(model, cfg)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, cfg["vocab_size"]) for _ in range(9 + 4 * i)] for i in range(5)]
+    reqs = [greedy(f"r{i}", p, 3 if i == 0 else 16) for i, p in enumerate(prompts)]
+    alone = {r.req_id: drive(Engine(lm, EngineConfig(SchedulerConfig())), [r])[0].tokens
+             for r in reqs}
+    in_place = []
+    write_rows = KVLayout._write_rows
+    monkeypatch.setattr(KVLayout, "_write_rows",
+                        lambda self, others: in_place.append(1) or write_rows(self, others))
+    eng = Engine(lm, EngineConfig(SchedulerConfig()))
+    outs = [submit(eng, r) for r in reqs[:4]]
+    while not outs[0].done.is_set():
+        eng.turn()
+    assert not in_place
+    outs.append(submit(eng, reqs[4]))
+    while not all(o.done.is_set() for o in outs):
+        eng.turn()
+    assert in_place  # the late row was written into the slot r0 left
+    assert {r.req_id: o.tokens for r, o in zip(reqs, outs, strict=True)} == alone

@@ -283,3 +283,65 @@ def test_large_full_layout_masks_built_on_the_device_equal_the_host_rule(monkeyp
     if step.uniform:
         return  # equal rows take mlx-lm's own forms either way
     assert fast.shape == slow.shape and bool(mx.all(fast == slow))
+
+
+@SETTINGS
+@given(
+    geometry,
+    st.lists(st.tuples(st.sampled_from(["decode", "leave", "join", "chunk"]), st.integers(0, 99)),
+             min_size=4, max_size=24),
+    st.integers(0, 2**16),
+)
+def test_rows_leaving_and_joining_through_free_slots_equal_the_reference(geo, ops, seed):
+    """Rows leave (`filter` in `compact_order`: their slots stay free) and join (`extend`,
+    written into free slots) between decode steps and wide chunks; every query still sees
+    exactly its own row's history, and joining rows did land in free slots."""
+    from engine.batch import compact_order
+
+    kind, window, keep, slack, bits = geo
+    template = make_layout(kind, window, keep, slack, bits)
+    rng = np.random.default_rng(seed)
+
+    def new_row(n: int) -> tuple[KVLayout, RefRow]:
+        row, ref = template.empty_like(1), RefRow()
+        check_chunk(row, [ref], rng, n, [n])
+        return row, ref
+
+    rows = [new_row(3 + i) for i in range(6)]
+    layout = template.empty_like(0).merge([r for r, _ in rows])
+    refs = [ref for _, ref in rows]
+
+    def leave(drop: set[int]) -> None:
+        nonlocal refs
+        order = compact_order(len(refs), drop)
+        layout.filter(order)
+        refs = [refs[i] for i in order]
+
+    def join(n: int) -> bool:
+        """Whether the row was written into a free slot (the buffers were not rebuilt)."""
+        row, ref = new_row(n)
+        free = layout.slots - layout.num_rows
+        layout.extend(row)
+        refs.append(ref)
+        return free > 0 and layout.slots - layout.num_rows == free - 1
+
+    for op, arg in [("decode", 0), *ops, ("join", 2), ("join", 3)]:
+        if op == "decode":
+            check_chunk(layout, refs, rng, 1, [1] * len(refs))
+        elif op == "chunk":
+            check_chunk(layout, refs, rng, 3, [1 + (arg + i) % 3 for i in range(len(refs))])
+        elif op == "leave" and len(refs) > 1:
+            drop = {arg % len(refs), (arg // 10) % len(refs)}
+            leave(drop if len(drop) < len(refs) else {0})
+        elif op == "join":
+            join(1 + arg % 6)
+        assert layout.num_rows == len(refs) <= layout.slots
+    while layout.slots > layout.num_rows:  # rows join the free slots earlier leaves kept
+        assert join(4)
+    # then the first row leaves: its slot stays free and the next row is written into it
+    assert layout.num_rows >= 3
+    leave({0})
+    assert layout.slots == layout.num_rows + 1
+    assert join(5)
+    check_chunk(layout, refs, rng, 1, [1] * len(refs))
+    check_chunk(layout, refs, rng, 3, [3] * len(refs))

@@ -117,6 +117,24 @@ class KVLayout:
     def capacity(self) -> int:
         return 0 if self._bufs is None else int(self._bufs[0].shape[2])
 
+    @property
+    def slots(self) -> int:
+        """Rows the buffers hold: the live rows first, then free slots that joining rows are
+        written into (`filter`, `extend`)."""
+        return self.num_rows if self._bufs is None else int(self._bufs[0].shape[0])
+
+    def spare_bytes(self) -> int:
+        """Bytes the free slots hold."""
+        if self._bufs is None or self.slots == self.num_rows:
+            return 0
+        return self.nbytes // self.slots * (self.slots - self.num_rows)
+
+    def _live(self) -> list[mx.array]:
+        """The buffers' live rows (views when free slots follow them)."""
+        assert self._bufs is not None
+        B = self.num_rows
+        return [b if b.shape[0] == B else b[:B] for b in self._bufs]
+
     def col_of(self, positions: np.ndarray) -> np.ndarray:
         return self.geometry.col_of(positions)
 
@@ -159,10 +177,12 @@ class KVLayout:
         if step.direct:
             self._ensure_capacity(step.cap)
             self._write(new, step)
-            width = step.width
-            out = [b if b.shape[2] == width else b[..., :width, :] for b in self._bufs]
+            width, B = step.width, self.num_rows
+            out = [b if b.shape[2] == width and b.shape[0] == B else b[:B, :, :width, :]
+                   for b in self._bufs]
             written = self._n + num_new
         else:
+            self._bufs = self._live()  # a wide chunk rebuilds the buffers: free slots go
             out = [
                 mx.concatenate([b[..., : step.num_old, :], nb], axis=2)
                 for b, nb in zip(self._bufs, new, strict=True)
@@ -202,25 +222,43 @@ class KVLayout:
         new_cap = round_up(cap, self.step)
         if self.ring_size is not None:
             new_cap = min(new_cap, self.ring_size)
-        self._bufs = [
+        self._bufs = [  # a copy of every row anyway: free slots are dropped with it
             mx.concatenate(
                 [b, mx.zeros((*b.shape[:2], new_cap - have, b.shape[3]), b.dtype)], axis=2
             )
-            for b in self._bufs
+            for b in self._live()
         ]
 
     def _write(self, new: list[mx.array], step: Step) -> None:
         """Write the chunk's column j of row b at `col(n[b] + j)`."""
         assert self._bufs is not None
         if step.write_start is not None:
-            c0, c1 = step.write_start, step.write_start + new[0].shape[2]
-            for b, nb in zip(self._bufs, new, strict=True):
-                b[..., c0:c1, :] = nb
+            self._write_slice(step.write_start, new)
         elif step.write_idx is not None:
-            idx = step.write_idx
-            self._bufs = [
-                mx.put_along_axis(b, idx, nb, axis=2) for b, nb in zip(self._bufs, new, strict=True)
-            ]
+            self._scatter_columns(step.write_idx, new)
+
+    def _write_slice(self, c0: int, new: list[mx.array]) -> None:
+        """Every live row writes the chunk at columns `[c0, c0 + S)` (in place)."""
+        assert self._bufs is not None
+        B, c1 = self.num_rows, c0 + new[0].shape[2]
+        for b, nb in zip(self._bufs, new, strict=True):
+            if b.shape[0] == B:
+                b[..., c0:c1, :] = nb
+            else:
+                b[:B, :, c0:c1, :] = nb
+
+    def _scatter_columns(self, idx: mx.array, new: list[mx.array]) -> None:
+        """Row b writes the chunk's column j at column `idx[b, 0, j, 0]` (in place). Free slots
+        take zeros at the live rows' first columns (one scatter over the whole buffer: a
+        scatter into a slice of it would copy the slice)."""
+        assert self._bufs is not None
+        free = self.slots - self.num_rows
+        if free:
+            idx = mx.concatenate([idx, mx.zeros((free, *idx.shape[1:]), idx.dtype)])
+            new = [mx.concatenate([nb, mx.zeros((free, *nb.shape[1:]), nb.dtype)]) for nb in new]
+        self._bufs = [
+            mx.put_along_axis(b, idx, nb, axis=2) for b, nb in zip(self._bufs, new, strict=True)
+        ]
 
     def _fold_in(self, new: list[mx.array], real: np.ndarray) -> None:
         """Ring only: after a wide chunk, each ring column takes the chunk's latest token for it."""
@@ -285,15 +323,11 @@ class KVLayout:
         elif kmax < W:
             new = [nb[..., :kmax, :] for nb in new]
         self._ensure_capacity(cap)
-        assert self._bufs is not None
         if start is not None:
-            for b, nb in zip(self._bufs, new, strict=True):
-                b[..., start : start + kmax, :] = nb
+            self._write_slice(start, new)
         else:
             assert idx is not None
-            self._bufs = [
-                mx.put_along_axis(b, idx, nb, axis=2) for b, nb in zip(self._bufs, new, strict=True)
-            ]
+            self._scatter_columns(idx, new)
         self._n = self._n + keep
 
     @property
@@ -378,15 +412,42 @@ class KVLayout:
         return type(other) is type(self) and other._params() == self._params()
 
     def filter(self, keep: Sequence[int] | np.ndarray | mx.array) -> None:
-        """Keep these rows, in this order; the others are dropped."""
+        """Keep these rows, in this order; the others are dropped.
+
+        When few rows go (at most `free_slots(len(keep))` slots would be left free) and few
+        rows move, the kept rows stay where they are, the moved ones are copied into their new
+        slots in place, and the slots past the last kept row become free for rows that join
+        later (`extend`): no copy of the whole batch. `engine.batch.compact_order` gives the
+        order that moves the fewest rows. Otherwise the kept rows are gathered into new
+        buffers."""
         idx = np.asarray(keep, dtype=np.int64).reshape(-1)
+        k = len(idx)
+        in_place = False
         if self._bufs is not None:
-            idx_mx = mx.array(idx, dtype=mx.int32)
-            self._bufs = [b[idx_mx] for b in self._bufs]
+            moved = np.nonzero(idx != np.arange(k))[0]
+            in_place = 0 < k and self.slots - k <= free_slots(k) and len(moved) < k
+            if not in_place:
+                idx_mx = mx.array(idx, dtype=mx.int32)
+                self._bufs = [b[idx_mx] for b in self._bufs]
+            elif len(moved):
+                self._move_rows(moved, idx[moved])
         self._n, self._skip, self._remaining = self._n[idx], self._skip[idx], self._remaining[idx]
         if self._ckpt is not None and self._high is not None:
             self._ckpt, self._high = self._ckpt[idx], self._high[idx]
-        self._shrink()
+        if not in_place:
+            self._shrink()
+
+    def _move_rows(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """Slot `dst[i]` takes a copy of slot `src[i]`, in place. The copies are evaluated
+        before they are written: a buffer that a pending read still refers to cannot be
+        written in place, so MLX would copy all of it."""
+        assert self._bufs is not None
+        src_mx = mx.array(src, dtype=mx.int32)
+        moving = [b[src_mx] for b in self._bufs]
+        mx.eval(moving)
+        for b, m in zip(self._bufs, moving, strict=True):
+            for i, d in enumerate(dst.tolist()):
+                b[d : d + 1] = m[i : i + 1]
 
     def _shrink(self) -> None:
         if self._bufs is None:
@@ -423,8 +484,10 @@ class KVLayout:
         for o in others:
             if not self.same_kind(o):
                 raise ValueError(f"cannot join {o.describe()} rows into {self.describe()}")
-        shaped = [p._bufs for p in parts if p._bufs is not None and p.num_rows > 0]
-        if shaped:
+        shaped = [p._live() for p in parts if p._bufs is not None and p.num_rows > 0]
+        if self._fits_in_place(others):
+            self._write_rows(others)
+        elif shaped:
             ref = shaped[0]
             cap = max(p.capacity for p in parts if p._bufs is not None)
             bufs = []
@@ -437,7 +500,7 @@ class KVLayout:
                         shape = (p.num_rows, ref[j].shape[1], cap, ref[j].shape[3])
                         pieces.append(mx.zeros(shape, ref[j].dtype))
                         continue
-                    b = p._bufs[j]
+                    b = p._live()[j]
                     if b.shape[2] < cap:
                         pad = mx.zeros((*b.shape[:2], cap - b.shape[2], b.shape[3]), b.dtype)
                         b = mx.concatenate([b, pad], axis=2)
@@ -454,6 +517,29 @@ class KVLayout:
         if any(p._ckpt is not None for p in parts):
             self._ckpt = np.concatenate([p._ckpt if p._ckpt is not None else p._n for p in parts])
             self._high = np.concatenate([p._high if p._high is not None else p._n for p in parts])
+
+    def _fits_in_place(self, others: Sequence[KVLayout]) -> bool:
+        """Whether `others`' rows fit this layout's free slots and columns."""
+        if self._bufs is None or self.num_rows == 0:
+            return False
+        rows = sum(o.num_rows for o in others)
+        return 0 < rows <= self.slots - self.num_rows and all(
+            o._bufs is not None and o.capacity <= self.capacity for o in others
+        )
+
+    def _write_rows(self, others: Sequence[KVLayout]) -> None:
+        """Write `others`' rows into the free slots after the live rows (in place); their
+        columns past the row's own are zeros, as in a batch built by concatenation."""
+        assert self._bufs is not None
+        at, cap = self.num_rows, self.capacity
+        for o in others:
+            k = o.num_rows
+            for b, ob in zip(self._bufs, o._live(), strict=True):
+                if ob.shape[2] < cap:
+                    pad = mx.zeros((*ob.shape[:2], cap - ob.shape[2], ob.shape[3]), ob.dtype)
+                    ob = mx.concatenate([ob, pad], axis=2)
+                b[at : at + k] = ob
+            at += k
 
     def extract(self, i: int) -> KVLayout:
         """Row `i` as a new one-row layout of the same kind (contiguous, trimmed)."""
@@ -479,6 +565,13 @@ class KVLayout:
 
     def __repr__(self) -> str:
         return f"<{self.describe()} rows={self.num_tokens}>"
+
+
+def free_slots(rows: int) -> int:
+    """The most free slots a layout of `rows` live rows keeps when rows leave (`filter`): an
+    eighth of its rows, at least two. Free slots hold memory no row uses (the scheduler counts
+    it as held) until rows join into them."""
+    return max(2, rows // 8)
 
 
 def _append_plan(

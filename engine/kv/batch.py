@@ -4,7 +4,7 @@ rows   = new_batch(model, 1, KVConfig(...))     # empty layouts (engine.models p
 model(tokens, cache=rows)                       # prefill (chunks) alone, no padding
 batch  = merge_rows(batch, [rows_a, rows_b])    # admit rows (None batch = start one)
 model(next_tokens[:, None], cache=batch)        # decode step, every row at its own length
-filter_rows(batch, keep)                        # drop finished rows
+filter_rows(batch, keep)                        # drop finished rows (their slots stay free)
 row    = extract_row(batch, i)                  # one row out (prefix cache, preemption)
 checkpoint(batch); model(k+1 columns); rollback(batch, accepted)   # speculation
 
@@ -164,6 +164,11 @@ def bytes_by_layout(batch: Layouts | None) -> dict[str, int]:
     for layer in batch or []:
         out[layer.kind] = out.get(layer.kind, 0) + int(layer.nbytes)
     return out
+
+
+def spare_bytes(batch: Layouts | None) -> int:
+    """Bytes held by free slots (rows that left, kept for rows that join: `KVLayout.filter`)."""
+    return sum(layer.spare_bytes() for layer in batch or [] if isinstance(layer, KVLayout))
 
 
 def nbytes(batch: Layouts | None) -> int:
