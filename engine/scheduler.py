@@ -337,8 +337,12 @@ class Scheduler:
         """KV the admitted rows (running, prefilling) and `extra` will allocate at their longest:
         one batch, every row as wide as the longest (engine.kv.memory); and the running
         batch's free slots."""
-        return (self.budget.kv_bytes(self._row_tokens([*self._admitted(), *extra]))
-                + kvb.spare_bytes(self.running.caches))
+        return self._kv_held(self._row_tokens([*self._admitted(), *extra]))
+
+    def _kv_held(self, tokens: list[int]) -> int:
+        """KV rows of these `_row_tokens` allocate at their longest, plus the running batch's
+        free slots."""
+        return self.budget.kv_bytes(tokens) + kvb.spare_bytes(self.running.caches)
 
     def reserved_bytes(self) -> int:
         """Memory held or promised besides the weights: the admitted rows' KV at their longest
@@ -375,8 +379,7 @@ class Scheduler:
         if chunk is None:
             chunk = self.step_chunk()
         tokens = admitted + self._row_tokens(list(group))
-        held = (self.budget.weights + self.budget.others + self.budget.kv_bytes(tokens)
-                + kvb.spare_bytes(self.running.caches))
+        held = self.budget.weights + self.budget.others + self._kv_held(tokens)
         return self.budget.budget - held - self._step_transient(group, tokens, chunk)
 
     def _admits(self, picked: list[RowMeta], row: RowMeta, admitted: list[int], chunk: int) -> int:

@@ -222,12 +222,8 @@ class KVLayout:
         new_cap = round_up(cap, self.step)
         if self.ring_size is not None:
             new_cap = min(new_cap, self.ring_size)
-        self._bufs = [  # a copy of every row anyway: free slots are dropped with it
-            mx.concatenate(
-                [b, mx.zeros((*b.shape[:2], new_cap - have, b.shape[3]), b.dtype)], axis=2
-            )
-            for b in self._live()
-        ]
+        # a copy of every row anyway: free slots are dropped with it
+        self._bufs = [_pad_columns(b, new_cap) for b in self._live()]
 
     def _write(self, new: list[mx.array], step: Step) -> None:
         """Write the chunk's column j of row b at `col(n[b] + j)`."""
@@ -254,8 +250,8 @@ class KVLayout:
         assert self._bufs is not None
         free = self.slots - self.num_rows
         if free:
-            idx = mx.concatenate([idx, mx.zeros((free, *idx.shape[1:]), idx.dtype)])
-            new = [mx.concatenate([nb, mx.zeros((free, *nb.shape[1:]), nb.dtype)]) for nb in new]
+            idx = _padded_index(idx, free)
+            new = [mx.pad(nb, [(0, free), (0, 0), (0, 0), (0, 0)]) for nb in new]
         self._bufs = [
             mx.put_along_axis(b, idx, nb, axis=2) for b, nb in zip(self._bufs, new, strict=True)
         ]
@@ -484,8 +480,10 @@ class KVLayout:
         for o in others:
             if not self.same_kind(o):
                 raise ValueError(f"cannot join {o.describe()} rows into {self.describe()}")
-        shaped = [p._live() for p in parts if p._bufs is not None and p.num_rows > 0]
-        if self._fits_in_place(others):
+        in_place = self._fits_in_place(others)
+        shaped = [] if in_place else [
+            p._live() for p in parts if p._bufs is not None and p.num_rows > 0]
+        if in_place:
             self._write_rows(others)
         elif shaped:
             ref = shaped[0]
@@ -500,11 +498,7 @@ class KVLayout:
                         shape = (p.num_rows, ref[j].shape[1], cap, ref[j].shape[3])
                         pieces.append(mx.zeros(shape, ref[j].dtype))
                         continue
-                    b = p._live()[j]
-                    if b.shape[2] < cap:
-                        pad = mx.zeros((*b.shape[:2], cap - b.shape[2], b.shape[3]), b.dtype)
-                        b = mx.concatenate([b, pad], axis=2)
-                    pieces.append(b)
+                    pieces.append(_pad_columns(p._live()[j], cap))
                 # a lone piece still gets a new array object: in-place column writes into the
                 # batch must never reach the layout the row came from
                 bufs.append(
@@ -535,10 +529,7 @@ class KVLayout:
         for o in others:
             k = o.num_rows
             for b, ob in zip(self._bufs, o._live(), strict=True):
-                if ob.shape[2] < cap:
-                    pad = mx.zeros((*ob.shape[:2], cap - ob.shape[2], ob.shape[3]), ob.dtype)
-                    ob = mx.concatenate([ob, pad], axis=2)
-                b[at : at + k] = ob
+                b[at : at + k] = _pad_columns(ob, cap)
             at += k
 
     def extract(self, i: int) -> KVLayout:
@@ -565,6 +556,29 @@ class KVLayout:
 
     def __repr__(self) -> str:
         return f"<{self.describe()} rows={self.num_tokens}>"
+
+
+def _pad_columns(b: mx.array, cap: int) -> mx.array:
+    """`b` ([B, H, C, d]) with zero columns after its own up to `cap`."""
+    if b.shape[2] >= cap:
+        return b
+    return mx.concatenate([b, mx.zeros((*b.shape[:2], cap - b.shape[2], b.shape[3]), b.dtype)],
+                          axis=2)
+
+
+_PADDED: dict[tuple[int, int], tuple[mx.array, mx.array]] = {}
+
+
+def _padded_index(idx: mx.array, free: int) -> mx.array:
+    """A column scatter index `[B, 1, S, 1]` with `free` rows of zeros after it (memoized:
+    every layer of a step writes the same columns)."""
+    key = (id(idx), free)
+    hit = _PADDED.get(key)
+    if hit is None or hit[0] is not idx:
+        if len(_PADDED) > 512:
+            _PADDED.clear()
+        hit = _PADDED[key] = (idx, mx.pad(idx, [(0, free), (0, 0), (0, 0), (0, 0)]))
+    return hit[1]
 
 
 def free_slots(rows: int) -> int:
