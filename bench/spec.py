@@ -146,6 +146,7 @@ def run_workload(
     eng.start()
     lock = threading.Condition()
     state = {"next": 0, "done": 0, "tokens": 0}
+    outputs: dict[str, list[int]] = {}  # request id -> its tokens (the lookup replay's input)
     first_token: dict[str, float] = {}
     submitted: dict[str, float] = {}
 
@@ -164,6 +165,7 @@ def run_workload(
         with lock:
             for ev in events:
                 state["tokens"] += len(ev.token_ids)
+                outputs.setdefault(ev.req_id, []).extend(ev.token_ids)
                 if ev.token_ids and ev.req_id not in first_token:
                     first_token[ev.req_id] = time.perf_counter()
                 if ev.finish_reason is not None:
@@ -194,6 +196,7 @@ def run_workload(
         "tokens_per_s": round(state["tokens"] / wall, 3),
         "mean_ttft_s": round(statistics.mean(ttft), 4) if ttft else None,
         "engine_steps": stats.num_steps,
+        "outputs": [outputs.get(f"r{i}", []) for i in range(len(prompts))],
     }
     if stats.spec is not None:
         out["spec"] = dataclasses.asdict(stats.spec)
@@ -319,9 +322,19 @@ def compare(
         )
         ranked = sorted(range(len(rs)), key=lambda i: rs[i]["tokens_per_s"])
         summary[mode] = dict(rs[ranked[len(rs) // 2]], repeats=[r["tokens_per_s"] for r in rs])
+        summary[mode].pop("outputs", None)
         if ratios:
             summary[mode]["ratio_vs_plain"] = round(float(statistics.median(ratios)), 3)
             summary[mode]["ratios_by_round"] = [round(x, 3) for x in ratios]
+    choice = {m: MODES[m] for m in summary}
+    if concurrency == 1 and args.temperature == 0 and runs.get("plain"):
+        for mode in (m for m, c in choice.items() if c is not None and c[0] == "ngram"):
+            cells = summary[mode].get("spec", {}).get("step_ms", {})
+            replay = summary[mode]["lookup_replay"] = lookup_replay(
+                prompts, runs["plain"][0]["outputs"], _ceiling("ngram", args), cells)
+            print(f"[{label} c={concurrency}] {mode} lookup replay: {replay['plain_steps']} "
+                  f"plain steps, {replay['rounds']} rounds of {replay['tokens_per_round']} tokens"
+                  f", always speculating {replay.get('decode_bound_ratio')}x", flush=True)
     return {
         "workload": label,
         "concurrency": concurrency,
@@ -329,6 +342,62 @@ def compare(
         "rounds": len(runs[modes[0]]),
         "modes": summary,
     }
+
+
+def lookup_replay(prompts: list[tuple[list[int], int]], outputs: list[list[int]], ceiling: int,
+                  step_ms: dict[str, float]) -> dict[str, Any]:
+    """What n-gram prompt lookup can give on these requests, whatever decides when to use it:
+    each request's greedy output (the plain run's) replayed token by token through the engine's
+    n-gram index from the step after the one a row joins in (plain), every lookup that finds
+    something verified at once (up to `ceiling` drafts,
+    the longest prefix equal to the output accepted), every other position decoded plainly.
+    With the one-row step costs the speculative run measured (`step_ms` cells "1xW", linear
+    between measured widths) this gives the decode-time ratio to plain decoding of that
+    always-speculating engine (`decode_bound_ratio`, prefill left out): the drafter's own
+    ceiling on the workload, against which the measured ratio shows what the engine's choices
+    leave."""
+    import numpy as np
+
+    from engine.spec import SpecConfig
+    from engine.spec.ngram import NGramIndex
+
+    cfg = SpecConfig()
+    tokens = plain = rounds = accepted = drafted = 0
+    widths: list[int] = []
+    for (prompt, max_tokens), out in zip(prompts, outputs, strict=True):
+        index = NGramIndex(cfg.ngram_min, cfg.ngram_max)
+        # the first token comes from the prefill, the second from the plain step the row joins in
+        context = list(prompt) + out[:2]
+        plain += len(out) > 1
+        t = 2
+        while t < len(out):
+            room = max(0, min(ceiling, max_tokens - t - 1))
+            found = index.lookup(context, room) if room else []
+            n = 0
+            while n < len(found) and t + n < len(out) and found[n] == out[t + n]:
+                n += 1
+            if found:
+                rounds += 1
+                drafted += len(found)
+                accepted += n
+                widths.append(len(found) + 1)
+            else:
+                plain += 1
+            context.extend(out[t : t + n + 1])
+            t += n + 1
+        tokens += max(0, len(out) - 1)
+    report: dict[str, Any] = {
+        "tokens": tokens, "plain_steps": plain, "rounds": rounds,
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+        "tokens_per_round": round((tokens - plain) / rounds, 3) if rounds else None,
+        "mean_verify_width": round(float(np.mean(widths)), 3) if widths else None,
+    }
+    one_row = sorted((int(k.split("x")[1]), v) for k, v in step_ms.items() if k.startswith("1x"))
+    if tokens and len(one_row) >= 2 and one_row[0][0] == 1:
+        xs, ys = [w for w, _ in one_row], [v for _, v in one_row]
+        cost = plain * ys[0] + float(np.interp(widths, xs, ys).sum()) if widths else plain * ys[0]
+        report["decode_bound_ratio"] = round(tokens * ys[0] / cost, 3)
+    return report
 
 
 # -- output -------------------------------------------------------------------------------------

@@ -148,7 +148,33 @@ def test_spec_toy_plain_against_ngram(tmp_path: Path, dev_jsonl: Path):
         assert ngram["tokens"] == plain["tokens"] > 0  # greedy: speculation emits the same
         assert ngram["ratio_vs_plain"] > 0 and plain["ratio_vs_plain"] == 1.0
         assert "spec" in ngram and "spec" not in plain
+        assert "outputs" not in plain  # the replay's input stays out of the JSON
+        replay = ngram["lookup_replay"]  # greedy, one row: the lookup replayed
+        # every token but the prefill's first, per request
+        assert replay["tokens"] == plain["tokens"] - group["num_requests"]
+        assert replay["plain_steps"] + replay["rounds"] <= replay["tokens"]
     _png(out / "spec.png")
+
+
+def test_lookup_replay_counts_a_copied_stretch():
+    """The replay on a hand-made request: the row's second token is its join step's (plain);
+    then the suffix `6 7 8` is found in the prompt and its 4 continuations are all accepted (5
+    tokens for one verify of width 5); `13` was never seen, so the last step is plain. With a
+    plain step of 10 ms and a width-5 verify of 15 ms, 7 tokens cost 35 ms instead of 70."""
+    from bench.spec import lookup_replay
+
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6]
+    out = [7, 8, 9, 10, 11, 12, 13, 14]
+    replay = lookup_replay([(prompt, 64)], [out], 4, {"1x1": 10.0, "1x5": 15.0, "4x1": 99.0})
+    assert replay == {"tokens": 7, "plain_steps": 2, "rounds": 1, "acceptance_rate": 1.0,
+                      "tokens_per_round": 5.0, "mean_verify_width": 5.0,
+                      "decode_bound_ratio": 2.0}
+    # a ceiling of 2: 9 10 (+11), then 12 5 of which 12 is accepted (+13), then plain; two
+    # verifies of width 3 at the interpolated 12.5 ms
+    two = lookup_replay([(prompt, 64)], [out], 2, {"1x1": 10.0, "1x5": 15.0})
+    assert (two["rounds"], two["plain_steps"], two["tokens_per_round"]) == (2, 2, 2.5)
+    assert two["acceptance_rate"] == 0.75
+    assert two["decode_bound_ratio"] == round(70 / (2 * 10 + 2 * 12.5), 3)
 
 
 def test_spec_run_reports_a_failed_request_instead_of_waiting(monkeypatch):
