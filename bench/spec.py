@@ -326,9 +326,8 @@ def compare(
         if ratios:
             summary[mode]["ratio_vs_plain"] = round(float(statistics.median(ratios)), 3)
             summary[mode]["ratios_by_round"] = [round(x, 3) for x in ratios]
-    choice = {m: MODES[m] for m in summary}
     if concurrency == 1 and args.temperature == 0 and runs.get("plain"):
-        for mode in (m for m, c in choice.items() if c is not None and c[0] == "ngram"):
+        for mode in (m for m in summary if (MODES[m] or ("",))[0] == "ngram"):
             cells = summary[mode].get("spec", {}).get("step_ms", {})
             replay = summary[mode]["lookup_replay"] = lookup_replay(
                 prompts, runs["plain"][0]["outputs"], _ceiling("ngram", args), cells)
@@ -346,13 +345,14 @@ def compare(
 
 def lookup_replay(prompts: list[tuple[list[int], int]], outputs: list[list[int]], ceiling: int,
                   step_ms: dict[str, float]) -> dict[str, Any]:
-    """What n-gram prompt lookup can give on these requests, whatever decides when to use it:
-    each request's greedy output (the plain run's) replayed token by token through the engine's
-    n-gram index from the step after the one a row joins in (plain), every lookup that finds
-    something verified at once (up to `ceiling` drafts,
-    the longest prefix equal to the output accepted), every other position decoded plainly.
-    With the one-row step costs the speculative run measured (`step_ms` cells "1xW", linear
-    between measured widths) this gives the decode-time ratio to plain decoding of that
+    """What n-gram prompt lookup can give on these requests, whatever decides when to use it.
+
+    Each request's greedy output (the plain run's) is replayed token by token through the
+    engine's n-gram index, from the step after the one a row joins in (a plain step): every
+    lookup that finds something is verified at once (up to `ceiling` drafts; the longest prefix
+    equal to the output is accepted), every other position is decoded plainly. With the
+    one-row step costs the speculative run measured (`step_ms` cells "1xW", linear between
+    measured widths) this gives the decode-time ratio to plain decoding of that
     always-speculating engine (`decode_bound_ratio`, prefill left out): the drafter's own
     ceiling on the workload, against which the measured ratio shows what the engine's choices
     leave."""
