@@ -480,25 +480,24 @@ class KVLayout:
         for o in others:
             if not self.same_kind(o):
                 raise ValueError(f"cannot join {o.describe()} rows into {self.describe()}")
-        in_place = self._fits_in_place(others)
-        shaped = [] if in_place else [
-            p._live() for p in parts if p._bufs is not None and p.num_rows > 0]
-        if in_place:
+        if self._fits_in_place(others):
             self._write_rows(others)
-        elif shaped:
-            ref = shaped[0]
+        # each part's live rows (None: no rows, or rows with nothing written yet)
+        elif any(live := [p._live() if p._bufs is not None and p.num_rows > 0 else None
+                          for p in parts]):
+            ref = next(x for x in live if x is not None)
             cap = max(p.capacity for p in parts if p._bufs is not None)
             bufs = []
             for j in range(len(ref)):
                 pieces = []
-                for p in parts:
+                for p, rows in zip(parts, live, strict=True):
                     if p.num_rows == 0:
                         continue
-                    if p._bufs is None:
+                    if rows is None:
                         shape = (p.num_rows, ref[j].shape[1], cap, ref[j].shape[3])
                         pieces.append(mx.zeros(shape, ref[j].dtype))
                         continue
-                    pieces.append(_pad_columns(p._live()[j], cap))
+                    pieces.append(_pad_columns(rows[j], cap))
                 # a lone piece still gets a new array object: in-place column writes into the
                 # batch must never reach the layout the row came from
                 bufs.append(
