@@ -33,6 +33,11 @@ FINISH_LENGTH = "length"  # max_tokens or the context limit
 FINISH_ABORT = "abort"  # aborted by the client (disconnect) or by the server
 FINISH_ERROR = "error"  # the engine failed this request; see TokenEvent.error
 
+# the highest ceiling of the draft length (`--num-draft-tokens`): a verify forward has at most
+# this many columns plus one, and on MLX-CUDA every such width takes plain-op attention
+# (engine/cuda_guard.py, FEW_QUERIES)
+MAX_DRAFT_TOKENS = 32
+
 
 @dataclass(slots=True)
 class SamplingParams:

@@ -37,6 +37,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.api import MAX_DRAFT_TOKENS
 from kernels import cpu as cpu_kernels
 from kernels.attention import decode as decode_attention
 from kernels.common import gpu_backend, mask_5d, swap_classes
@@ -118,9 +119,9 @@ def install(model: nn.Module | None = None, force: bool = False) -> int:
 # process in `std::terminate` ("cudaStreamEndCapture ... operation failed due to a previous error
 # during capture"): on the H200, `bench spec` with forced n-gram verify steps of 5 queries died
 # within seconds, every time, while plain decoding, long prefills and synthetic cuDNN calls of the
-# same shapes outside the engine ran. The verify forwards (2..16 queries a row) are what a plain
-# run does not have. They gain nothing from cuDNN (plain-op attention measured 0.85-1.11x of it
-# there), while prefill gains a lot (flash attention never materialises the chunk x context
+# same shapes outside the engine ran. The verify forwards (2 to the draft ceiling + 1 queries a
+# row) are what a plain run does not have. They gain nothing from cuDNN (plain-op attention
+# measured 0.85-1.11x of it there), while prefill gains a lot (flash attention never materialises the chunk x context
 # scores: with plain ops an 8k-token prompt ran out of the H200's memory). So cuDNN stays on and
 # few-query calls of the model's attention take plain ops: `install_attention(model)` points the
 # `scaled_dot_product_attention` of the model's mlx-lm modules at `few_query_sdpa`, which sends
@@ -129,7 +130,10 @@ def install(model: nn.Module | None = None, force: bool = False) -> int:
 # does not fuse a one-query call with an array mask: kernels/attention/decode.py), and
 # everything else to mlx-lm's function unchanged.
 
-FEW_QUERIES = 16  # query lengths 2..16 (verify widths, short last chunks) take plain ops
+# query lengths 2..FEW_QUERIES take plain ops: every verify width the engine can run (the draft
+# model's default ceiling of 16 verifies 17 columns; through cuDNN such rounds built a graph for
+# every new context length and the process aborted) and short last chunks
+FEW_QUERIES = MAX_DRAFT_TOKENS + 1
 
 
 def plain_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,

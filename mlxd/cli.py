@@ -53,6 +53,11 @@ def _budget(text: str) -> int | None:
     return None if text.strip().lower() == "auto" else _int_in(1)(text)
 
 
+# engine.api.MAX_DRAFT_TOKENS (tests/test_cli_serve.py checks they agree): the engine package is
+# not imported before --blas has chosen the BLAS it loads
+MAX_DRAFT_TOKENS = 32
+
+
 def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
     allowed = f"an integer >= {lo}" if hi is None else f"an integer from {lo} to {hi}"
 
@@ -340,9 +345,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "(default: draft when --draft-model is given, else none)")
     g.add_argument("--draft-model", default=None,
                    help="draft model directory (same tokenizer as --model)")
-    g.add_argument("--num-draft-tokens", type=_int_in(1), default=None,
-                   help="ceiling of the adaptive draft length per row (default: 16 for a "
-                        "draft model, 4 for n-gram)")
+    g.add_argument("--num-draft-tokens", type=_int_in(1, MAX_DRAFT_TOKENS), default=None,
+                   help="ceiling of the adaptive draft length per row, at most 32 (default: "
+                        "16 for a draft model, 4 for n-gram)")
     distributed.add_arguments(p, _int_in, _float_in)
     return p
 

@@ -43,7 +43,8 @@ BAD_FLAGS = [
     (["--prefill-budget", "-1"], "--prefill-budget", ">= 1"),
     (["--max-queue", "0"], "--max-queue", ">= 1"),
     (["--max-kv-size", "0"], "--max-kv-size", ">= 1"),
-    (["--num-draft-tokens", "0"], "--num-draft-tokens", ">= 1"),
+    (["--num-draft-tokens", "0"], "--num-draft-tokens", "from 1 to 32"),
+    (["--num-draft-tokens", "33"], "--num-draft-tokens", "from 1 to 32"),
     (["--max-restarts", "-1"], "--max-restarts", ">= 0"),
     (["--blas", "/nonexistent"], "--blas", "auto, none, or the path"),
     (["--prefix-cache-bytes", "lots"], "--prefix-cache-bytes", "512MiB"),
@@ -60,6 +61,14 @@ BAD_FLAGS = [
     (["--spec", "ngram", "--draft-model", "/m"], "--draft-model", "--spec ngram"),
     (["--no-such-flag"], "--no-such-flag", "unrecognized"),
 ]
+
+
+def test_draft_ceiling_limit_is_the_engines():
+    """The CLI's --num-draft-tokens limit is the engine's (the CLI cannot import it before --blas
+    has chosen the BLAS)."""
+    from engine.api import MAX_DRAFT_TOKENS
+
+    assert cli.MAX_DRAFT_TOKENS == MAX_DRAFT_TOKENS
 
 
 @pytest.mark.parametrize(("argv", "flag", "allowed"), BAD_FLAGS, ids=[" ".join(a) for a, _, _ in BAD_FLAGS])

@@ -210,7 +210,7 @@ def test_plain_attention_equals_mlx_attention(case):
 
 
 def test_few_query_attention_routes_by_query_length(monkeypatch):
-    """2..16 queries go to plain ops; one query, a prefill chunk, a quantized cache and
+    """2..FEW_QUERIES queries go to plain ops; one query, a prefill chunk, a quantized cache and
     attention sinks go to mlx-lm's function unchanged."""
     calls: list[str] = []
 
@@ -227,17 +227,34 @@ def test_few_query_attention_routes_by_query_length(monkeypatch):
     class Quantized:
         bits = 8
 
-    for L, cache, sinks in [(1, None, None), (2, None, None), (16, None, None), (17, None, None),
-                            (4, Quantized(), None), (4, None, mx.zeros((4,)))]:
+    few = cuda_guard.FEW_QUERIES
+    for L, cache, sinks in [(1, None, None), (2, None, None), (17, None, None), (few, None, None),
+                            (few + 1, None, None), (4, Quantized(), None),
+                            (4, None, mx.zeros((4,)))]:
         calls.clear()
         sdpa(mx.zeros((1, 4, L, 16)), k, k, cache, 0.25, None, sinks)
-        want = "plain" if 2 <= L <= 16 and cache is None and sinks is None else "mlx"
+        want = "plain" if 2 <= L <= few and cache is None and sinks is None else "mlx"
         assert calls == [want], (L, cache, sinks)
+
+
+def test_every_verify_width_takes_plain_ops():
+    """A verify forward of any ceiling the engine accepts (the defaults and `--num-draft-tokens`
+    up to its limit) is a few-query call: with cuDNN attention, width-17 rounds (the draft
+    model's default ceiling of 16) built a cuDNN graph for every new context length and the
+    process aborted on the H100."""
+    from engine.api import MAX_DRAFT_TOKENS
+    from engine.spec import CEILINGS, DEFAULT_CEILING, SpecConfig
+
+    for ceiling in (*CEILINGS.values(), DEFAULT_CEILING, MAX_DRAFT_TOKENS):
+        assert ceiling + 1 <= cuda_guard.FEW_QUERIES, ceiling
+    assert SpecConfig("ngram", num_draft_tokens=MAX_DRAFT_TOKENS).ceiling == MAX_DRAFT_TOKENS
+    with pytest.raises(ValueError, match=f"from 1 to {MAX_DRAFT_TOKENS}"):
+        SpecConfig("ngram", num_draft_tokens=MAX_DRAFT_TOKENS + 1)
 
 
 def test_install_attention_patches_the_model_module_and_stays_exact(monkeypatch):
     """Forced on (as on CUDA), a tiny llama's verify-shaped forward (4 queries a row after a
-    right-padded 24-column prefill on the engine's layouts) takes plain ops and gives mlx-lm's logits."""
+    right-padded prefill wider than any verify on the engine's layouts) takes plain ops and gives mlx-lm's logits."""
     import mlx_lm.models.llama as llama_module
     from mlx_lm.models import base
 
@@ -250,12 +267,13 @@ def test_install_attention_patches_the_model_module_and_stays_exact(monkeypatch)
     model, _ = tiny_model("llama")
     B = 3
     rng = np.random.default_rng(4)
-    prompt = mx.array(rng.integers(1, 200, (B, 24)), dtype=mx.int32)
+    P = cuda_guard.FEW_QUERIES + 7  # a prefill chunk wider than any verify forward
+    prompt = mx.array(rng.integers(1, 200, (B, P)), dtype=mx.int32)
     verify = mx.array(rng.integers(1, 200, (B, 4)), dtype=mx.int32)
 
     def run():
         layouts = make_batch_layouts(model, B)
-        kvb.prepare(layouts, lengths=[24, 17, 20])
+        kvb.prepare(layouts, lengths=[P, P - 7, P - 4])
         model(prompt, cache=layouts)
         kvb.finalize(layouts)
         return model(verify, cache=layouts)
@@ -268,7 +286,7 @@ def test_install_attention_patches_the_model_module_and_stays_exact(monkeypatch)
     assert cuda_guard.install_attention(model, force=True) == 1
     assert cuda_guard.install_attention(model, force=True) == 0  # idempotent
     got = run()
-    assert seen and set(seen) == {4}  # the verify forward only; the 24-token prefill did not
+    assert seen and set(seen) == {4}  # the verify forward only; the prefill did not
     assert float(mx.abs(got - want).max()) < 1e-4
 
 
@@ -304,7 +322,7 @@ lm.eos_token_ids = ()
 tok = lm.tokenizer
 texts = ["def add(a, b):\n    return a + b\n\n" * 6, "class Stack:\n    def push(self, x):",
          "import os\n\ndef walk(root):", "x = [1, 2, 3]\n" * 20]
-spec = SpecConfig("ngram", num_draft_tokens=4, adaptive=False)
+spec = SpecConfig("ngram", num_draft_tokens=int(sys.argv[2]), adaptive=False)
 eng = Engine(lm, EngineConfig(SchedulerConfig(prefill_chunk=512), spec=spec))
 eng.start()
 try:
@@ -326,10 +344,12 @@ os._exit(0)
 
 
 @pytest.mark.gpu
-def test_cuda_speculative_bf16_with_cudnn_attention_runs():
-    """The abort: a bf16 model with cuDNN attention on (MLX's default), verify steps of 5
-    queries every step, four rows and a 3,000-token prefill, in a child process (an abort fails
-    the test instead of killing the run)."""
+@pytest.mark.parametrize("ceiling", [4, 16])
+def test_cuda_speculative_bf16_with_cudnn_attention_runs(ceiling):
+    """The abort: a bf16 model with cuDNN attention on (MLX's default), verify steps of up to
+    `ceiling` + 1 queries every step (16: the draft model's default ceiling), four rows and a
+    3,000-token prefill, in a child process (an abort fails the test instead of killing the
+    run)."""
     import os
     import subprocess
     import sys
@@ -337,6 +357,7 @@ def test_cuda_speculative_bf16_with_cudnn_attention_runs():
     if not cuda_guard.applies():
         pytest.skip("MLX-CUDA only")
     env = dict(os.environ, MLX_CUDA_USE_CUDNN_SDPA="1")
-    out = subprocess.run([sys.executable, "-c", SPEC_BF16_SCRIPT, str(DEFAULT_MODEL_DIR)],
+    out = subprocess.run([sys.executable, "-c", SPEC_BF16_SCRIPT, str(DEFAULT_MODEL_DIR),
+                          str(ceiling)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

@@ -270,7 +270,7 @@ def test_cli_flags_map_to_spec_config():
     assert _spec_config({"spec": "ngram"}).method == "ngram"
     with pytest.raises(ValueError, match="--draft-model"):
         SpecConfig(method="draft")
-    with pytest.raises(ValueError, match="at least 1"):
+    with pytest.raises(ValueError, match="from 1 to 32"):
         SpecConfig(method="ngram", num_draft_tokens=0)
 
 

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from engine.api import MAX_DRAFT_TOKENS
 from engine.spec import draft_model as _draft_model  # noqa: F401  (registers "draft")
 from engine.spec import ngram as _ngram  # noqa: F401  (registers "ngram")
 from engine.spec.adaptive import Acceptance, Controller, ControllerConfig, StepCosts
@@ -54,8 +55,8 @@ class SpecConfig:
             self.method = "draft"  # --draft-model alone turns the draft model on
         if self.method == "draft" and not self.draft_model:
             raise ValueError("--spec draft needs --draft-model PATH")
-        if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
-            raise ValueError("--num-draft-tokens must be at least 1")
+        if self.num_draft_tokens is not None and not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"--num-draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}")
 
     @property
     def ceiling(self) -> int:
