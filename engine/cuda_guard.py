@@ -121,8 +121,9 @@ def install(model: nn.Module | None = None, force: bool = False) -> int:
 # within seconds, every time, while plain decoding, long prefills and synthetic cuDNN calls of the
 # same shapes outside the engine ran. The verify forwards (2 to the draft ceiling + 1 queries a
 # row) are what a plain run does not have. They gain nothing from cuDNN (plain-op attention
-# measured 0.85-1.11x of it there), while prefill gains a lot (flash attention never materialises the chunk x context
-# scores: with plain ops an 8k-token prompt ran out of the H200's memory). So cuDNN stays on and
+# measured 0.85-1.11x of it there), while prefill gains a lot (flash attention never
+# materialises the chunk x context scores: with plain ops an 8k-token prompt ran out of the
+# H200's memory). So cuDNN stays on and
 # few-query calls of the model's attention take plain ops: `install_attention(model)` points the
 # `scaled_dot_product_attention` of the model's mlx-lm modules at `few_query_sdpa`, which sends
 # 2..`FEW_QUERIES` queries through `plain_attention` (what MLX's own fallback computes),

@@ -254,7 +254,8 @@ def test_every_verify_width_takes_plain_ops():
 
 def test_install_attention_patches_the_model_module_and_stays_exact(monkeypatch):
     """Forced on (as on CUDA), a tiny llama's verify-shaped forward (4 queries a row after a
-    right-padded prefill wider than any verify on the engine's layouts) takes plain ops and gives mlx-lm's logits."""
+    right-padded prefill wider than any verify, on the engine's layouts) takes plain ops and
+    gives mlx-lm's logits."""
     import mlx_lm.models.llama as llama_module
     from mlx_lm.models import base
 
