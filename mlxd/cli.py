@@ -346,8 +346,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--draft-model", default=None,
                    help="draft model directory (same tokenizer as --model)")
     g.add_argument("--num-draft-tokens", type=_int_in(1, MAX_DRAFT_TOKENS), default=None,
-                   help="ceiling of the adaptive draft length per row, at most 32 (default: "
-                        "16 for a draft model, 4 for n-gram)")
+                   help=f"ceiling of the adaptive draft length per row, at most "
+                        f"{MAX_DRAFT_TOKENS} (default: 16 for a draft model, 4 for n-gram)")
     distributed.add_arguments(p, _int_in, _float_in)
     return p
 
