@@ -395,7 +395,7 @@ def lookup_replay(prompts: list[tuple[list[int], int]], outputs: list[list[int]]
     one_row = sorted((int(k.split("x")[1]), v) for k, v in step_ms.items() if k.startswith("1x"))
     if tokens and len(one_row) >= 2 and one_row[0][0] == 1:
         xs, ys = [w for w, _ in one_row], [v for _, v in one_row]
-        cost = plain * ys[0] + float(np.interp(widths, xs, ys).sum()) if widths else plain * ys[0]
+        cost = plain * ys[0] + float(np.interp(widths, xs, ys).sum())  # no rounds: 0
         report["decode_bound_ratio"] = round(tokens * ys[0] / cost, 3)
     return report
 

@@ -123,13 +123,12 @@ def install(model: nn.Module | None = None, force: bool = False) -> int:
 # row) are what a plain run does not have. They gain nothing from cuDNN (plain-op attention
 # measured 0.85-1.11x of it there), while prefill gains a lot (flash attention never
 # materialises the chunk x context scores: with plain ops an 8k-token prompt ran out of the
-# H200's memory). So cuDNN stays on and
-# few-query calls of the model's attention take plain ops: `install_attention(model)` points the
-# `scaled_dot_product_attention` of the model's mlx-lm modules at `few_query_sdpa`, which sends
-# 2..`FEW_QUERIES` queries through `plain_attention` (what MLX's own fallback computes),
-# one-query calls over rows of different lengths through mlxd's decode-attention kernel (MLX-CUDA
-# does not fuse a one-query call with an array mask: kernels/attention/decode.py), and
-# everything else to mlx-lm's function unchanged.
+# H200's memory). So cuDNN stays on and few-query calls of the model's attention take plain ops:
+# `install_attention(model)` points the `scaled_dot_product_attention` of the model's mlx-lm
+# modules at `few_query_sdpa`, which sends 2..`FEW_QUERIES` queries through `plain_attention`
+# (what MLX's own fallback computes), one-query calls over rows of different lengths through
+# mlxd's decode-attention kernel (MLX-CUDA does not fuse a one-query call with an array mask:
+# kernels/attention/decode.py), and everything else to mlx-lm's function unchanged.
 
 # query lengths 2..FEW_QUERIES take plain ops: every verify width the engine can run (the draft
 # model's default ceiling of 16 verifies 17 columns; through cuDNN such rounds built a graph for
