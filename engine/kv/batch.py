@@ -5,7 +5,7 @@ model(tokens, cache=rows)                       # prefill (chunks) alone, no pad
 batch  = merge_rows(batch, [rows_a, rows_b])    # admit rows (None batch = start one)
 model(next_tokens[:, None], cache=batch)        # decode step, every row at its own length
 filter_rows(batch, keep)                        # drop finished rows (their slots stay free)
-row    = extract_row(batch, i)                  # one row out (prefix cache, preemption)
+row    = extract_row(batch, i)                  # one row out, copied (the draft model's rows)
 checkpoint(batch); model(k+1 columns); rollback(batch, accepted)   # speculation
 
 Rows are not aligned with each other: each keeps its own length, so admitting a short row next

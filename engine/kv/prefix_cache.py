@@ -724,8 +724,10 @@ class PrefixIndex:
         for i, row in enumerate(rows):
             n = int(counts[i])
             if n >= self.block_size:
-                self._insert(row, row.request.prompt_ids[:n], kvb.extract_row(caches, i),
-                             wait=wait)
+                # views of the row, not a copy: only the new blocks are copied (a row restored
+                # from a long cached prefix would otherwise copy its whole history first)
+                views = [_row_view(layer, i) for layer in caches]
+                self._insert(row, row.request.prompt_ids[:n], views, wait=wait)
 
     def advance(self, rows: Sequence[RowMeta], caches: list[Any] | None) -> None:
         """While decoding (ring or recurrent layers only): a row whose length has just passed
