@@ -85,9 +85,6 @@ class NGramDrafter:
     name = "ngram"
     point_mass = True
     catches_up = False  # the index extends lazily over whatever was generated
-    # a round may start behind the plain step in flight: the lookup's first token guesses
-    # that step's token, and the drafts continue past the guess (Speculation.propose_ahead)
-    looks_ahead = True
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2, **_: Any) -> None:
         if not 1 <= min_ngram <= max_ngram:
