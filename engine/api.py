@@ -124,10 +124,6 @@ class SpecStats:
     num_draft_tokens: int  # the ceiling of the adaptive draft length (--num-draft-tokens)
     spec_steps: int = 0  # engine steps that verified drafts
     plain_steps: int = 0  # engine steps that decoded one token per row
-    # speculative steps launched behind the plain step in flight (a lookup drafter's rounds
-    # start without draining it), and their row rounds whose guess of that step's token missed
-    ahead_steps: int = 0
-    ahead_misses: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     acceptance_rate: float | None = None  # accepted / drafted

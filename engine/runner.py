@@ -189,11 +189,6 @@ class Runner:
         constrained = batch.constrained_rows()
         sync = width > 1 or bool(constrained)
         if sync and self._inflight is not None:
-            if width > 1 and self._can_look_ahead(batch, constrained):
-                result = self.verify_ahead(batch, width)
-                if result is not None:
-                    result.width = width
-                    return _joined(result, first)
             self._held = max(width, self._held)
             return _joined(self._drain(), first)
         if width > 1:
@@ -212,18 +207,6 @@ class Runner:
             self._lap("collect", t0)
         result.width = width
         return _joined(result, first)
-
-    def _can_look_ahead(self, batch: RunningBatch, constrained: list[tuple[Any, int]]) -> bool:
-        """Whether this round can be launched behind the plain step in flight (`verify_ahead`)
-        instead of draining it first: a lookup drafter, greedy rows without grammars, and the
-        step in flight covering exactly the batch's rows."""
-        inflight = self._inflight
-        return (
-            inflight is not None and not constrained and isinstance(self.spec, Speculation)
-            and self.spec.looks_ahead and batch.sampler is not None
-            and plain_greedy(batch.sampler) and len(inflight.rows) == len(batch.rows)
-            and all(a is b for a, b in zip(inflight.rows, batch.rows, strict=True))
-        )
 
     def _drain(self) -> StepResult:
         previous, self._inflight = self._inflight, None
@@ -433,62 +416,6 @@ class Runner:
         chosen, top_ids, top_lps = extra
         return _collect(InFlight(list(batch.rows), tokens, accepted + 1, chosen, top_ids, top_lps,
                                  errors))
-
-    def verify_ahead(self, batch: RunningBatch, width: int) -> StepResult | None:
-        """A greedy verify round launched behind the plain step in flight, without draining it
-        first: column 0 is that step's token, still lazy; the drafts are the lookup's
-        continuation past its guess for that token (`Speculation.propose_ahead`). The round's
-        forward is queued before the step in flight is read, so the device never waits for the
-        host between them. The verdict compares each draft with the target's token at the
-        column before it, whose input is the real token, so exactness never depends on the
-        guess: a wrong one only makes its row's drafts unlikely to match. The result is the
-        step in flight's token, then the round's, per row; None (nothing run) when no row's
-        guess is trusted enough to draft past it."""
-        assert isinstance(self.spec, Speculation) and batch.sampler is not None
-        assert batch.next_tokens is not None
-        ahead = self.spec.propose_ahead(batch, width)
-        if ahead is None:
-            return None
-        rnd, guess = ahead
-        proposal = rnd.proposal
-        drafts = proposal.host_tokens
-        assert drafts is not None
-        K = int(drafts.shape[1])
-        self.shapes[("verify", len(batch), K + 1)] += 1
-        ring_round = RingRound(batch.caches or [], K + 1)
-        inputs = mx.concatenate(
-            [batch.next_tokens[:, None], mx.array(drafts.astype(np.int32))], axis=1
-        ) if K else batch.next_tokens[:, None]
-        logits = self._forward(inputs, ring_round.model_caches, batch)
-        tokens = mx.argmax(logits, axis=-1).astype(mx.int32)  # [B, K + 1]
-        extra = _logprobs(logits, tokens, batch.sampler)
-        mx.async_eval(tokens, *[x for x in extra if x is not None])
-        t0 = time.perf_counter()
-        plain = self._drain()  # the step in flight's tokens, while the round computes
-        self._lap("collect", t0)
-        known = np.fromiter((t[0] for t in plain.tokens), np.int64, len(plain.tokens))
-        missed = (known != guess) & (proposal.num_drafts > 0)
-        mx.eval(tokens, *[x for x in extra if x is not None])
-        accepted, last = greedy_verdict_host(np.array(tokens), drafts, proposal.num_drafts)
-        batch.next_tokens = mx.array(last.astype(np.int32))
-        ring_round.finish(accepted + 1)
-        batch.sampler = record_ragged(batch.sampler, tokens, mx.array(accepted.astype(np.int32) + 1))
-        mx.async_eval(batch.next_tokens, *batch.arrays(), *_arrays_of(batch.sampler))
-        self.spec.observe(rnd, accepted, missed)
-        chosen, top_ids, top_lps = extra
-        rest = _collect(InFlight(list(batch.rows), tokens, accepted + 1, chosen, top_ids, top_lps,
-                                 {}))
-        return _concat_results(plain, rest)
-
-
-def _concat_results(a: StepResult, b: StepResult) -> StepResult:
-    """Per row, `a`'s tokens (and logprobs) then `b`'s: two steps over the same rows."""
-    a.tokens = [x + y for x, y in zip(a.tokens, b.tokens, strict=True)]
-    for name in ("logprobs", "top_logprobs"):
-        x, y = getattr(a, name), getattr(b, name)
-        if x is not None and y is not None:
-            setattr(a, name, [p + q for p, q in zip(x, y, strict=True)])
-    return a
 
 
 def _verify_input(batch: RunningBatch, rnd: Round) -> mx.array:

@@ -146,8 +146,6 @@ _SPEC_DOCS = {
     "num_draft_tokens": "Ceiling of the adaptive draft length",
     "spec_steps": "Engine steps that verified drafts",
     "plain_steps": "Engine steps that decoded one token per row",
-    "ahead_steps": "Speculative steps launched behind the plain step in flight",
-    "ahead_misses": "Rows of those steps whose guess of the in-flight token missed",
     "drafted_tokens": "Draft tokens proposed",
     "accepted_tokens": "Draft tokens accepted",
     "acceptance_rate": "Accepted / drafted tokens",

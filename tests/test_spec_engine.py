@@ -461,29 +461,3 @@ def test_flat_costs_take_the_lookup_offer_in_the_engine(tinycoder, monkeypatch):
     st = stats
     widths = [int(k.split("x")[1]) for k in st.step_ms]
     assert st.spec_steps > 0 and max(widths) >= 6, st
-
-
-def test_lookup_rounds_launched_behind_the_step_in_flight_keep_greedy_exact(monkeypatch):
-    """A lookup round after plain steps starts behind the plain step in flight, on a guess of
-    its token (the lookup's first token). Guesses hit and miss here, batched, and greedy output
-    stays plain's (a draft is checked against the real token's column, whatever the guess).
-    Guesses are trusted from matches of `ahead_match` tokens: none at all when that is longer
-    than any match, and the rounds then drain the step in flight first, as before."""
-    from engine.spec.ngram import NGramDrafter
-
-    model, cfg = tiny_model("llama")
-    lm = loaded(model, cfg)
-    prompts = _repetitive_prompts(cfg["vocab_size"], 6, seed=5)
-    reqs = [greedy(f"r{i}", p, max_tokens=30 + 7 * i) for i, p in enumerate(prompts)]
-    want, _ = _outputs(lm, None, reqs, prefill_chunk=32)
-    spec = SpecConfig("ngram", num_draft_tokens=3, ngram_min=1, adaptive=False)
-    monkeypatch.setattr(NGramDrafter, "ahead_match", 1)  # unigram matches: a random model's
-    got, st = _outputs(lm, spec, reqs, prefill_chunk=32)
-    for r in reqs:
-        assert_same_greedy(lm, r, got[r.req_id], want[r.req_id], r.req_id)
-    assert st.ahead_steps > 0 and st.ahead_misses > 0, st
-    assert st.ahead_steps < st.spec_steps, st  # rounds after rounds have no step in flight
-    monkeypatch.setattr(NGramDrafter, "ahead_match", 5)  # longer than max_ngram (4)
-    got, st = _outputs(lm, spec, reqs, prefill_chunk=32)
-    assert got == want
-    assert st.ahead_steps == 0 and st.spec_steps > 0, st

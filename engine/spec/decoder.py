@@ -84,8 +84,6 @@ class _Totals:
     accepted: int = 0
     emitted: int = 0
     row_rounds: int = 0  # (row, step) pairs with at least one draft
-    ahead_steps: int = 0  # rounds launched behind the plain step in flight
-    ahead_misses: int = 0  # their (row, step) pairs whose guess of that step's token missed
     width_sum: int = 0
     seconds_spec: float = 0.0
 
@@ -215,52 +213,14 @@ class Speculation:
             ctx.min_gain = self._min_gain
         return Round(ctx, self._propose(ctx), batch.spec, t0)
 
-    @property
-    def looks_ahead(self) -> bool:
-        """Whether a round may be launched behind the plain step in flight (`propose_ahead`):
-        a lookup drafter, whose drafts past a guessed token cost nothing to find."""
-        return bool(getattr(self.drafter, "looks_ahead", False))
-
-    def propose_ahead(self, batch: Any, width: int) -> tuple[Round, np.ndarray] | None:
-        """`propose` for a round launched behind the plain step in flight, whose token the rows
-        do not know yet: the lookup runs on each row's context without it, its first token is
-        the guess for it ([B]; -1: none), and the drafts are what follows the guess (at most
-        `width - 1`, and one fewer than the row's room: the token in flight takes one). Only
-        rows whose lookup matched at least the drafter's `ahead_match` tokens get drafts; None
-        when no row does (the runner then drains the step in flight and proposes after it)."""
-        t0 = time.perf_counter()
-        rows = batch.rows
-        caps = np.clip(np.minimum(self._caps(batch), _room(rows) - 1), 0, width - 1)
-        ctx = self._context(batch, np.where(caps > 0, caps + 1, 0))
-        found = self.drafter.propose(ctx)
-        host = found.host_tokens
-        assert host is not None, "a drafter that looks ahead keeps its drafts on the host"
-        trusted = np.asarray(found.drafter_info) >= int(getattr(self.drafter, "ahead_match", 1))
-        if not (trusted & (found.num_drafts > 1)).any():
-            return None
-        guess = np.where(trusted & (found.num_drafts > 0), host[:, 0] if host.shape[1] else -1, -1)
-        num = np.where(trusted, np.maximum(found.num_drafts - 1, 0), 0)
-        K = int(num.max(initial=0))
-        drafts = np.ascontiguousarray(host[:, 1 : 1 + K], dtype=np.int32)
-        ctx.num_drafts = caps
-        proposal = Proposal(tokens=mx.array(drafts), num_drafts=num, host_tokens=drafts)
-        return Round(ctx, proposal, batch.spec, t0), guess.astype(np.int64)
-
-    def observe(self, rnd: Round, accepted: np.ndarray, missed: np.ndarray | None = None) -> None:
-        """Row b accepted `accepted[b]` of its drafts (the target's token follows them).
-        `missed` ([B] bool), for a round launched behind the plain step in flight
-        (`propose_ahead`): the rows whose guess of that step's token was wrong; the round
-        also gave every row that step's token."""
-        ahead = missed is not None
-        if missed is not None:
-            self.totals.ahead_steps += 1
-            self.totals.ahead_misses += int(missed.sum())
+    def observe(self, rnd: Round, accepted: np.ndarray) -> None:
+        """Row b accepted `accepted[b]` of its drafts (the target's token follows them)."""
         proposal = rnd.proposal
         K = int(proposal.tokens.shape[1])
         if K:
             self.drafter.observe(rnd.ctx, proposal, accepted)
         self._learn(rnd.rows, proposal.num_drafts, accepted)
-        self._emitted = (float(accepted.mean()) + 1.0 if len(accepted) else 1.0) + ahead
+        self._emitted = float(accepted.mean()) + 1.0 if len(accepted) else 1.0
         self._verified = K + 1 if K else 0
         self._catch_up = bool(getattr(self.drafter, "caught_up", False)) and K > 0
         tot = self.totals
@@ -380,8 +340,6 @@ class Speculation:
             num_draft_tokens=self.max_draft,
             spec_steps=tot.spec_steps,
             plain_steps=tot.plain_steps,
-            ahead_steps=tot.ahead_steps,
-            ahead_misses=tot.ahead_misses,
             drafted_tokens=tot.drafted,
             accepted_tokens=tot.accepted,
             acceptance_rate=_ratio(tot.accepted, tot.drafted),

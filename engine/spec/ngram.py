@@ -28,7 +28,7 @@ from engine.spec.base import Proposal, ProposeContext, register_drafter
 class NGramIndex:
     """Last end position of every n-gram (n in [min_n, max_n]) of a token list's prefix."""
 
-    __slots__ = ("min_n", "max_n", "ends", "num_indexed", "_last", "matched")
+    __slots__ = ("min_n", "max_n", "ends", "num_indexed", "_last")
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
@@ -36,8 +36,7 @@ class NGramIndex:
         self.num_indexed = 0  # n-grams ending before this position are in `ends`
         # (context length, k, result) of the last lookup: a row's context only grows, so its
         # length names it; the step's `propose` repeats the decision's `available` lookup
-        self._last: tuple[int, int, list[int], int] = (-1, 0, [], 0)
-        self.matched = 0  # tokens of the suffix the last lookup matched (0: none)
+        self._last: tuple[int, int, list[int]] = (-1, 0, [])
 
     def extend(self, tokens: Sequence[int], upto: int) -> None:
         """Index n-grams ending at positions [num_indexed, upto)."""
@@ -49,22 +48,21 @@ class NGramIndex:
 
     def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest earlier occurrence of the context's suffix."""
-        n_tok, k_last, found, matched = self._last
+        n_tok, k_last, found = self._last
         if n_tok == len(tokens) and (k <= k_last or len(found) < k_last):
-            self.matched = matched
             return found[:k]
-        found, self.matched = self._lookup(tokens, k)
-        self._last = (len(tokens), k, found, self.matched)
+        found = self._lookup(tokens, k)
+        self._last = (len(tokens), k, found)
         return list(found)
 
-    def _lookup(self, tokens: Sequence[int], k: int) -> tuple[list[int], int]:
+    def _lookup(self, tokens: Sequence[int], k: int) -> list[int]:
         last = len(tokens) - 1
         self.extend(tokens, last)  # never the suffix itself
         for n in range(min(self.max_n, last), self.min_n - 1, -1):
             e = self.ends.get(tuple(tokens[last - n + 1 :]))
             if e is not None:
-                return list(tokens[e + 1 : e + 1 + k]), n
-        return [], 0
+                return list(tokens[e + 1 : e + 1 + k])
+        return []
 
 
 class NGramState:
@@ -87,12 +85,6 @@ class NGramDrafter:
     name = "ngram"
     point_mass = True
     catches_up = False  # the index extends lazily over whatever was generated
-    # a round may start behind the plain step in flight: the lookup's first token guesses
-    # that step's token, and the drafts continue past the guess (Speculation.propose_ahead);
-    # only guesses from matches of `ahead_match` tokens or more are trusted (on the edit
-    # workload, 2-token matches guessed right 59-61 % of the time, 3- and 4-token ones 86-90 %)
-    looks_ahead = True
-    ahead_match = 3
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2, **_: Any) -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -111,18 +103,14 @@ class NGramDrafter:
         B = len(ctx.contexts)
         drafts = np.zeros((B, K), np.int32)
         num = np.zeros(B, np.int64)
-        matched = np.zeros(B, np.int64)  # the suffix length each row's lookup matched
         for b in np.flatnonzero(ctx.num_drafts > 0):  # short per-row lists; dict lookups
-            index = state.indexes[b]
-            found = index.lookup(ctx.contexts[b], int(ctx.num_drafts[b]))
+            found = state.indexes[b].lookup(ctx.contexts[b], int(ctx.num_drafts[b]))
             self._num_asked += 1
             if found:
                 self._num_found += 1
                 drafts[b, : len(found)] = found
                 num[b] = len(found)
-                matched[b] = index.matched
-        return Proposal(tokens=mx.array(drafts), num_drafts=num, host_tokens=drafts,
-                        drafter_info=matched)
+        return Proposal(tokens=mx.array(drafts), num_drafts=num, host_tokens=drafts)
 
     def available(self, ctx: ProposeContext) -> np.ndarray:
         """[B] how many drafts `propose` would offer each row (no device arrays)."""
