@@ -349,17 +349,29 @@ class PrefixCache:
         upto = n if limit is None else min(n, limit)
         if upto > len(token_ids):
             raise ValueError(f"row has {upto} tokens but only {len(token_ids)} ids were given")
-        positions = [None if isinstance(r, RecurrentLayout) else r.row_positions(0) for r in rows]
+        # layers of one geometry and width hold the row's positions alike: worked out once
+        memo: dict[tuple[Any, ...], tuple[tuple[np.ndarray, np.ndarray], bool]] = {}
+        positions: list[tuple[np.ndarray, np.ndarray] | None] = []
+        # layers holding positions 0..n-1 in consecutive columns (full attention): each block is
+        # whole at a known column, no search per block and layer
+        flat: dict[int, int] = {}
+        for li, r in enumerate(rows):
+            if isinstance(r, RecurrentLayout):
+                positions.append(None)
+                continue
+            shape = (r.geometry, r.capacity, int(r._n[0]))
+            if shape not in memo:
+                p = r.row_positions(0)
+                memo[shape] = (p, _consecutive(p, n))
+            p, consecutive = memo[shape]
+            positions.append(p)
+            if consecutive and r._bufs is not None:
+                flat[li] = int(p[1][0])
         node, created = self._root(key), 0
         if after is not None and self.attached(after) and after.depth * self.block_size <= upto:
             node = after
         filled: list[mx.array] = []
         runs: dict[int, list[tuple[_Node, int]]] = {}  # layer -> whole blocks: (node, column)
-        # layers holding positions 0..n-1 in consecutive columns (full attention): each block is
-        # whole at a known column, no search per block and layer
-        flat = {li: int(p[1][0]) for li, (r, p) in enumerate(zip(rows, positions, strict=True))
-                if isinstance(r, KVLayout) and r._bufs is not None and p is not None
-                and _consecutive(p, n)}
         walked: list[_Node] = []
         for block in self._blocks(token_ids, upto, node.depth):
             child = node.children.get(block)
