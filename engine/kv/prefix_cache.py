@@ -349,7 +349,7 @@ class PrefixCache:
         upto = n if limit is None else min(n, limit)
         if upto > len(token_ids):
             raise ValueError(f"row has {upto} tokens but only {len(token_ids)} ids were given")
-        # layers of one geometry and width hold the row's positions alike: worked out once
+        # layers of one kind, geometry and width hold the row's positions alike: worked out once
         memo: dict[tuple[Any, ...], tuple[tuple[np.ndarray, np.ndarray], bool]] = {}
         positions: list[tuple[np.ndarray, np.ndarray] | None] = []
         # layers holding positions 0..n-1 in consecutive columns (full attention): each block is
@@ -359,7 +359,7 @@ class PrefixCache:
             if isinstance(r, RecurrentLayout):
                 positions.append(None)
                 continue
-            shape = (r.geometry, r.capacity, int(r._n[0]))
+            shape = (type(r), r.geometry, r.capacity, int(r._n[0]))
             if shape not in memo:
                 p = r.row_positions(0)
                 memo[shape] = (p, _consecutive(p, n))
