@@ -20,11 +20,15 @@ Kernel mode, for 4-bit group-64 bfloat16 weights of 8B-llama shapes (4096x4096, 
   the table's or the default layout). MLX caches compiled kernels on disk (MLX_PTX_CACHE_DIR),
   so a second run on the same machine compiles nothing.
 - ``--quick``: two shapes, rows 1, 4, 8, no sweep (under a minute on an H200).
+- ``--prefill``: prefill-sized products instead (128 to 8,192 rows; 4- and 8-bit): MLX's
+  ``quantized_matmul`` against what mlxd runs from ``linear.DEQUANTIZE_ROWS`` rows on (the
+  weight dequantized to bf16, then a dense matmul), one call per evaluation, µs and TFLOPS.
 
 Every call of ours is checked against MLX first; any mismatch is printed and the run exits 1.
 
 Model mode (``--model`` / ``--random-shape``): a decode step of B = 1, 2, 4, 8, 16 rows and a
-forward of W = 2..6 tokens (the verify shape) of one sequence, each on a 32-token cache, with
+forward of W = 2..6 tokens (the verify shape) of one sequence, each on a 32-token cache, and a
+prefill of 512, 2,048 and 8,192 tokens into an empty cache, with
 the variants "stock" (MLX's QuantizedLinear as loaded), "flat" (MLX's quantized_matmul with x
 flattened to [rows, K]: the flattening alone) and "mlxd" (what ``kernels.affine.install`` gives:
 the kernel or MLX's flattened, as its ROUTE says); ms and the ratio to the same variant's
@@ -42,6 +46,7 @@ import engine  # noqa: F401  (BLAS before mlx)
 # isort: split
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -236,6 +241,8 @@ FLAT: dict[type, type] = {nn.QuantizedLinear: FlatQuantizedLinear, nn.QuantizedE
 VARIANTS = ("stock", "flat", "mlxd")
 DECODE_ROWS = (1, 2, 4, 8, 16)
 VERIFY_WIDTHS = (2, 3, 4, 5, 6)
+PREFILL_LENGTHS = (512, 2048, 8192)
+PREFILL_ROWS = [128, 256, 512, 1024, 2048, 8192]
 
 
 def build_model(args: argparse.Namespace) -> tuple[Any, str]:
@@ -264,6 +271,19 @@ def _prefill(model: Any, batch: int, length: int = 32) -> list[Any]:
     tokens = mx.random.randint(0, 8000, (batch, length), key=mx.random.key(batch)).astype(mx.int32)
     mx.eval(model(tokens, cache=cache))
     return cache
+
+
+def prefill_ms(model: Any, length: int, steps: int) -> float:
+    """Median ms of one forward of `length` tokens into an empty cache (the last row's logits)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    tokens = mx.random.randint(0, 8000, (1, length), key=mx.random.key(length)).astype(mx.int32)
+
+    def run() -> None:
+        cache = make_prompt_cache(model)
+        mx.eval(model(tokens, cache=cache)[:, -1])
+
+    return median_time(run, repeats=steps) * 1e3
 
 
 def step_ms(model: Any, batch: int, width: int, steps: int) -> float:
@@ -328,10 +348,65 @@ def bench_model(args: argparse.Namespace, result: dict[str, Any], save: Callable
             ms = step_ms(model, 1, width, args.steps)
             rows.append({"variant": variant, "kind": "verify", "rows": width, "ms": round(ms, 3), "ratio": round(ms / base, 2)})
             print(json.dumps(rows[-1]), flush=True)
+        for length in PREFILL_LENGTHS:
+            ms = prefill_ms(model, length, max(3, args.steps // 3))
+            rows.append({"variant": variant, "kind": "prefill", "rows": length, "ms": round(ms, 3),
+                         "ratio": round(ms / base, 2), "tok_s": round(length / ms * 1e3)})
+            print(json.dumps(rows[-1]), flush=True)
         result["steps"] = rows
         save()
     set_variant(model, "stock")
     return []
+
+
+def _quantized_product(x: mx.array, q: tuple[mx.array, mx.array, mx.array], bits: int) -> mx.array:
+    return mx.quantized_matmul(x, *q, transpose=True, group_size=GROUP, bits=bits)
+
+
+def _dequantized_product(x: mx.array, q: tuple[mx.array, mx.array, mx.array], bits: int) -> mx.array:
+    return x @ mx.dequantize(*q, group_size=GROUP, bits=bits).T
+
+
+def bench_prefill_kernels(args: argparse.Namespace, result: dict[str, Any], save: Callable[[], None]) -> list[str]:
+    """MLX's quantized_matmul against dequantize + matmul (linear.affine_matmul's path from
+    DEQUANTIZE_ROWS rows on CUDA) for prefill-sized x, the latter checked against the product
+    in float32; returns the failed checks."""
+    failures: list[str] = []
+    out: list[dict[str, Any]] = result.setdefault("prefill_kernels", [])
+    for bits in (4, 8):
+        for n, k in args.shapes or SHAPES[:3]:
+            w = (mx.random.normal((n, k), key=mx.random.key(n + k)) * 0.02).astype(DTYPE)
+            wq, scales, biases = mx.quantize(w, group_size=GROUP, bits=bits)
+            mx.eval(wq, scales, biases)
+            del w
+            for m in args.rows or PREFILL_ROWS:
+                x = mx.random.normal((m, k), key=mx.random.key(m)).astype(DTYPE)
+                mx.eval(x)
+
+                theirs = functools.partial(_quantized_product, x, (wq, scales, biases), bits)
+                dense = functools.partial(_dequantized_product, x, (wq, scales, biases), bits)
+                ref = x.astype(mx.float32) @ mx.dequantize(
+                    wq, scales.astype(mx.float32), biases.astype(mx.float32), group_size=GROUP, bits=bits).T
+                err, scale = float(mx.abs(dense().astype(mx.float32) - ref).max()), float(mx.abs(ref).max())
+                if not err <= 2e-2 * scale:
+                    failures.append(f"{bits}-bit {n}x{k} rows {m}: max error {err:.3g} against {scale:.3g}")
+                t_mlx = median_time(lambda: mx.eval(theirs()), repeats=9) * 1e6  # noqa: B023 (called here)
+                t_dq = median_time(lambda: mx.eval(dense()), repeats=9) * 1e6  # noqa: B023
+                flops = 2 * m * n * k
+                out.append({"bits": bits, "shape": [n, k], "rows": m, "mlx_us": round(t_mlx, 1),
+                            "dequantize_us": round(t_dq, 1), "mlx_tflops": round(flops / t_mlx / 1e6, 1),
+                            "dequantize_tflops": round(flops / t_dq / 1e6, 1)})
+                print(json.dumps(out[-1]), flush=True)
+            save()
+    return failures
+
+
+def prefill_kernel_table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'bits':>4} {'W (NxK)':>12} {'rows':>6} {'MLX µs':>10} {'dequant+mm µs':>14} {'speed-up':>9}"]
+    for r in rows:
+        lines.append(f"{r['bits']:>4} {r['shape'][0]:>6}x{r['shape'][1]:<5} {r['rows']:>6} {r['mlx_us']:>10.1f} "
+                     f"{r['dequantize_us']:>14.1f} {r['mlx_us'] / r['dequantize_us']:>8.2f}x")
+    return "\n".join(lines)
 
 
 def model_table(rows: list[dict[str, Any]]) -> str:
@@ -351,7 +426,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(12, 5))
     rows = result.get("kernels") or []
-    if rows:
+    pre = result.get("prefill_kernels") or []
+    if pre:
+        labels = [f"{r['bits']}b {r['shape'][0]}x{r['shape'][1]}\n{r['rows']}" for r in pre]
+        xs = np.arange(len(pre))
+        ax.bar(xs, [r["mlx_tflops"] for r in pre], 0.4, label="mx.quantized_matmul")
+        ax.bar(xs + 0.4, [r["dequantize_tflops"] for r in pre], 0.4, label="dequantize + matmul")
+        ax.set_xticks(xs + 0.2)
+        ax.set_xticklabels(labels, fontsize=5)
+        ax.set_ylabel("TFLOPS")
+        ax.set_title("affine g64 bf16 matmul, prefill-sized x")
+    elif rows:
         labels = [f"{r['shape'][0]}x{r['shape'][1]}\n{r['rows']}" for r in rows]
         xs = np.arange(len(rows))
         for i, (key, name) in enumerate([("mlx_us", "mx.quantized_matmul"), ("ours_us", "ours"),
@@ -365,7 +450,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         steps = result.get("steps") or []
         variants = list(dict.fromkeys(r["variant"] for r in steps))
         for v in variants:
-            pts = [r for r in steps if r["variant"] == v]
+            pts = [r for r in steps if r["variant"] == v and r["kind"] != "prefill"]
             ax.plot([f"{r['kind'][0]}{r['rows']}" for r in pts], [r["ms"] for r in pts], marker="o", label=v)
         ax.set_ylabel("ms per forward (d = decode rows, v = verify width)")
         ax.set_title(str(result.get("model", "")))
@@ -386,6 +471,7 @@ def add_parsers(sub: Any) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="two shapes, rows 1 4 8, no sweep")
     p.add_argument("--sweep", action="store_true", help="check and time every candidate layout")
+    p.add_argument("--prefill", action="store_true", help="prefill-sized products: MLX's against dequantize + matmul")
     p.add_argument("--shapes", type=parse_shape, nargs="+", default=None, help="NxK ...")
     p.add_argument("--rows", type=int, nargs="+", default=None)
     p.add_argument("--tuned", default=None, help="the table --sweep writes (default kernels/affine/tuned_cuda.json)")
@@ -411,11 +497,21 @@ def run(args: argparse.Namespace) -> int:
         common.write_json(path, "qmm", result, args)
 
     model_mode = args.model is not None or args.random_shape is not None
-    failures = bench_model(args, result, save) if model_mode else bench_kernels(args, result, save)
+    if model_mode:
+        failures = bench_model(args, result, save)
+    elif args.prefill:
+        failures = bench_prefill_kernels(args, result, save)
+    else:
+        failures = bench_kernels(args, result, save)
     save()
     plot(result, path.with_suffix(".png"))
     print()
-    print(model_table(result["steps"]) if model_mode else kernel_table(result["kernels"]))
+    if model_mode:
+        print(model_table(result["steps"]))
+    elif args.prefill:
+        print(prefill_kernel_table(result["prefill_kernels"]))
+    else:
+        print(kernel_table(result["kernels"]))
     print(f"wrote {path}")
     if failures:
         print(f"\nFAILED: {len(failures)} correctness check(s) against mx.quantized_matmul:", file=sys.stderr)

@@ -232,6 +232,37 @@ def test_forced_cuda_routes_rows_and_flattens_mlx_calls(monkeypatch, bias):
         assert got.shape == w.shape and mx.array_equal(got, w), x.shape
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_forced_cuda_dequantizes_prefill_sized_calls(monkeypatch, bias):
+    """CUDA forced: from DEQUANTIZE_ROWS rows in all an affine call is a dense matmul over the
+    dequantized weight (neither MLX's quantized_matmul nor the kernel), equal to
+    QuantizedLinear's up to rounding; one row fewer stays on MLX's; another mode never
+    dequantizes."""
+    ql = nn.QuantizedLinear(128, 40, bias=bias, group_size=64, bits=4)
+    if bias:
+        ql.bias = mx.random.normal((40,))
+    other = nn.QuantizedLinear(128, 32, bias=False, group_size=32, bits=4, mode="mxfp4")
+    n = linear.DEQUANTIZE_ROWS
+    shapes = [(n, 128), (2, n // 2, 128), (1, n + 3, 128), (n - 1, 128)]
+    xs = [mx.random.normal(s, key=mx.random.key(i)) for i, s in enumerate(shapes)]
+    want = [ql(x) for x in xs]
+    want_other = [other(x) for x in xs]
+    calls = _Calls(monkeypatch)
+    ql.__class__ = linear.FewRowQuantizedLinear
+    other.__class__ = linear.FewRowQuantizedLinear
+    for x, w, wo in zip(xs, want, want_other, strict=True):
+        got = ql(x)
+        if x.size // x.shape[-1] >= n:
+            assert calls.take() == ([], [])
+            assert got.shape == w.shape and got.dtype == w.dtype
+            assert mx.allclose(got, w, atol=1e-4, rtol=1e-4), x.shape
+        else:
+            assert calls.take() == ([_mlx_shape(x)], [])
+            assert mx.array_equal(got, w)
+        assert mx.array_equal(other(x), wo)
+        assert calls.take() == ([_mlx_shape(x)], [])
+
+
 def test_forced_cuda_routes_a_tied_head_and_other_modes(monkeypatch):
     """The tied lm_head (QuantizedEmbedding.as_linear) routes the same way; a layer in another
     mode never takes the kernel but still gets x flattened."""
@@ -398,11 +429,12 @@ def test_cuda_float32_rows_equal_rows_alone():
 
 @pytest.mark.gpu
 def test_cuda_linear_matches_mlx():
-    """Every route on MLX-CUDA: one row and 20 rows (MLX's, flattened), 4 and 8 rows (ours)."""
+    """Every route on MLX-CUDA: one row and 20 rows (MLX's, flattened), 4 and 8 rows (ours),
+    a prefill of DEQUANTIZE_ROWS + 8 tokens (dequantized, dense)."""
     _needs_cuda()
     model, _ = _tiny_quantized()
     model.set_dtype(mx.bfloat16)
-    for shape in ((1, 1), (1, 4), (8, 1), (2, 10)):
+    for shape in ((1, 1), (1, 4), (8, 1), (2, 10), (1, linear.DEQUANTIZE_ROWS + 8)):
         tokens = mx.random.randint(0, 60, shape, key=mx.random.key(shape[0])).astype(mx.int32)
         want = model(tokens).astype(mx.float32)
         assert linear.install(model) > 0
@@ -456,3 +488,42 @@ def test_bench_variants_and_table(monkeypatch):
     table = bench_qmm.kernel_table(rows).splitlines()
     assert "2.00x" in table[1] and table[2].endswith("FAILED")
     assert "pad8" not in table[0]
+
+
+def test_dense_copies_counted_in_prefill_activations(monkeypatch):
+    """On CUDA a forward of DEQUANTIZE_ROWS tokens or more holds dense copies of weights: the
+    memory budget counts two of the largest (a tied head included) from that many tokens on,
+    and nothing off CUDA."""
+    from engine.kv.memory import MemoryBudget
+
+    model, _ = _tiny_quantized(tie_word_embeddings=True)
+    if not linear.enabled():
+        assert linear.dequantized_peak_bytes(model) == 0
+    monkeypatch.setattr(linear, "enabled", lambda: True)
+    dense = {n: m["weight"].shape[0] * m["weight"].shape[1] * 32 // m.bits * m["scales"].dtype.size
+             for n, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    assert linear.dequantized_peak_bytes(model) == 2 * max(dense.values()) > 0
+    budget = MemoryBudget.for_model(model, 1 << 34, {})
+    n = linear.DEQUANTIZE_ROWS
+    assert budget.dense_bytes == 2 * max(dense.values()) and budget.dense_from == n
+    assert budget.transient(n, 10) - budget.transient(n - 1, 10) == (
+        budget.dense_bytes + budget.prefill_bytes_per_token + budget.score_bytes * 10)
+
+
+def test_bench_prefill_products_and_table():
+    """bench qmm --prefill: each (bits, shape, rows) timed both ways and checked against MLX's;
+    its table gives MLX's time over the dense path's."""
+    import argparse
+
+    from bench import qmm as bench_qmm
+
+    result: dict = {}
+    saved = []
+    failures = bench_qmm.bench_prefill_kernels(
+        argparse.Namespace(shapes=[(64, 128)], rows=[3, 5]), result, lambda: saved.append(1))
+    rows = result["prefill_kernels"]
+    assert failures == [] and len(saved) == 2
+    assert [(r["bits"], r["rows"]) for r in rows] == [(4, 3), (4, 5), (8, 3), (8, 5)]
+    assert all(r["mlx_us"] > 0 and r["dequantize_us"] > 0 and r["shape"] == [64, 128] for r in rows)
+    table = bench_qmm.prefill_kernel_table([{**rows[0], "mlx_us": 30.0, "dequantize_us": 10.0}]).splitlines()
+    assert table[1].rstrip().endswith("3.00x")

@@ -23,7 +23,8 @@ prefix-cache blocks makes room.
 
 Activations (`transient`): per token of a forward, the hidden states and MLP (`4 * 8 * hidden`)
 and the logits row (`4 * vocab`), plus attention scores over every key of a full-attention
-layer (`6 * heads` bytes per query x key); with quantized KV, attention also reads a layer's
+layer (`6 * heads` bytes per query x key), plus on CUDA, for a forward of 512 tokens or more,
+two dense copies of the largest quantized weight (kernels/affine/linear.py); with quantized KV, attention also reads a layer's
 codes through a contiguous copy, and about two layers' worth are alive at a step's peak
 (`read_bytes`: 8-bit KV, 8 full layers of 1,024 tokens x 8 rows: 2.7 of 10.5 MB). Measured on tinycoder-16m (float32, 6 heads) with
 MLX's peak memory around one prefill forward: a 240-token chunk costs 9.7 MB at 240 keys and
@@ -43,6 +44,7 @@ from mlx.utils import tree_flatten
 
 from engine.kv.attention import KVLayout
 from engine.kv.recurrent import RecurrentLayout
+from kernels.affine import linear as affine_linear
 
 
 def _round_up(x: int, step: int) -> int:
@@ -159,6 +161,10 @@ class MemoryBudget:
     score_bytes: int = 0  # attention scores per query token x key of a full-attention layer
     max_draft: int = 0  # columns a speculative verify step writes past a row's last token
     read_copies: int = 0  # layers' KV copied while attention reads them (quantized KV: 2)
+    # dense copies of quantized weights alive in a forward of at least `dense_from` tokens (on
+    # CUDA such products dequantize the weight and run a dense matmul: kernels/affine/linear.py)
+    dense_bytes: int = 0
+    dense_from: int = 0
     # what other engines sharing `budget` hold (engine.pool: the other models' weights and KV);
     # admission counts it, a request's `fits_alone` does not (it may wait for them, never 413)
     others: int = 0
@@ -177,7 +183,9 @@ class MemoryBudget:
         heads = int(getattr(args, "num_attention_heads", 32) or 32)
         quantized = int(kv_kwargs.get("kv_bits") or 16) < 16
         return cls(budget, weights, footprint, 4 * (8 * hidden + vocab), 6 * heads,
-                   read_copies=2 if quantized else 0)
+                   read_copies=2 if quantized else 0,
+                   dense_bytes=affine_linear.dequantized_peak_bytes(model),
+                   dense_from=affine_linear.DEQUANTIZE_ROWS)
 
     def row_tokens(self, num_prompt_tokens: int, max_new_tokens: int) -> int:
         """Columns a row may reach: prompt + generation + a verify step's drafts."""
@@ -197,7 +205,8 @@ class MemoryBudget:
     def transient(self, tokens: int, context: int = 0) -> int:
         """Activations of a forward over `tokens` query tokens (rows x columns) whose rows
         attend to at most `context` keys."""
-        return tokens * (self.prefill_bytes_per_token + self.score_bytes * context)
+        dense = self.dense_bytes if tokens >= self.dense_from else 0
+        return tokens * (self.prefill_bytes_per_token + self.score_bytes * context) + dense
 
     def read_bytes(self, row_tokens: Sequence[int]) -> int:
         """Copies of the KV that attention makes while it reads a batch of such rows (quantized

@@ -6,7 +6,9 @@ to ``FewRowQuantizedLinear`` and every ``nn.QuantizedEmbedding`` to ``FewRowQuan
 ``uninstall`` swaps them back. On CUDA a call with x of affine-quantized weights goes where
 ``ROUTE`` says for its rows in all (leading dims flattened): "ours", the fused kernel inside
 ``mx.compile`` (the traced call is replayed without Python work), or "mlx",
-``mx.quantized_matmul``. Every other call (other modes, dtypes or bits, no biases) goes to MLX's.
+``mx.quantized_matmul``; from ``DEQUANTIZE_ROWS`` rows on (prefill chunks), the weight is
+dequantized for the call and multiplied densely (cuBLAS), 1.4-5x faster than MLX's kernel there.
+Every other call (other modes, no biases) goes to MLX's.
 
 On CUDA, MLX's call gets x flattened to ``[rows, K]`` and the result reshaped back:
 MLX-CUDA's quantized_matmul treats x's leading dims as a batch of M-row problems (M = x's
@@ -60,6 +62,33 @@ def _compiled(bits: int, group: int, with_bias: bool) -> Any:
 ROUTE: dict[int, str] = {1: "mlx", **dict.fromkeys(range(2, qmm.MAX_ROWS + 1), "ours")}
 
 
+# From this many rows of x in all, a call on CUDA dequantizes W to the activation dtype and runs
+# a dense matmul (cuBLAS) instead of MLX's quantized kernel, which runs prefill-sized products at
+# ~100-130 TFLOPS. Measured on an H100 (MLX-CUDA 0.32.4, bf16, g64; python -m bench qmm
+# --prefill --rows 128 256 512 1024 2048 8192), µs, MLX's / dequantize + matmul, 4-bit:
+#   rows               128          256          512         2048          8192
+#   4096x4096     161 / 134    158 / 141    204 / 141    670 / 222    2414 /  626
+#   14336x4096    213 / 255    362 / 266    665 / 321   2054 / 643    7894 / 1584
+#   4096x14336    389 / 296    374 / 302    556 / 324   1920 / 576    7147 / 1686
+# 8-bit: 0.84-1.06x at 256 rows, 1.12-1.43x at 512, 1.84-3.03x at 2048. The dense copy lives
+# for its one call (the largest of an 8B model is 117 MB in bf16; the memory budget counts two).
+DEQUANTIZE_ROWS = 512
+
+
+def dequantized_peak_bytes(model: Any) -> int:
+    """What dense copies of weights add to a forward of DEQUANTIZE_ROWS rows or more on CUDA
+    (0 elsewhere): two of the model's largest affine weight (a tied head included) in its
+    scales' dtype, since each lives only for its own call."""
+    if not enabled():
+        return 0
+    largest = 0
+    for _, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and m.mode == "affine":
+            rows, words = m["weight"].shape
+            largest = max(largest, rows * words * 32 // m.bits * m["scales"].dtype.size)
+    return 2 * largest
+
+
 def route(x: mx.array) -> str:
     """ROUTE's answer for x's rows in all."""
     k = x.shape[-1] if x.ndim else 0
@@ -82,11 +111,19 @@ def mlx_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
 
 def affine_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, bits: int, group: int,
                   bias: mx.array | None = None) -> mx.array:
-    """x @ W.T (+ bias) for affine W: the fused kernel where `ROUTE` says "ours" and the kernel
-    takes the call (CUDA), else MLX's (flattened on CUDA)."""
-    if biases is not None and gpu_backend() == "cuda" and route(x) == "ours" and qmm.takes(x, w, scales, bits, group):
-        fn = _compiled(bits, group, bias is not None)
-        return fn(x, w, scales, biases) if bias is None else fn(x, w, scales, biases, bias)
+    """x @ W.T (+ bias) for affine W: on CUDA the fused kernel where `ROUTE` says "ours" and the
+    kernel takes the call, a dense matmul over the dequantized weight from `DEQUANTIZE_ROWS`
+    rows on; else MLX's (flattened on CUDA)."""
+    if biases is not None and gpu_backend() == "cuda":
+        if route(x) == "ours" and qmm.takes(x, w, scales, bits, group):
+            fn = _compiled(bits, group, bias is not None)
+            return fn(x, w, scales, biases) if bias is None else fn(x, w, scales, biases, bias)
+        if x.ndim and x.size >= DEQUANTIZE_ROWS * x.shape[-1]:
+            dense = mx.dequantize(w, scales, biases, group_size=group, bits=bits)
+            if dense.dtype != x.dtype:
+                dense = dense.astype(x.dtype)
+            y = x @ dense.T
+            return y if bias is None else y + bias
     y = mlx_matmul(x, w, scales, biases, bits, group)
     return y if bias is None else y + bias
 
