@@ -23,6 +23,7 @@ Kernel mode, for 4-bit group-64 bfloat16 weights of 8B-llama shapes (4096x4096, 
 - ``--prefill``: prefill-sized products instead (128 to 8,192 rows; 4- and 8-bit): MLX's
   ``quantized_matmul`` against what mlxd runs from ``linear.DEQUANTIZE_ROWS`` rows on (the
   weight dequantized to bf16, then a dense matmul), one call per evaluation, µs and TFLOPS.
+  It also runs on the CPU: float32, 1B-llama shapes, 1 to 256 rows.
 
 Every call of ours is checked against MLX first; any mismatch is printed and the run exits 1.
 
@@ -243,6 +244,8 @@ DECODE_ROWS = (1, 2, 4, 8, 16)
 VERIFY_WIDTHS = (2, 3, 4, 5, 6)
 PREFILL_LENGTHS = (512, 2048, 8192)
 PREFILL_ROWS = [128, 256, 512, 1024, 2048, 8192]
+CPU_PREFILL_SHAPES = [(2048, 2048), (8192, 2048), (2048, 8192)]
+CPU_PREFILL_ROWS = [1, 2, 4, 8, 16, 32, 256]
 
 
 def build_model(args: argparse.Namespace) -> tuple[Any, str]:
@@ -369,18 +372,23 @@ def _dequantized_product(x: mx.array, q: tuple[mx.array, mx.array, mx.array], bi
 
 def bench_prefill_kernels(args: argparse.Namespace, result: dict[str, Any], save: Callable[[], None]) -> list[str]:
     """MLX's quantized_matmul against dequantize + matmul (linear.affine_matmul's path from
-    DEQUANTIZE_ROWS rows on CUDA) for prefill-sized x, the latter checked against the product
-    in float32; returns the failed checks."""
+    the device's DEQUANTIZE_ROWS rows on) for prefill-sized x, the latter checked against the
+    product in float32; returns the failed checks. On the CPU: float32 (what mlxd computes
+    there), 1B-llama shapes, fewer rows and repeats."""
     failures: list[str] = []
     out: list[dict[str, Any]] = result.setdefault("prefill_kernels", [])
+    cpu = gpu_backend() is None
+    dtype = mx.float32 if cpu else DTYPE
+    result["prefill_dtype"] = str(dtype)
+    repeats = 3 if cpu else 9
     for bits in (4, 8):
-        for n, k in args.shapes or SHAPES[:3]:
-            w = (mx.random.normal((n, k), key=mx.random.key(n + k)) * 0.02).astype(DTYPE)
+        for n, k in args.shapes or (CPU_PREFILL_SHAPES if cpu else SHAPES[:3]):
+            w = (mx.random.normal((n, k), key=mx.random.key(n + k)) * 0.02).astype(dtype)
             wq, scales, biases = mx.quantize(w, group_size=GROUP, bits=bits)
             mx.eval(wq, scales, biases)
             del w
-            for m in args.rows or PREFILL_ROWS:
-                x = mx.random.normal((m, k), key=mx.random.key(m)).astype(DTYPE)
+            for m in args.rows or (CPU_PREFILL_ROWS if cpu else PREFILL_ROWS):
+                x = mx.random.normal((m, k), key=mx.random.key(m)).astype(dtype)
                 mx.eval(x)
 
                 theirs = functools.partial(_quantized_product, x, (wq, scales, biases), bits)
@@ -390,8 +398,8 @@ def bench_prefill_kernels(args: argparse.Namespace, result: dict[str, Any], save
                 err, scale = float(mx.abs(dense().astype(mx.float32) - ref).max()), float(mx.abs(ref).max())
                 if not err <= 2e-2 * scale:
                     failures.append(f"{bits}-bit {n}x{k} rows {m}: max error {err:.3g} against {scale:.3g}")
-                t_mlx = median_time(lambda: mx.eval(theirs()), repeats=9) * 1e6  # noqa: B023 (called here)
-                t_dq = median_time(lambda: mx.eval(dense()), repeats=9) * 1e6  # noqa: B023
+                t_mlx = median_time(lambda: mx.eval(theirs()), repeats) * 1e6  # noqa: B023 (called here)
+                t_dq = median_time(lambda: mx.eval(dense()), repeats) * 1e6  # noqa: B023
                 flops = 2 * m * n * k
                 out.append({"bits": bits, "shape": [n, k], "rows": m, "mlx_us": round(t_mlx, 1),
                             "dequantize_us": round(t_dq, 1), "mlx_tflops": round(flops / t_mlx / 1e6, 1),
@@ -485,8 +493,9 @@ def add_parsers(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if gpu_backend() != "cuda":
-        print("bench qmm needs MLX-CUDA (the kernel is CUDA only)", file=sys.stderr)
+    if gpu_backend() != "cuda" and not (args.prefill and gpu_backend() is None):
+        print("bench qmm needs MLX-CUDA (the kernel is CUDA only; --prefill also runs on the CPU)",
+              file=sys.stderr)
         return 2
     out = common.out_dir(args, "qmm")
     path = out / "qmm.json"

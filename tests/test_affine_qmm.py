@@ -143,12 +143,13 @@ def _tiny_quantized(arch: str = "llama", **overrides):
     return model, cfg
 
 
-def test_install_only_when_forced_or_cuda_and_leaves_other_layers():
+def test_install_on_cuda_and_cpu_or_forced_and_leaves_other_layers():
     model, _ = _tiny_quantized()
     model.extra = nn.Linear(8, 8)  # a plain Linear: not ours to swap
     quantized = sum(type(m) in (nn.QuantizedLinear, nn.QuantizedEmbedding) for _, m in model.named_modules())
     assert quantized > 0
-    if not linear.enabled():
+    assert linear.swapped_here() == (gpu_backend() != "metal")
+    if not linear.swapped_here():
         assert linear.install(model) == 0
         assert not any(isinstance(m, linear.FewRowQuantizedLinear) for _, m in model.named_modules())
     linear.uninstall(model)
@@ -242,7 +243,7 @@ def test_forced_cuda_dequantizes_prefill_sized_calls(monkeypatch, bias):
     if bias:
         ql.bias = mx.random.normal((40,))
     other = nn.QuantizedLinear(128, 32, bias=False, group_size=32, bits=4, mode="mxfp4")
-    n = linear.DEQUANTIZE_ROWS
+    n = linear.DEQUANTIZE_ROWS["cuda"]
     shapes = [(n, 128), (2, n // 2, 128), (1, n + 3, 128), (n - 1, 128)]
     xs = [mx.random.normal(s, key=mx.random.key(i)) for i, s in enumerate(shapes)]
     want = [ql(x) for x in xs]
@@ -282,19 +283,30 @@ def test_forced_cuda_routes_a_tied_head_and_other_modes(monkeypatch):
         assert calls.take() == ([_mlx_shape(x)], [])
 
 
-def test_cpu_calls_are_mlx_calls_unchanged(monkeypatch):
-    """Off CUDA nothing is flattened and the kernel is never called."""
-    if gpu_backend() == "cuda":
-        pytest.skip("the CPU path")
-    ql = nn.QuantizedLinear(128, 40, bias=False, group_size=64, bits=4)
-    x = mx.random.normal((4, 1, 128))
-    want = ql(x)
+@pytest.mark.parametrize("bias", [False, True])
+def test_cpu_calls_mlx_below_the_dense_rows_and_dense_from_them(monkeypatch, bias):
+    """On the CPU: below DEQUANTIZE_ROWS["cpu"] rows in all a call is MLX's quantized_matmul on
+    x as given (never the kernel, nothing flattened); from there on a dense matmul over the
+    dequantized weight, equal to QuantizedLinear's up to float32 rounding."""
+    monkeypatch.setattr(linear, "gpu_backend", lambda: None)
+    ql = nn.QuantizedLinear(128, 40, bias=bias, group_size=64, bits=4)
+    if bias:
+        ql.bias = mx.random.normal((40,))
+    n = linear.DEQUANTIZE_ROWS["cpu"]
+    xs = [mx.random.normal(shape, key=mx.random.key(i))
+          for i, shape in enumerate([(4, 1, 128), (n - 1, 128), (n, 1, 128), (2, n, 128)])]
+    want = [ql(x) for x in xs]
     real = mx.quantized_matmul
     seen: list[tuple[int, ...]] = []
     monkeypatch.setattr(mx, "quantized_matmul", lambda x, *a, **k: seen.append(tuple(x.shape)) or real(x, *a, **k))
     ql.__class__ = linear.FewRowQuantizedLinear
-    assert mx.array_equal(ql(x), want)
-    assert seen == [(4, 1, 128)]
+    for x, w in zip(xs, want, strict=True):
+        got = ql(x)
+        if x.size // x.shape[-1] < n:
+            assert mx.array_equal(got, w) and seen == [tuple(x.shape)]
+        else:
+            assert seen == [] and got.shape == w.shape and mx.allclose(got, w, atol=1e-5, rtol=1e-5)
+        seen.clear()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -430,11 +442,11 @@ def test_cuda_float32_rows_equal_rows_alone():
 @pytest.mark.gpu
 def test_cuda_linear_matches_mlx():
     """Every route on MLX-CUDA: one row and 20 rows (MLX's, flattened), 4 and 8 rows (ours),
-    a prefill of DEQUANTIZE_ROWS + 8 tokens (dequantized, dense)."""
+    a prefill of DEQUANTIZE_ROWS["cuda"] + 8 tokens (dequantized, dense)."""
     _needs_cuda()
     model, _ = _tiny_quantized()
     model.set_dtype(mx.bfloat16)
-    for shape in ((1, 1), (1, 4), (8, 1), (2, 10), (1, linear.DEQUANTIZE_ROWS + 8)):
+    for shape in ((1, 1), (1, 4), (8, 1), (2, 10), (1, linear.DEQUANTIZE_ROWS["cuda"] + 8)):
         tokens = mx.random.randint(0, 60, shape, key=mx.random.key(shape[0])).astype(mx.int32)
         want = model(tokens).astype(mx.float32)
         assert linear.install(model) > 0
@@ -490,22 +502,24 @@ def test_bench_variants_and_table(monkeypatch):
     assert "pad8" not in table[0]
 
 
-def test_dense_copies_counted_in_prefill_activations(monkeypatch):
-    """On CUDA a forward of DEQUANTIZE_ROWS tokens or more holds dense copies of weights: the
-    memory budget counts two of the largest (a tied head included) from that many tokens on,
-    and nothing off CUDA."""
+@pytest.mark.parametrize("backend", ["cuda", None, "metal"])
+def test_dense_copies_counted_in_prefill_activations(monkeypatch, backend):
+    """A forward of the device's DEQUANTIZE_ROWS tokens or more holds dense copies of weights:
+    the memory budget counts two of the largest (a tied head included) from that many tokens
+    on; on Metal (MLX's kernel) nothing."""
     from engine.kv.memory import MemoryBudget
 
     model, _ = _tiny_quantized(tie_word_embeddings=True)
-    if not linear.enabled():
-        assert linear.dequantized_peak_bytes(model) == 0
-    monkeypatch.setattr(linear, "enabled", lambda: True)
+    monkeypatch.setattr(linear, "gpu_backend", lambda: backend)
+    budget = MemoryBudget.for_model(model, 1 << 34, {})
+    if backend == "metal":
+        assert linear.dequantized_peak_bytes(model) == 0 and budget.dense_bytes == 0
+        return
     dense = {n: m["weight"].shape[0] * m["weight"].shape[1] * 32 // m.bits * m["scales"].dtype.size
              for n, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
-    assert linear.dequantized_peak_bytes(model) == 2 * max(dense.values()) > 0
-    budget = MemoryBudget.for_model(model, 1 << 34, {})
-    n = linear.DEQUANTIZE_ROWS
-    assert budget.dense_bytes == 2 * max(dense.values()) and budget.dense_from == n
+    n = linear.DEQUANTIZE_ROWS[backend or "cpu"]
+    assert budget.dense_bytes == linear.dequantized_peak_bytes(model) == 2 * max(dense.values()) > 0
+    assert budget.dense_from == n
     assert budget.transient(n, 10) - budget.transient(n - 1, 10) == (
         budget.dense_bytes + budget.prefill_bytes_per_token + budget.score_bytes * 10)
 

@@ -23,8 +23,9 @@ prefix-cache blocks makes room.
 
 Activations (`transient`): per token of a forward, the hidden states and MLP (`4 * 8 * hidden`)
 and the logits row (`4 * vocab`), plus attention scores over every key of a full-attention
-layer (`6 * heads` bytes per query x key), plus on CUDA, for a forward of 512 tokens or more,
-two dense copies of the largest quantized weight (kernels/affine/linear.py); with quantized KV, attention also reads a layer's
+layer (`6 * heads` bytes per query x key), plus, for a forward of 512 tokens or more on CUDA
+and 16 on the CPU, two dense copies of the largest quantized weight (kernels/affine/linear.py,
+`DEQUANTIZE_ROWS`); with quantized KV, attention also reads a layer's
 codes through a contiguous copy, and about two layers' worth are alive at a step's peak
 (`read_bytes`: 8-bit KV, 8 full layers of 1,024 tokens x 8 rows: 2.7 of 10.5 MB). Measured on tinycoder-16m (float32, 6 heads) with
 MLX's peak memory around one prefill forward: a 240-token chunk costs 9.7 MB at 240 keys and
@@ -185,7 +186,7 @@ class MemoryBudget:
         return cls(budget, weights, footprint, 4 * (8 * hidden + vocab), 6 * heads,
                    read_copies=2 if quantized else 0,
                    dense_bytes=affine_linear.dequantized_peak_bytes(model),
-                   dense_from=affine_linear.DEQUANTIZE_ROWS)
+                   dense_from=affine_linear.dequantize_rows() or 0)
 
     def row_tokens(self, num_prompt_tokens: int, max_new_tokens: int) -> int:
         """Columns a row may reach: prompt + generation + a verify step's drafts."""

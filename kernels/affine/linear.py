@@ -1,20 +1,28 @@
-"""QuantizedLinear on CUDA: the fused few-row kernel where it pays, MLX's kernels elsewhere.
+"""QuantizedLinear on CUDA and the CPU: MLX's kernels where they pay, ours or a dense matmul elsewhere.
 
-``install(model)`` (CUDA only, or ``force``) swaps the class of every exact ``nn.QuantizedLinear``
-to ``FewRowQuantizedLinear`` and every ``nn.QuantizedEmbedding`` to ``FewRowQuantizedEmbedding``
-(its ``as_linear``, a tied lm_head); parameters, names and saving are unchanged, and
-``uninstall`` swaps them back. On CUDA a call with x of affine-quantized weights goes where
-``ROUTE`` says for its rows in all (leading dims flattened): "ours", the fused kernel inside
-``mx.compile`` (the traced call is replayed without Python work), or "mlx",
-``mx.quantized_matmul``; from ``DEQUANTIZE_ROWS`` rows on (prefill chunks), the weight is
-dequantized for the call and multiplied densely (cuBLAS), 1.4-5x faster than MLX's kernel there.
-Every other call (other modes, no biases) goes to MLX's.
+``install(model)`` (CUDA and the CPU, or ``force``; Metal keeps MLX's classes) swaps the class of
+every exact ``nn.QuantizedLinear`` to ``FewRowQuantizedLinear`` and every ``nn.QuantizedEmbedding``
+to ``FewRowQuantizedEmbedding`` (its ``as_linear``, a tied lm_head); parameters, names and saving
+are unchanged, and ``uninstall`` swaps them back. A call with x of affine-quantized weights goes,
+by x's rows in all (leading dims flattened):
+
+- on CUDA, where ``ROUTE`` says: "ours", the fused few-row kernel inside ``mx.compile`` (the
+  traced call is replayed without Python work), or "mlx", ``mx.quantized_matmul``;
+- on CUDA and the CPU, from the device's ``DEQUANTIZE_ROWS`` rows on (prefill chunks; on the CPU
+  also decode batches of 16 rows or more): the weight dequantized for the call and multiplied
+  densely, 1.4-5x faster than MLX's kernel on an H100 and 3-20x on the CPU.
+
+Every other call (other modes, no biases, fewer rows on the CPU) goes to MLX's.
 
 On CUDA, MLX's call gets x flattened to ``[rows, K]`` and the result reshaped back:
 MLX-CUDA's quantized_matmul treats x's leading dims as a batch of M-row problems (M = x's
 second-to-last dim), so a decode batch ``[B, 1, K]`` is B one-row problems, each reading the
 whole weight; flattened it is one problem of B rows. For contiguous x the reshape is free.
-On the CPU and Metal the layers compute exactly as MLX's (no flattening, no kernel).
+On the CPU MLX's calls get x as it is.
+
+The dense path rounds differently from MLX's kernel, so in float32 on the CPU a row's outputs
+are the same alone and in a batch only while both take the same path (a 10-token prompt alone
+takes MLX's kernel, in a group of four it takes the dense one).
 """
 
 from __future__ import annotations
@@ -32,7 +40,14 @@ from . import qmm
 
 
 def enabled() -> bool:
+    """Whether the few-row kernel runs here (CUDA)."""
     return gpu_backend() == "cuda"
+
+
+def swapped_here() -> bool:
+    """Whether `install` swaps the layers here: on CUDA (the kernel, the dense prefill path) and
+    on the CPU (the dense path); Metal keeps MLX's classes."""
+    return gpu_backend() in ("cuda", None)
 
 
 @lru_cache(maxsize=64)
@@ -62,24 +77,37 @@ def _compiled(bits: int, group: int, with_bias: bool) -> Any:
 ROUTE: dict[int, str] = {1: "mlx", **dict.fromkeys(range(2, qmm.MAX_ROWS + 1), "ours")}
 
 
-# From this many rows of x in all, a call on CUDA dequantizes W to the activation dtype and runs
-# a dense matmul (cuBLAS) instead of MLX's quantized kernel, which runs prefill-sized products at
-# ~100-130 TFLOPS. Measured on an H100 (MLX-CUDA 0.32.4, bf16, g64; python -m bench qmm
-# --prefill --rows 128 256 512 1024 2048 8192), µs, MLX's / dequantize + matmul, 4-bit:
+# From this many rows of x in all, a call dequantizes W to the activation dtype and runs a dense
+# matmul (cuBLAS; OpenBLAS's sgemm on the CPU) instead of MLX's quantized kernel.
+# CUDA: MLX's multi-row kernel runs prefill-sized products at ~100-130 TFLOPS. Measured on an H100
+# (MLX-CUDA 0.32.4, bf16, g64; python -m bench qmm --prefill --rows 128 256 512 1024 2048 8192),
+# µs, MLX's / dequantize + matmul, 4-bit:
 #   rows               128          256          512         2048          8192
 #   4096x4096     161 / 134    158 / 141    204 / 141    670 / 222    2414 /  626
 #   14336x4096    213 / 255    362 / 266    665 / 321   2054 / 643    7894 / 1584
 #   4096x14336    389 / 296    374 / 302    556 / 324   1920 / 576    7147 / 1686
-# 8-bit: 0.84-1.06x at 256 rows, 1.12-1.43x at 512, 1.84-3.03x at 2048. The dense copy lives
-# for its one call (the largest of an 8B model is 117 MB in bf16; the memory budget counts two).
-DEQUANTIZE_ROWS = 512
+# 8-bit: 0.84-1.06x at 256 rows, 1.12-1.43x at 512, 1.84-3.03x at 2048.
+# CPU: MLX's kernel dequantizes the weight again for every row of x (single-threaded), so a
+# row costs about what a one-row call does. Measured on the 2-core Linux machine (float32, 4-bit
+# g64, OpenBLAS; python -m bench qmm --prefill), ms, MLX's / dequantize + matmul:
+#   rows              1             8            16            32           256
+#   2048x2048    2.7 / 13.5    20.9 / 16.0   43.7 / 16.6   85.0 / 16.1    662 /  41
+#   8192x2048   10.3 / 100     85.6 / 91.9    168 / 104     337 / 111    2621 / 177
+# The dense copy lives for its one call (the memory budget counts two of the largest weight).
+DEQUANTIZE_ROWS = {"cuda": 512, "cpu": 16}
+
+
+def dequantize_rows() -> int | None:
+    """DEQUANTIZE_ROWS for this device (None: Metal, which keeps MLX's kernel)."""
+    backend = gpu_backend()
+    return DEQUANTIZE_ROWS["cpu" if backend is None else backend] if backend != "metal" else None
 
 
 def dequantized_peak_bytes(model: Any) -> int:
-    """What dense copies of weights add to a forward of DEQUANTIZE_ROWS rows or more on CUDA
-    (0 elsewhere): two of the model's largest affine weight (a tied head included) in its
-    scales' dtype, since each lives only for its own call."""
-    if not enabled():
+    """What dense copies of weights add to a forward of `dequantize_rows()` rows or more (0 on
+    Metal): two of the model's largest affine weight (a tied head included) in its scales'
+    dtype, since each lives only for its own call."""
+    if dequantize_rows() is None:
         return 0
     largest = 0
     for _, m in model.named_modules():
@@ -112,13 +140,14 @@ def mlx_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
 def affine_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, bits: int, group: int,
                   bias: mx.array | None = None) -> mx.array:
     """x @ W.T (+ bias) for affine W: on CUDA the fused kernel where `ROUTE` says "ours" and the
-    kernel takes the call, a dense matmul over the dequantized weight from `DEQUANTIZE_ROWS`
-    rows on; else MLX's (flattened on CUDA)."""
-    if biases is not None and gpu_backend() == "cuda":
-        if route(x) == "ours" and qmm.takes(x, w, scales, bits, group):
+    kernel takes the call; on CUDA and the CPU a dense matmul over the dequantized weight from
+    the device's `DEQUANTIZE_ROWS` rows on; else MLX's (flattened on CUDA)."""
+    backend = gpu_backend()
+    if biases is not None and backend in ("cuda", None):
+        if backend == "cuda" and route(x) == "ours" and qmm.takes(x, w, scales, bits, group):
             fn = _compiled(bits, group, bias is not None)
             return fn(x, w, scales, biases) if bias is None else fn(x, w, scales, biases, bias)
-        if x.ndim and x.size >= DEQUANTIZE_ROWS * x.shape[-1]:
+        if x.ndim and x.size >= DEQUANTIZE_ROWS[backend or "cpu"] * x.shape[-1]:
             dense = mx.dequantize(w, scales, biases, group_size=group, bits=bits)
             if dense.dtype != x.dtype:
                 dense = dense.astype(x.dtype)
@@ -150,8 +179,8 @@ class FewRowQuantizedEmbedding(nn.QuantizedEmbedding):
 
 def install(model: Any, force: bool = False) -> int:
     """Swap QuantizedLinear / QuantizedEmbedding to the few-row classes; returns how many modules
-    were swapped (0 unless `enabled()` or `force`)."""
-    if not (force or enabled()):
+    were swapped (0 unless `swapped_here()` or `force`)."""
+    if not (force or swapped_here()):
         return 0
     return swap_classes(model, {nn.QuantizedLinear: FewRowQuantizedLinear, nn.QuantizedEmbedding: FewRowQuantizedEmbedding})
 
