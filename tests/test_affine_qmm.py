@@ -541,3 +541,25 @@ def test_bench_prefill_products_and_table():
     assert all(r["mlx_us"] > 0 and r["dequantize_us"] > 0 and r["shape"] == [64, 128] for r in rows)
     table = bench_qmm.prefill_kernel_table([{**rows[0], "mlx_us": 30.0, "dequantize_us": 10.0}]).splitlines()
     assert table[1].rstrip().endswith("3.00x")
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+def test_cpu_split_products_are_bit_identical(monkeypatch, parts):
+    """On the CPU a weight of CPU_SPLIT_WEIGHTS elements or more below the dense rows is split by
+    output rows over `parts` streams: the same outputs bit for bit, bias included, one MLX call
+    per part."""
+    monkeypatch.setattr(linear, "gpu_backend", lambda: None)
+    monkeypatch.setattr(linear, "cpu_streams", lambda: parts)
+    ql = nn.QuantizedLinear(2048, 2050 if parts == 3 else 2048, bias=True, group_size=64, bits=4)
+    ql.bias = mx.random.normal((ql.weight.shape[0],))
+    assert ql.weight.shape[0] * 2048 >= linear.CPU_SPLIT_WEIGHTS
+    xs = [mx.random.normal(s, key=mx.random.key(i)) for i, s in enumerate([(1, 1, 2048), (4, 1, 2048), (1, 15, 2048)])]
+    want = [ql(x) for x in xs]
+    real = mx.quantized_matmul
+    seen: list[int] = []
+    monkeypatch.setattr(mx, "quantized_matmul", lambda x, w, *a, **k: seen.append(w.shape[0]) or real(x, w, *a, **k))
+    ql.__class__ = linear.FewRowQuantizedLinear
+    for x, w in zip(xs, want, strict=True):
+        assert mx.array_equal(ql(x), w)
+        assert len(seen) == parts and sum(seen) == ql.weight.shape[0]
+        seen.clear()
