@@ -563,3 +563,29 @@ def test_cpu_split_products_are_bit_identical(monkeypatch, parts):
         assert mx.array_equal(ql(x), w)
         assert len(seen) == parts and sum(seen) == ql.weight.shape[0]
         seen.clear()
+
+
+def test_cpu_split_products_on_another_thread(monkeypatch):
+    """MLX's streams belong to the thread that made them: a split product evaluated first on
+    one thread (the warm-up) and then on another (the engine's) still runs, bit-identical."""
+    import threading
+
+    monkeypatch.setattr(linear, "gpu_backend", lambda: None)
+    monkeypatch.setattr(linear, "cpu_streams", lambda: 2)
+    ql = nn.QuantizedLinear(2048, 2048, bias=False, group_size=64, bits=4)
+    x = mx.random.normal((1, 1, 2048))
+    want = ql(x)
+    ql.__class__ = linear.FewRowQuantizedLinear
+    assert mx.array_equal(ql(x), want)
+    got: list[object] = []
+
+    def run() -> None:
+        try:
+            got.append(bool(mx.array_equal(ql(x), want)))
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            got.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert got == [True]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from functools import lru_cache
 from typing import Any
 
@@ -170,7 +171,7 @@ def affine_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array |
 # 4-bit g64): 8192x2048 one row 11.7 -> 5.9 ms, 2048x2048 3.1 -> 2.4 ms; a random 4-bit
 # Llama-3.2-1B-shape model decodes at 401 instead of 726-733 ms a token.
 CPU_SPLIT_WEIGHTS = 2048 * 2048
-_STREAMS: list[Any] = []
+_STREAMS = threading.local()  # MLX's streams belong to the thread that made them
 
 
 def cpu_streams() -> int:
@@ -182,8 +183,9 @@ def _split_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array |
                   group: int) -> mx.array:
     """mx.quantized_matmul over `cpu_streams()` slices of W's rows at once, concatenated."""
     parts = cpu_streams()
-    while len(_STREAMS) < parts - 1:
-        _STREAMS.append(mx.new_stream(mx.cpu))
+    streams: list[Any] = _STREAMS.__dict__.setdefault("streams", [])
+    while len(streams) < parts - 1:
+        streams.append(mx.new_stream(mx.cpu))
     n = w.shape[0]
     bounds = [n * i // parts for i in range(parts + 1)]
     outs = []
@@ -191,7 +193,7 @@ def _split_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array |
         lo, hi = bounds[i], bounds[i + 1]
         outs.append(mx.quantized_matmul(
             x, w[lo:hi], scales[lo:hi], None if biases is None else biases[lo:hi], transpose=True,
-            group_size=group, bits=bits, stream=None if i == 0 else _STREAMS[i - 1]))
+            group_size=group, bits=bits, stream=None if i == 0 else streams[i - 1]))
     return mx.concatenate(outs, axis=-1)
 
 
