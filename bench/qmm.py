@@ -362,14 +362,6 @@ def bench_model(args: argparse.Namespace, result: dict[str, Any], save: Callable
     return []
 
 
-def _quantized_product(x: mx.array, q: tuple[mx.array, mx.array, mx.array], bits: int) -> mx.array:
-    return mx.quantized_matmul(x, *q, transpose=True, group_size=GROUP, bits=bits)
-
-
-def _dequantized_product(x: mx.array, q: tuple[mx.array, mx.array, mx.array], bits: int) -> mx.array:
-    return x @ mx.dequantize(*q, group_size=GROUP, bits=bits).T
-
-
 def bench_prefill_kernels(args: argparse.Namespace, result: dict[str, Any], save: Callable[[], None]) -> list[str]:
     """MLX's quantized_matmul against dequantize + matmul (linear.affine_matmul's path from
     the device's DEQUANTIZE_ROWS rows on) for prefill-sized x, the latter checked against the
@@ -391,8 +383,8 @@ def bench_prefill_kernels(args: argparse.Namespace, result: dict[str, Any], save
                 x = mx.random.normal((m, k), key=mx.random.key(m)).astype(dtype)
                 mx.eval(x)
 
-                theirs = functools.partial(_quantized_product, x, (wq, scales, biases), bits)
-                dense = functools.partial(_dequantized_product, x, (wq, scales, biases), bits)
+                theirs = functools.partial(qmm.twin, x, wq, scales, biases, bits=bits, group=GROUP)
+                dense = functools.partial(linear.dense_matmul, x, wq, scales, biases, bits, GROUP)
                 ref = x.astype(mx.float32) @ mx.dequantize(
                     wq, scales.astype(mx.float32), biases.astype(mx.float32), group_size=GROUP, bits=bits).T
                 err, scale = float(mx.abs(dense().astype(mx.float32) - ref).max()), float(mx.abs(ref).max())

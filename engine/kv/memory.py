@@ -163,7 +163,7 @@ class MemoryBudget:
     max_draft: int = 0  # columns a speculative verify step writes past a row's last token
     read_copies: int = 0  # layers' KV copied while attention reads them (quantized KV: 2)
     # dense copies of quantized weights alive in a forward of at least `dense_from` tokens (on
-    # CUDA such products dequantize the weight and run a dense matmul: kernels/affine/linear.py)
+    # CUDA and the CPU such products dequantize the weight for a dense matmul: kernels/affine)
     dense_bytes: int = 0
     dense_from: int = 0
     # what other engines sharing `budget` hold (engine.pool: the other models' weights and KV);

@@ -50,8 +50,8 @@ def enabled() -> bool:
 
 def swapped_here() -> bool:
     """Whether `install` swaps the layers here: on CUDA (the kernel, the dense prefill path) and
-    on the CPU (the dense path); Metal keeps MLX's classes."""
-    return gpu_backend() in ("cuda", None)
+    on the CPU (the dense path, the split); Metal keeps MLX's classes."""
+    return gpu_backend() != "metal"
 
 
 @lru_cache(maxsize=64)
@@ -101,10 +101,22 @@ ROUTE: dict[int, str] = {1: "mlx", **dict.fromkeys(range(2, qmm.MAX_ROWS + 1), "
 DEQUANTIZE_ROWS = {"cuda": 512, "cpu": 16}
 
 
+def _dense_from(backend: str | None) -> int | None:
+    """DEQUANTIZE_ROWS for a `gpu_backend()` answer (None: Metal, which keeps MLX's kernel)."""
+    return None if backend == "metal" else DEQUANTIZE_ROWS[backend or "cpu"]
+
+
 def dequantize_rows() -> int | None:
     """DEQUANTIZE_ROWS for this device (None: Metal, which keeps MLX's kernel)."""
-    backend = gpu_backend()
-    return DEQUANTIZE_ROWS["cpu" if backend is None else backend] if backend != "metal" else None
+    return _dense_from(gpu_backend())
+
+
+def dense_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bits: int, group: int) -> mx.array:
+    """x @ W.T over W dequantized to x's dtype for this one call (a dense matmul)."""
+    dense = mx.dequantize(w, scales, biases, group_size=group, bits=bits)
+    if dense.dtype != x.dtype:
+        dense = dense.astype(x.dtype)
+    return x @ dense.T
 
 
 def dequantized_peak_bytes(model: Any) -> int:
@@ -147,15 +159,13 @@ def affine_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array |
     kernel takes the call; on CUDA and the CPU a dense matmul over the dequantized weight from
     the device's `DEQUANTIZE_ROWS` rows on; else MLX's (flattened on CUDA)."""
     backend = gpu_backend()
-    if biases is not None and backend in ("cuda", None):
+    dense_from = _dense_from(backend)
+    if biases is not None and dense_from is not None:
         if backend == "cuda" and route(x) == "ours" and qmm.takes(x, w, scales, bits, group):
             fn = _compiled(bits, group, bias is not None)
             return fn(x, w, scales, biases) if bias is None else fn(x, w, scales, biases, bias)
-        if x.ndim and x.size >= DEQUANTIZE_ROWS[backend or "cpu"] * x.shape[-1]:
-            dense = mx.dequantize(w, scales, biases, group_size=group, bits=bits)
-            if dense.dtype != x.dtype:
-                dense = dense.astype(x.dtype)
-            y = x @ dense.T
+        if x.ndim and x.size >= dense_from * x.shape[-1]:
+            y = dense_matmul(x, w, scales, biases, bits, group)
             return y if bias is None else y + bias
     if backend is None and w.shape[0] * w.shape[1] * 32 // bits >= CPU_SPLIT_WEIGHTS and cpu_streams() > 1:
         y = _split_matmul(x, w, scales, biases, bits, group)
@@ -198,7 +208,8 @@ def _split_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array |
 
 
 class FewRowQuantizedLinear(nn.QuantizedLinear):
-    """nn.QuantizedLinear whose calls on CUDA take the path `ROUTE` gives (module doc)."""
+    """nn.QuantizedLinear whose calls on CUDA and the CPU take the paths of `affine_matmul`
+    (module doc)."""
 
     def __call__(self, x: mx.array) -> mx.array:
         bias = self["bias"] if "bias" in self else None
