@@ -60,6 +60,7 @@ from engine.kv.geometry import (
     plan_step,
     round_up,
     row_offsets,
+    shared,
 )
 
 
@@ -84,7 +85,7 @@ class KVLayout:
         self.window = window
         self.keep = keep if window is not None else 0
         self.slack = slack if window is not None else 0
-        self.geometry = Geometry(window, self.keep, self.slack)
+        self.geometry = shared(Geometry(window, self.keep, self.slack))
         self._bufs: list[mx.array] | None = None
         self._n = np.zeros(num_rows, dtype=np.int64)
         self._skip = np.zeros(num_rows, dtype=np.int64)
@@ -180,7 +181,7 @@ class KVLayout:
             width, B = step.width, self.num_rows
             out = [b if b.shape[2] == width and b.shape[0] == B else b[:B, :, :width, :]
                    for b in self._bufs]
-            written = self._n + num_new
+            written = self._n + num_new if self._high is not None else None
         else:
             self._bufs = self._live()  # a wide chunk rebuilds the buffers: free slots go
             out = [
@@ -189,7 +190,7 @@ class KVLayout:
             ]
             self._ensure_capacity(step.cap)
             self._fold_in(new, step.real)
-            written = self._n + step.real
+            written = step.n_after
         self._advance(step, written)
         self._decoded = num_new == 1 and step.direct and self.window is None
         return self.codec.fetch(out)
@@ -203,16 +204,11 @@ class KVLayout:
             return None
         return row_offsets(self._n, self._skip)
 
-    def _advance(self, step: Step, written: np.ndarray) -> None:
-        if self._high is not None:
+    def _advance(self, step: Step, written: np.ndarray | None) -> None:
+        if self._high is not None and written is not None:
             self._high = np.maximum(self._high, written)
-        self._n = self._n + step.real
-        if step.skip.any():
-            self._skip = self._skip - step.skip
-        if (self._remaining < UNBOUNDED).any():
-            self._remaining = np.where(
-                self._remaining >= UNBOUNDED, UNBOUNDED, self._remaining - step.real
-            )
+        # the step's shared read-only arrays: the next step's plan is found by identity
+        self._n, self._skip, self._remaining = step.n_after, step.skip_after, step.remaining_after
 
     def _ensure_capacity(self, cap: int) -> None:
         assert self._bufs is not None

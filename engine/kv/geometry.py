@@ -5,7 +5,10 @@ columns whose first `keep` hold the sink tokens: `col(p) = p if p < keep else ke
 keep) % (window + slack - keep)`. `Step` is everything about the next `update_and_fetch` that
 depends only on the rows' lengths and padding; all layers of one kind share those, so a step is
 planned once per forward (`plan_step` memoizes it) and `make_mask` and every layer's update
-agree on it by construction.
+agree on it by construction. A step also carries the rows' lengths after it (read-only arrays
+every layer takes as its own), so the next step's layers hold the very same arrays and find
+their plan by identity, without hashing the lengths again: a decode step of a 32-layer model
+plans ~64 times.
 """
 
 from __future__ import annotations
@@ -77,10 +80,25 @@ class Step:
     roll: mx.array | None  # gather index that moves left pads to the end
     write_start: int | None  # every row writes columns [write_start, write_start + S)
     write_idx: mx.array | None  # else: scatter index [B, 1, S, 1]
+    # the rows' state after the step (read-only, shared by every layer that takes the step)
+    n_after: np.ndarray  # n + real
+    skip_after: np.ndarray  # left pads still to come
+    remaining_after: np.ndarray  # real tokens still announced (UNBOUNDED: none announced)
 
 
 _STEPS: dict[tuple, Step] = {}
 _OFFSETS: dict[tuple, mx.array] = {}
+# the last plans by identity: (id(geometry), id(n), capacity, num_new) -> (geometry, n, skip,
+# remaining, step); the entries hold their arrays, so an id is not reused while it is a key
+_RECENT: dict[tuple[int, int, int, int], tuple[Geometry, np.ndarray, np.ndarray, np.ndarray, Step]] = {}
+_RECENT_OFFSETS: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, mx.array]] = {}
+_GEOMETRIES: dict[Geometry, Geometry] = {}
+
+
+def shared(geo: Geometry) -> Geometry:
+    """The one instance of `geo`'s value (layouts of one kind share it, and with it their
+    plans by identity)."""
+    return _GEOMETRIES.setdefault(geo, geo)
 
 
 def plan_step(
@@ -91,14 +109,27 @@ def plan_step(
     capacity: int,
     num_new: int,
 ) -> Step:
-    """The plan for writing `num_new` columns into rows of lengths `n` (memoized)."""
+    """The plan for writing `num_new` columns into rows of lengths `n` (memoized: by the
+    arrays' identity, then by their values)."""
+    fast = (id(geo), id(n), capacity, num_new)
+    hit = _RECENT.get(fast)
+    if hit is not None and hit[0] is geo and hit[1] is n and hit[2] is skip_left and hit[3] is remaining:
+        return hit[4]
     key = (num_new, geo, capacity, n.tobytes(), skip_left.tobytes(), remaining.tobytes())
     step = _STEPS.get(key)
     if step is None:
         if len(_STEPS) > 512:
             _STEPS.clear()
         step = _STEPS[key] = _make_step(geo, n, skip_left, remaining, capacity, num_new)
+    if len(_RECENT) > 64:
+        _RECENT.clear()
+    _RECENT[fast] = (geo, n, skip_left, remaining, step)
     return step
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
 
 
 def _make_step(
@@ -113,6 +144,12 @@ def _make_step(
     skip = np.minimum(skip_left, num_new)
     real = np.clip(np.minimum(num_new - skip, remaining), 0, None)
     skip.flags.writeable = real.flags.writeable = False
+    after = (
+        _frozen(n + real),
+        _frozen(skip_left - skip) if skip.any() else _frozen(skip_left.copy()),
+        _frozen(np.where(remaining >= UNBOUNDED, UNBOUNDED, remaining - real))
+        if (remaining < UNBOUNDED).any() else _frozen(remaining.copy()),
+    )
     top = int(n.max()) if rows else 0
     R = geo.ring_size
     roll = None
@@ -130,21 +167,28 @@ def _make_step(
             write_start = c0
         elif cols.size:
             write_idx = mx.array(cols, dtype=mx.int32)[:, None, :, None]
-        return Step(True, skip, real, cap, 0, cap, uniform, roll, write_start, write_idx)
+        return Step(True, skip, real, cap, 0, cap, uniform, roll, write_start, write_idx, *after)
     # chunk wider than the slack: attend over [ring, new chunk], then fold the chunk in
     num_old = min(R, top, capacity)
     cap = min(R, int((n + real).max()) if rows else 0)
-    return Step(False, skip, real, cap, num_old, num_old + num_new, uniform, roll, None, None)
+    return Step(False, skip, real, cap, num_old, num_old + num_new, uniform, roll, None, None, *after)
 
 
 def row_offsets(n: np.ndarray, skip_left: np.ndarray) -> mx.array:
-    """`[B]` int32 RoPE position of the next chunk's first column (memoized)."""
+    """`[B]` int32 RoPE position of the next chunk's first column (memoized: by the arrays'
+    identity, then by their values)."""
+    hit = _RECENT_OFFSETS.get((id(n), id(skip_left)))
+    if hit is not None and hit[0] is n and hit[1] is skip_left:
+        return hit[2]
     key = (n.tobytes(), skip_left.tobytes())
     off = _OFFSETS.get(key)
     if off is None:
         if len(_OFFSETS) > 512:
             _OFFSETS.clear()
         off = _OFFSETS[key] = mx.array(n - skip_left, dtype=mx.int32)
+    if len(_RECENT_OFFSETS) > 64:
+        _RECENT_OFFSETS.clear()
+    _RECENT_OFFSETS[(id(n), id(skip_left))] = (n, skip_left, off)
     return off
 
 

@@ -29,7 +29,6 @@ takes MLX's kernel, in a group of four it takes the dense one).
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 from functools import lru_cache
@@ -74,7 +73,10 @@ def _compiled(bits: int, group: int, with_bias: bool) -> Any:
 #   ours                11.39  11.89  11.46  14.04    11.89 .. 12.89
 # and per call alone, 14336x4096 (python -m bench qmm --sweep), µs, MLX's / ours compiled:
 #   1 row 42.5 / 44.7, 2 rows 75.6 / 44.3, 5 rows 171.7 / 49.2, 8 rows 38.1 / 60.5.
-# One row stays on MLX's one-row kernel (a whole step with ours costs 11.39 ms, not 9.17).
+# One row stays on MLX's one-row kernel (a whole step with ours costs 11.39 ms, not 9.17). With
+# one-row layouts swept on an H100 ours is faster alone (µs, MLX's / ours compiled: 14336x4096
+# 42.8 / 24.5, 4096x14336 38.8 / 26.8, 4096x4096 14.8 / 11.6, 128256x4096 293 / 137) and still
+# slower in whole steps: 6.63-6.69 ms against 5.91-5.92 with MLX's, the same process alternating.
 # MLX-CUDA runs that one-row kernel once per row up to 7 rows in all; from 8 rows of a 2-D x it
 # takes a multi-row kernel, faster than ours alone (above), not yet measured in whole steps
 # flattened: the bench's "flat" variant is MLX's with the flattening only.
@@ -145,32 +147,43 @@ def mlx_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
     when they hold more than one problem (one M-row problem instead of a batch of them, module
     doc). A lone problem (a one-row decode step, one row's verify) goes as it is: two reshapes
     per call are ~450 graph nodes a step of an 8B model, host work a step bound by it pays."""
-    lead = x.shape[:-1]
-    flat = x.ndim > 2 and x.size > x.shape[-2] * x.shape[-1] and gpu_backend() == "cuda"
-    if flat:
-        x = x.reshape(math.prod(lead), x.shape[-1])
-    y = mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group, bits=bits, mode=mode)
-    return y.reshape(*lead, y.shape[-1]) if flat else y
+    return _mlx(x, w, scales, biases, bits, group, mode, gpu_backend() == "cuda")
+
+
+def _mlx(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, bits: int, group: int,
+         mode: str, cuda: bool) -> mx.array:
+    if cuda and x.ndim > 2 and x.size > x.shape[-2] * x.shape[-1]:
+        lead = x.shape[:-1]
+        y = mx.quantized_matmul(x.reshape(-1, x.shape[-1]), w, scales=scales, biases=biases, transpose=True,
+                                group_size=group, bits=bits, mode=mode)
+        return y.reshape(*lead, y.shape[-1])
+    return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group, bits=bits,
+                               mode=mode)
 
 
 def affine_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, bits: int, group: int,
                   bias: mx.array | None = None) -> mx.array:
     """x @ W.T (+ bias) for affine W: on CUDA the fused kernel where `ROUTE` says "ours" and the
     kernel takes the call; on CUDA and the CPU a dense matmul over the dequantized weight from
-    the device's `DEQUANTIZE_ROWS` rows on; else MLX's (flattened on CUDA)."""
+    the device's `DEQUANTIZE_ROWS` rows on; else MLX's (flattened on CUDA). Every layer call of
+    a decode step comes here (~225 for an 8B model), so the choice is made in one pass."""
     backend = gpu_backend()
-    dense_from = _dense_from(backend)
-    if biases is not None and dense_from is not None:
-        if backend == "cuda" and route(x) == "ours" and qmm.takes(x, w, scales, bits, group):
+    rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
+    if backend == "metal":
+        y = _mlx(x, w, scales, biases, bits, group, "affine", False)
+    elif backend == "cuda":
+        if biases is not None and ROUTE.get(rows) == "ours" and qmm.takes(x, w, scales, bits, group):
             fn = _compiled(bits, group, bias is not None)
             return fn(x, w, scales, biases) if bias is None else fn(x, w, scales, biases, bias)
-        if x.ndim and x.size >= dense_from * x.shape[-1]:
-            y = dense_matmul(x, w, scales, biases, bits, group)
-            return y if bias is None else y + bias
-    if backend is None and w.shape[0] * w.shape[1] * 32 // bits >= CPU_SPLIT_WEIGHTS and cpu_streams() > 1:
+        y = (dense_matmul(x, w, scales, biases, bits, group)
+             if biases is not None and rows and rows >= DEQUANTIZE_ROWS["cuda"]
+             else _mlx(x, w, scales, biases, bits, group, "affine", True))
+    elif biases is not None and rows and rows >= DEQUANTIZE_ROWS["cpu"]:
+        y = dense_matmul(x, w, scales, biases, bits, group)
+    elif w.shape[0] * w.shape[1] * 32 // bits >= CPU_SPLIT_WEIGHTS and cpu_streams() > 1:
         y = _split_matmul(x, w, scales, biases, bits, group)
     else:
-        y = mlx_matmul(x, w, scales, biases, bits, group)
+        y = _mlx(x, w, scales, biases, bits, group, "affine", False)
     return y if bias is None else y + bias
 
 
