@@ -54,7 +54,7 @@ from engine.kv.batch import KVConfig
 from engine.kv.memory import MemoryBudget
 from engine.kv.prefix_cache import NoPrefix, PrefixIndex
 from engine.loader import LoadedModel
-from engine.runner import Runner, Shape, WarmUp
+from engine.runner import Runner, Shape, WarmUp, shapes_build_on_first_use
 from engine.scheduler import Plan, Scheduler, SchedulerConfig, StepResult, auto_prefill_budget
 from engine.spec import SpecConfig, build_speculation
 from engine.spec.decoder import Speculation
@@ -363,9 +363,14 @@ class Engine(EngineThread):
             log.info("built MLX-CUDA's quantized-matmul kernels in %.1f s (kept on disk for "
                      "later starts)", seconds)
         chunk, rows = self.prefix.chunk, min(sched.max_num_seqs, WARM_DECODE_ROWS)
-        shapes = self.runner.warm_up_shapes(chunk, rows)
-        log.info("warming up: prefill %d x %d and %d x %d tokens, decode 1..%d rows",
-                 shapes[0][1], shapes[0][2], shapes[1][1], shapes[1][2], rows)
+        per_shape = shapes_build_on_first_use()
+        shapes = self.runner.warm_up_shapes(chunk, rows, per_shape)
+        if per_shape:
+            log.info("warming up: prefill %d x %d and %d x %d tokens, decode 1..%d rows",
+                     shapes[0][1], shapes[0][2], shapes[1][1], shapes[1][2], rows)
+        else:
+            log.info("warming up: a %d-token prompt, then the prefill rate of %d tokens",
+                     shapes[0][2], chunk)
         from tqdm import tqdm
 
         # shown after a second, on a terminal only (disable=None: off when stderr is not a tty)
@@ -376,14 +381,14 @@ class Engine(EngineThread):
                 del shape
                 bar.update()
 
-            warm = self.runner.warm_up(chunk, rows, self.loaded.vocab_size, step)
+            warm = self.runner.warm_up(chunk, rows, self.loaded.vocab_size, step, per_shape)
         budget = "set by --prefill-budget"
         if sched.prefill_budget is None:
             self.scheduler.prefill_budget = auto_prefill_budget(
                 warm.prefill_tokens_per_s, chunk, sched.prefill_step_s)
             budget = f"auto, {sched.prefill_step_s * 1e3:.0f} ms of prefill per step"
         self.scheduler.size_idle_chunk(warm.prefill_tokens_per_s)
-        if self.config.warm_chunks:
+        if self.config.warm_chunks and per_shape:
             self.warm_chunks()
         log.info("warm-up done in %.2f s (%d shapes); prefill %.0f tokens/s; prefill budget %d "
                  "row-tokens per step (%s); long prompts in chunks of %s tokens",

@@ -53,6 +53,7 @@ from engine.core import AsyncEngine, Engine, EngineConfig
 from engine.host_memory import release_idle_memory
 from engine.kv.prefix_cache import PrefixIndex
 from engine.loader import LoadedModel
+from engine.runner import shapes_build_on_first_use
 from engine.scheduler import Plan, Scheduler, StepResult
 
 log = logging.getLogger("mlxd.distributed")
@@ -194,7 +195,7 @@ def agree_on_budget(channel: Channel, engine: Engine) -> None:
     sched = engine.scheduler
     every = channel.gather_ints([sched.prefill_budget, sched.idle_chunk])
     sched.prefill_budget, sched.idle_chunk = every[0]
-    if engine.config.warmup:
+    if engine.config.warmup and shapes_build_on_first_use():
         engine.warm_chunks()
 
 

@@ -35,8 +35,10 @@ has run per shape, `shapes`: (kind, rows, width) with kind "prefill" (rows x chu
 with greedy and sampled rows (the sampling kernels). MLX-CUDA JIT-compiles each kernel per
 dtype and keeps cuBLAS/cuDNN plans per shape, so after it the first request pays for neither;
 a prompt of a width not run yet (the last chunk of a long prompt, a short prompt's own length)
-still builds its matmul plans on first use. On a CPU nothing is compiled; the same warm-up runs
-and measures the prefill rate the scheduler's auto budget is sized from.
+still builds its matmul plans on first use. On a CPU nothing is built per shape (a first decode
+step at any batch size costs what the next one does), so the warm-up there (`per_shape=False`)
+runs one short prompt and its first decode step, for what a process builds once, and times one
+full chunk; both measure the prefill rate the scheduler's auto budget is sized from.
 """
 
 from __future__ import annotations
@@ -70,10 +72,18 @@ from engine.spec.accept import (
 )
 from engine.spec.decoder import NoSpec, Round, Speculation
 from engine.spec.ringcommit import RingRound
+from kernels.common import gpu_backend
 
 log = logging.getLogger("mlxd.engine")
 
 Shape = tuple[str, int, int]  # (kind, rows, width) of a forward the runner ran
+
+
+def shapes_build_on_first_use() -> bool:
+    """Whether a forward of a new shape builds something on first use (a GPU backend: MLX
+    compiles kernels, cuBLAS/cuDNN plan), so the warm-up runs every shape the first requests
+    use; on the CPU the first step of any shape costs what the next one does."""
+    return gpu_backend() is not None
 WARM_GROUP_WIDTH = 16  # the warm-up's group prefill: 16-token prompts
 
 
@@ -270,11 +280,13 @@ class Runner:
     # -- warm-up ---------------------------------------------------------------------------
     def warm_up(
         self, chunk: int, max_rows: int, vocab_size: int,
-        on_shape: Callable[[Shape], None] | None = None,
+        on_shape: Callable[[Shape], None] | None = None, per_shape: bool = True,
     ) -> WarmUp:
         """Run the first requests' shapes (module docstring) through `run`, with the prefix
         cache and speculation out of the way (nothing is stored, no drafts), and time one more
-        full chunk for the prefill rate. `on_shape` is called after each shape (progress)."""
+        full chunk for the prefill rate. `on_shape` is called after each shape (progress).
+        `per_shape=False` (the CPU): one short prompt and its first decode step, then the timed
+        chunk (`warm_up_shapes`)."""
         t0 = time.perf_counter()
         saved = self.prefix, self.spec
         self.prefix, self.spec = NoPrefix(self.new_caches), NoSpec()
@@ -288,11 +300,16 @@ class Runner:
                     on_shape(shape)
 
         try:
-            self.run(self._warm_plan([chunk], vocab_size))
+            self.run(self._warm_plan([chunk if per_shape else WARM_GROUP_WIDTH], vocab_size))
             ran()
+            if not per_shape:
+                self._drain()
             t1 = time.perf_counter()
             self._prefill(self._warm_plan([chunk], vocab_size))
             rate = chunk / max(time.perf_counter() - t1, 1e-9)
+            if not per_shape:
+                ran()
+                return WarmUp(order, time.perf_counter() - t0, rate)
             # rows one token apart: the decode batch runs as serving batches do, rows of
             # different lengths (on CUDA that builds the decode-attention kernels)
             lens = [WARM_GROUP_WIDTH - i % 2 for i in range(max_rows)]
@@ -339,8 +356,10 @@ class Runner:
         group = PrefillGroup(batch, [r.request.prompt_ids for r in rows])
         return Plan(RunningBatch(), group, group.width, batch)
 
-    def warm_up_shapes(self, chunk: int, max_rows: int) -> list[Shape]:
+    def warm_up_shapes(self, chunk: int, max_rows: int, per_shape: bool = True) -> list[Shape]:
         """The shapes `warm_up` runs (for its log line and progress bar)."""
+        if not per_shape:
+            return [("prefill", 1, WARM_GROUP_WIDTH), ("decode", 1, 1), ("prefill", 1, chunk)]
         return ([("prefill", 1, chunk), ("prefill", max_rows, WARM_GROUP_WIDTH)]
                 + [("decode", r, 1) for r in range(max_rows, 0, -1)])
 

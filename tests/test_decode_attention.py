@@ -237,5 +237,6 @@ def test_warm_up_runs_the_kernel_route(monkeypatch):
     monkeypatch.setattr(decode, "decode_attention", lambda q, k, v, lens, scale: (
         calls.append(np.array(lens).tolist()) or decode.twin(q, k, v, lens, scale)))
     cuda_guard.install_attention(model, force=True)
+    monkeypatch.setattr("engine.core.shapes_build_on_first_use", lambda: True)  # the GPU warm-up
     Engine(loaded(model, cfg), EngineConfig(SchedulerConfig(), warmup=True))
     assert calls and any(len(set(lens)) > 1 for lens in calls)

@@ -1,6 +1,7 @@
-"""Warm start on the CPU with the bundled model: the engine runs the first requests' shapes
-before it serves (engine.runner, `Runner.warm_up`), and the first requests' prefill chunks and
-decode batches were all among them."""
+"""Warm start with the bundled model: the engine runs the first requests' shapes before it serves
+(engine.runner, `Runner.warm_up`), and the first requests' prefill chunks and decode batches
+were all among them (the GPU warm-up, forced on the CPU); the CPU's own warm-up runs one short
+prompt and times one chunk, and sets the prefill budget from it."""
 
 from __future__ import annotations
 
@@ -11,16 +12,19 @@ from engine.scheduler import SchedulerConfig
 from tests.tiny_models import greedy, submit
 
 
-def _engine(tinycoder_path) -> Engine:
+def _engine(tinycoder_path, monkeypatch=None) -> Engine:
     from engine.loader import load_model
+
+    if monkeypatch is not None:  # the GPU's warm-up: every shape the first requests use
+        monkeypatch.setattr("engine.core.shapes_build_on_first_use", lambda: True)
 
     lm = load_model(str(tinycoder_path), dtype="float32")
     lm.eos_token_ids = ()
     return Engine(lm, EngineConfig(SchedulerConfig(max_num_seqs=8), warmup=True))
 
 
-def test_first_requests_run_only_warmed_shapes(tinycoder_path):
-    eng = _engine(tinycoder_path)
+def test_first_requests_run_only_warmed_shapes(tinycoder_path, monkeypatch):
+    eng = _engine(tinycoder_path, monkeypatch)
     runner, chunk = eng.runner, eng.prefix.chunk
     warmed = dict(runner.shapes)
     rows = min(8, WARM_DECODE_ROWS)
@@ -58,5 +62,21 @@ def test_warm_up_leaves_nothing_behind(tinycoder_path):
         assert stats.num_running == 0 and stats.kv_bytes == 0
         assert not eng.runner.in_flight
         assert stats.prefix_cache is not None and stats.prefix_cache.blocks == 0
+    finally:
+        eng.stop()
+
+
+def test_cpu_warm_up_runs_a_short_prompt_and_times_one_chunk(tinycoder_path):
+    eng = _engine(tinycoder_path)
+    runner, chunk = eng.runner, eng.prefix.chunk
+    try:
+        assert set(runner.shapes) == set(runner.warm_up_shapes(chunk, 8, per_shape=False))
+        assert ("prefill", 1, chunk) in runner.shapes and ("decode", 1, 1) in runner.shapes
+        assert eng.warm_up.prefill_tokens_per_s > 0
+        assert eng.scheduler.prefill_budget >= chunk  # the auto budget, sized from that rate
+        assert not runner.in_flight and eng.stats().kv_bytes == 0
+        eng.start()
+        out = submit(eng, greedy("r", list(range(3, 3 + 2 * chunk + 5)), 8))
+        assert out.done.wait(300) and len(out.tokens) == 8
     finally:
         eng.stop()
