@@ -62,6 +62,7 @@ import mlx.nn as nn
 import numpy as np
 
 from bench import common
+from kernels.affine import cpu as cpu_kernel
 from kernels.affine import linear, qmm
 from kernels.common import gpu_backend, swap_classes
 
@@ -245,7 +246,7 @@ VERIFY_WIDTHS = (2, 3, 4, 5, 6)
 PREFILL_LENGTHS = (512, 2048, 8192)
 PREFILL_ROWS = [128, 256, 512, 1024, 2048, 8192]
 CPU_PREFILL_SHAPES = [(2048, 2048), (8192, 2048), (2048, 8192)]
-CPU_PREFILL_ROWS = [1, 2, 4, 8, 16, 32, 256]
+CPU_PREFILL_ROWS = [1, 2, 4, 8, 15, 16, 32, 256]
 
 
 def build_model(args: argparse.Namespace) -> tuple[Any, str]:
@@ -393,19 +394,34 @@ def bench_prefill_kernels(args: argparse.Namespace, result: dict[str, Any], save
                 t_mlx = median_time(lambda: mx.eval(theirs()), repeats) * 1e6  # noqa: B023 (called here)
                 t_dq = median_time(lambda: mx.eval(dense()), repeats) * 1e6  # noqa: B023
                 flops = 2 * m * n * k
-                out.append({"bits": bits, "shape": [n, k], "rows": m, "mlx_us": round(t_mlx, 1),
-                            "dequantize_us": round(t_dq, 1), "mlx_tflops": round(flops / t_mlx / 1e6, 1),
-                            "dequantize_tflops": round(flops / t_dq / 1e6, 1)})
+                row = {"bits": bits, "shape": [n, k], "rows": m, "mlx_us": round(t_mlx, 1),
+                       "dequantize_us": round(t_dq, 1), "mlx_tflops": round(flops / t_mlx / 1e6, 1),
+                       "dequantize_tflops": round(flops / t_dq / 1e6, 1)}
+                if cpu and cpu_kernel.takes(x, wq, scales, biases, bits, GROUP) and cpu_kernel.available():
+                    # the CPU's few-row kernel (linear.affine_matmul's path below the dense rows)
+                    few = functools.partial(cpu_kernel.qmm, x, wq, scales, biases, bits, GROUP)
+                    got = few()
+                    assert got is not None
+                    err = float(mx.abs(got - ref).max())
+                    if not err <= 1e-4 * scale:
+                        failures.append(f"{bits}-bit {n}x{k} rows {m} (C++): max error {err:.3g} against {scale:.3g}")
+                    row["cpu_kernel_us"] = round(median_time(lambda: mx.eval(few()), repeats) * 1e6, 1)  # noqa: B023
+                out.append(row)
                 print(json.dumps(out[-1]), flush=True)
             save()
     return failures
 
 
 def prefill_kernel_table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'bits':>4} {'W (NxK)':>12} {'rows':>6} {'MLX µs':>10} {'dequant+mm µs':>14} {'speed-up':>9}"]
+    few = any("cpu_kernel_us" in r for r in rows)
+    lines = [f"{'bits':>4} {'W (NxK)':>12} {'rows':>6} {'MLX µs':>10} {'dequant+mm µs':>14} {'speed-up':>9}"
+             + (f" {'C++ µs':>10} {'speed-up':>9}" if few else "")]
     for r in rows:
-        lines.append(f"{r['bits']:>4} {r['shape'][0]:>6}x{r['shape'][1]:<5} {r['rows']:>6} {r['mlx_us']:>10.1f} "
-                     f"{r['dequantize_us']:>14.1f} {r['mlx_us'] / r['dequantize_us']:>8.2f}x")
+        line = (f"{r['bits']:>4} {r['shape'][0]:>6}x{r['shape'][1]:<5} {r['rows']:>6} {r['mlx_us']:>10.1f} "
+                f"{r['dequantize_us']:>14.1f} {r['mlx_us'] / r['dequantize_us']:>8.2f}x")
+        if "cpu_kernel_us" in r:
+            line += f" {r['cpu_kernel_us']:>10.1f} {r['mlx_us'] / r['cpu_kernel_us']:>8.2f}x"
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -122,7 +122,14 @@ def test_check_shapes_rejects_misfits():
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 5, 16, 20])
-def test_linear_equals_quantized_linear_on_cpu(bias, rows):
+@pytest.mark.parametrize("cpu_kernel", [False, True])
+def test_linear_equals_quantized_linear_on_cpu(monkeypatch, bias, rows, cpu_kernel):
+    """Here on the CPU: equal to QuantizedLinear, bit for bit through MLX's kernel, to float32
+    rounding through the C++ kernel (kernels/affine/cpu.py, below the dense rows)."""
+    if not cpu_kernel:
+        monkeypatch.setattr(linear.cpu_kernel, "takes", lambda *a: False)
+    elif not linear.cpu_kernel.available():
+        pytest.skip("no C++ compiler for the CPU kernel")
     ql = nn.QuantizedLinear(128, 40, bias=bias, group_size=64, bits=4)
     if bias:
         ql.bias = mx.random.normal((40,))
@@ -131,7 +138,10 @@ def test_linear_equals_quantized_linear_on_cpu(bias, rows):
     ql.__class__ = linear.FewRowQuantizedLinear
     got = ql(x)
     assert got.dtype == want.dtype
-    assert mx.array_equal(got, want)
+    if cpu_kernel and rows < linear.DEQUANTIZE_ROWS["cpu"] and gpu_backend() is None:
+        assert mx.allclose(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        assert mx.array_equal(got, want)
 
 
 def _tiny_quantized(arch: str = "llama", **overrides):
@@ -285,10 +295,12 @@ def test_forced_cuda_routes_a_tied_head_and_other_modes(monkeypatch):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_cpu_calls_mlx_below_the_dense_rows_and_dense_from_them(monkeypatch, bias):
-    """On the CPU: below DEQUANTIZE_ROWS["cpu"] rows in all a call is MLX's quantized_matmul on
-    x as given (never the kernel, nothing flattened); from there on a dense matmul over the
-    dequantized weight, equal to QuantizedLinear's up to float32 rounding."""
+    """On the CPU without the C++ kernel (kernels/affine/cpu.py: no compiler): below
+    DEQUANTIZE_ROWS["cpu"] rows in all a call is MLX's quantized_matmul on x as given (never the
+    CUDA kernel, nothing flattened); from there on a dense matmul over the dequantized weight,
+    equal to QuantizedLinear's up to float32 rounding."""
     monkeypatch.setattr(linear, "gpu_backend", lambda: None)
+    monkeypatch.setattr(linear.cpu_kernel, "takes", lambda *a: False)
     ql = nn.QuantizedLinear(128, 40, bias=bias, group_size=64, bits=4)
     if bias:
         ql.bias = mx.random.normal((40,))
@@ -539,8 +551,13 @@ def test_bench_prefill_products_and_table():
     assert failures == [] and len(saved) == 2
     assert [(r["bits"], r["rows"]) for r in rows] == [(4, 3), (4, 5), (8, 3), (8, 5)]
     assert all(r["mlx_us"] > 0 and r["dequantize_us"] > 0 and r["shape"] == [64, 128] for r in rows)
-    table = bench_qmm.prefill_kernel_table([{**rows[0], "mlx_us": 30.0, "dequantize_us": 10.0}]).splitlines()
+    few = gpu_backend() is None and linear.cpu_kernel.available()  # the CPU's C++ kernel timed too
+    assert all(("cpu_kernel_us" in r) == few for r in rows)
+    base = {k: v for k, v in rows[0].items() if k != "cpu_kernel_us"}
+    table = bench_qmm.prefill_kernel_table([{**base, "mlx_us": 30.0, "dequantize_us": 10.0}]).splitlines()
     assert table[1].rstrip().endswith("3.00x")
+    table = bench_qmm.prefill_kernel_table([{**base, "mlx_us": 30.0, "dequantize_us": 10.0, "cpu_kernel_us": 5.0}])
+    assert table.splitlines()[1].rstrip().endswith("3.00x        5.0     6.00x")
 
 
 @pytest.mark.parametrize("parts", [2, 3])
@@ -549,6 +566,7 @@ def test_cpu_split_products_are_bit_identical(monkeypatch, parts):
     output rows over `parts` streams: the same outputs bit for bit, bias included, one MLX call
     per part."""
     monkeypatch.setattr(linear, "gpu_backend", lambda: None)
+    monkeypatch.setattr(linear.cpu_kernel, "takes", lambda *a: False)  # MLX's kernel, split
     monkeypatch.setattr(linear, "cpu_streams", lambda: parts)
     ql = nn.QuantizedLinear(2048, 2050 if parts == 3 else 2048, bias=True, group_size=64, bits=4)
     ql.bias = mx.random.normal((ql.weight.shape[0],))
@@ -571,6 +589,7 @@ def test_cpu_split_products_on_another_thread(monkeypatch):
     import threading
 
     monkeypatch.setattr(linear, "gpu_backend", lambda: None)
+    monkeypatch.setattr(linear.cpu_kernel, "takes", lambda *a: False)  # MLX's kernel, split
     monkeypatch.setattr(linear, "cpu_streams", lambda: 2)
     ql = nn.QuantizedLinear(2048, 2048, bias=False, group_size=64, bits=4)
     x = mx.random.normal((1, 1, 2048))

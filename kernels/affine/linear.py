@@ -9,12 +9,14 @@ by x's rows in all (leading dims flattened):
 - on CUDA, where ``ROUTE`` says: "ours", the fused few-row kernel inside ``mx.compile`` (the
   traced call is replayed without Python work), or "mlx", ``mx.quantized_matmul``;
 - on CUDA and the CPU, from the device's ``DEQUANTIZE_ROWS`` rows on (prefill chunks; on the CPU
-  also decode batches of 16 rows or more): the weight dequantized for the call and multiplied
+  also decode batches of 128 rows or more): the weight dequantized for the call and multiplied
   densely, 1.4-5x faster than MLX's kernel on an H100 and 3-20x on the CPU.
 
-On the CPU a call below those rows stays on MLX's kernel, split by W's output rows over one CPU
-stream per core when W is large (bit-identical: each output is the same kernel over the same
-row). Every other call (other modes, no biases) goes to MLX's.
+On the CPU a float32 call below those rows goes to the C++ kernel of ``cpu.py`` (one thread per
+core, each group of a weight row dequantized once for all rows of x); where no C++ compiler built
+it, to MLX's kernel, split by W's output rows over one CPU stream per core when W is large
+(bit-identical: each output is the same kernel over the same row). Every other call (other
+modes, no biases) goes to MLX's.
 
 On CUDA, MLX's call gets x flattened to ``[rows, K]`` and the result reshaped back:
 MLX-CUDA's quantized_matmul treats x's leading dims as a batch of M-row problems (M = x's
@@ -22,9 +24,10 @@ second-to-last dim), so a decode batch ``[B, 1, K]`` is B one-row problems, each
 whole weight; flattened it is one problem of B rows. For contiguous x the reshape is free.
 On the CPU MLX's calls get x as it is.
 
-The dense path rounds differently from MLX's kernel, so in float32 on the CPU a row's outputs
-are the same alone and in a batch only while both take the same path (a 10-token prompt alone
-takes MLX's kernel, in a group of four it takes the dense one).
+The dense path rounds differently from the few-row kernels, so in float32 on the CPU a row's
+outputs are the same alone and in a batch only while both take the same path (a 10-token prompt
+alone takes the few-row kernel, in a group of four the dense one); decode batches and verify
+forwards of up to 15 rows all take the few-row one.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import mlx.nn as nn
 
 from kernels.common import gpu_backend, swap_classes
 
+from . import cpu as cpu_kernel
 from . import qmm
 
 
@@ -93,19 +97,34 @@ ROUTE: dict[int, str] = {1: "mlx", **dict.fromkeys(range(2, qmm.MAX_ROWS + 1), "
 #   14336x4096    213 / 255    362 / 266    665 / 321   2054 / 643    7894 / 1584
 #   4096x14336    389 / 296    374 / 302    556 / 324   1920 / 576    7147 / 1686
 # 8-bit: 0.84-1.06x at 256 rows, 1.12-1.43x at 512, 1.84-3.03x at 2048.
-# CPU: MLX's kernel dequantizes the weight again for every row of x (single-threaded), so a
-# row costs about what a one-row call does. Measured on the 2-core Linux machine (float32, 4-bit
-# g64, OpenBLAS; python -m bench qmm --prefill), ms, MLX's / dequantize + matmul:
+# CPU: below this the C++ kernel of cpu.py runs (one thread per core, each weight group
+# dequantized once for all rows). Measured on the 2-core Linux machine (float32, 4-bit g64,
+# OpenBLAS), ms, dequantize + matmul / the C++ kernel:
+#   rows              16            64           128           256
+#   2048x2048    10.7 / 2.6    15.0 / 9.1    21.4 / 18.9    33.7 / 52.7
+#   8192x2048    85.2 / 9.9     106 / 41.8    136 / 75.8     189 / 220
+#   2048x8192     101 / 12.3    131 / 48.8    156 / 181      208 / 400
+# Without it (no C++ compiler) MLX's kernel runs below CPU_DEQUANTIZE_ROWS_WITHOUT_KERNEL: it
+# dequantizes the weight again for every row of x on one thread, so a row costs about what a
+# one-row call does (ms, MLX's / dequantize + matmul; python -m bench qmm --prefill):
 #   rows              1             8            16            32           256
 #   2048x2048    2.7 / 13.5    20.9 / 16.0   43.7 / 16.6   85.0 / 16.1    662 /  41
 #   8192x2048   10.3 / 100     85.6 / 91.9    168 / 104     337 / 111    2621 / 177
 # The dense copy lives for its one call (the memory budget counts two of the largest weight).
-DEQUANTIZE_ROWS = {"cuda": 512, "cpu": 16}
+DEQUANTIZE_ROWS = {"cuda": 512, "cpu": cpu_kernel.MAX_ROWS + 1}
+CPU_DEQUANTIZE_ROWS_WITHOUT_KERNEL = 16
+
+
+def _cpu_dense_from() -> int:
+    return DEQUANTIZE_ROWS["cpu"] if cpu_kernel.available() else CPU_DEQUANTIZE_ROWS_WITHOUT_KERNEL
 
 
 def _dense_from(backend: str | None) -> int | None:
-    """DEQUANTIZE_ROWS for a `gpu_backend()` answer (None: Metal, which keeps MLX's kernel)."""
-    return None if backend == "metal" else DEQUANTIZE_ROWS[backend or "cpu"]
+    """The rows from which a call goes dense for a `gpu_backend()` answer (None: Metal, which
+    keeps MLX's kernel)."""
+    if backend == "metal":
+        return None
+    return DEQUANTIZE_ROWS["cuda"] if backend == "cuda" else _cpu_dense_from()
 
 
 def dequantize_rows() -> int | None:
@@ -178,12 +197,17 @@ def affine_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array |
         y = (dense_matmul(x, w, scales, biases, bits, group)
              if biases is not None and rows and rows >= DEQUANTIZE_ROWS["cuda"]
              else _mlx(x, w, scales, biases, bits, group, "affine", True))
-    elif biases is not None and rows and rows >= DEQUANTIZE_ROWS["cpu"]:
+    elif biases is not None and rows and rows >= _cpu_dense_from():
         y = dense_matmul(x, w, scales, biases, bits, group)
-    elif w.shape[0] * w.shape[1] * 32 // bits >= CPU_SPLIT_WEIGHTS and cpu_streams() > 1:
-        y = _split_matmul(x, w, scales, biases, bits, group)
     else:
-        y = _mlx(x, w, scales, biases, bits, group, "affine", False)
+        ours = (cpu_kernel.qmm(x, w, scales, biases, bits, group)
+                if biases is not None and cpu_kernel.takes(x, w, scales, biases, bits, group) else None)
+        if ours is not None:
+            y = ours
+        elif w.shape[0] * w.shape[1] * 32 // bits >= CPU_SPLIT_WEIGHTS and cpu_streams() > 1:
+            y = _split_matmul(x, w, scales, biases, bits, group)
+        else:
+            y = _mlx(x, w, scales, biases, bits, group, "affine", False)
     return y if bias is None else y + bias
 
 
