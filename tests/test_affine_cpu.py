@@ -115,9 +115,8 @@ def test_the_layer_routes_few_rows_here_on_the_cpu(monkeypatch):
 def test_engine_exact_tier_through_the_cpu_kernel(arch):
     """float32 on the CPU with every quantized layer swapped (as the loader does here): batched
     rows equal rows run alone, and greedy n-gram speculation equals plain greedy."""
-    from engine.spec import SpecConfig
     from tests.test_affine_qmm import _tiny_quantized
-    from tests.test_spec_engine import _check, _outputs, _repetitive_prompts
+    from tests.test_spec_engine import _repetitive_prompts, exact_tier
     from tests.tiny_models import greedy, loaded
 
     model, cfg = _tiny_quantized(arch, vocab_size=16)
@@ -125,15 +124,7 @@ def test_engine_exact_tier_through_the_cpu_kernel(arch):
     try:
         lm = loaded(model, cfg)
         prompts = _repetitive_prompts(cfg["vocab_size"], 4, seed=3)
-        reqs = [greedy(f"c{i}", p, max_tokens=20 + 4 * i) for i, p in enumerate(prompts)]
-        alone = {}
-        for r in reqs:
-            out, _ = _outputs(lm, None, [r], prefill_chunk=32)
-            alone.update(out)
-        batched, _ = _outputs(lm, None, reqs, stagger=False, prefill_chunk=32)
-        st = _check(lm, SpecConfig("ngram", num_draft_tokens=4, adaptive=False), reqs, alone, prefill_chunk=32)
+        st = exact_tier(lm, [greedy(f"c{i}", p, max_tokens=20 + 4 * i) for i, p in enumerate(prompts)])
     finally:
         linear.uninstall(model)
     assert st.spec_steps > 0
-    for r in reqs:
-        assert batched[r.req_id] == alone[r.req_id], r.req_id

@@ -326,8 +326,7 @@ def test_engine_exact_tier_with_the_swap_forced(arch, monkeypatch):
     """Batched rows equal rows run alone and greedy speculation equals plain greedy, float32,
     with every quantized layer swapped and the CUDA routing forced (on the CPU: the kernel entry
     and MLX's calls through MLX's twin, MLX's with x flattened)."""
-    from engine.spec import SpecConfig
-    from tests.test_spec_engine import _check, _outputs, _repetitive_prompts
+    from tests.test_spec_engine import _outputs, _repetitive_prompts, exact_tier
     from tests.tiny_models import greedy, loaded
 
     model, cfg = _tiny_quantized(arch, vocab_size=16)  # outputs repeat: n-gram lookups hit
@@ -338,20 +337,13 @@ def test_engine_exact_tier_with_the_swap_forced(arch, monkeypatch):
     calls = _Calls(monkeypatch)
     assert linear.install(model, force=True) > 0
     try:
-        alone = {}
-        for r in reqs:
-            out, _ = _outputs(lm, None, [r], prefill_chunk=32)
-            alone.update(out)
-        batched, _ = _outputs(lm, None, reqs, stagger=False, prefill_chunk=32)
-        st = _check(lm, SpecConfig("ngram", num_draft_tokens=4, adaptive=False), reqs, want, prefill_chunk=32)
+        st = exact_tier(lm, reqs, want)
     finally:
         linear.uninstall(model)
     mlx_calls, ours = calls.take()
     assert ours and all(2 <= math.prod(s[:-1]) <= 16 for s in ours)  # decode batches and verifies
     assert mlx_calls and all(len(s) == 2 or math.prod(s[:-2]) == 1 for s in mlx_calls)
     assert st.spec_steps > 0
-    for r in reqs:
-        assert batched[r.req_id] == alone[r.req_id] == want[r.req_id], r.req_id
 
 
 # ---- the CUDA source, built by nvcc (no GPU needed) -----------------------------------------

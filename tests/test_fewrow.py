@@ -88,8 +88,7 @@ def test_linear_with_bias(anywhere):
 def test_engine_exact_tier_with_the_gathered_matmuls(arch, anywhere):
     """Greedy speculative output equals plain greedy output, and batched rows equal rows run
     alone, with every Linear (and the tied head) of the tiny model through the gathered gemv."""
-    from engine.spec import SpecConfig
-    from tests.test_spec_engine import _check, _outputs, _repetitive_prompts
+    from tests.test_spec_engine import _outputs, _repetitive_prompts, exact_tier
     from tests.tiny_models import greedy, loaded, tiny_model
 
     model, cfg = tiny_model(arch, vocab_size=16)  # outputs repeat: n-gram lookups hit
@@ -98,18 +97,11 @@ def test_engine_exact_tier_with_the_gathered_matmuls(arch, anywhere):
     reqs = [greedy(f"f{i}", p, max_tokens=24 + 5 * i) for i, p in enumerate(prompts)]
     want, _ = _outputs(lm, None, reqs, prefill_chunk=32)  # plain matmuls, batched
     assert fewrow.install(model, force=True) > 0
-    try:
-        alone = {}
-        for r in reqs:  # each request alone: one-row steps (the plain gemv path)
-            out, _ = _outputs(lm, None, [r], prefill_chunk=32)
-            alone.update(out)
-        batched, _ = _outputs(lm, None, reqs, stagger=False, prefill_chunk=32)
-        st = _check(lm, SpecConfig("ngram", num_draft_tokens=4, adaptive=False), reqs, want, prefill_chunk=32)
+    try:  # alone: one-row steps (the plain gemv path)
+        st = exact_tier(lm, reqs, want)
     finally:
         fewrow.uninstall(model)
     assert st.spec_steps > 0
-    for r in reqs:
-        assert batched[r.req_id] == alone[r.req_id] == want[r.req_id], r.req_id
 
 
 @pytest.mark.gpu

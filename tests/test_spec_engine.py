@@ -96,6 +96,24 @@ def _check(lm, spec: SpecConfig, reqs: list[Request], want=None, min_accept=0.0,
     return st
 
 
+def exact_tier(lm, reqs: list[Request], want=None, prefill_chunk: int = 32):
+    """The exact tier of a model as installed: each request run alone, all of them batched
+    (equal to the alone ones, and to `want` when given), and greedy n-gram speculation (equal
+    to `want`, else to the alone ones); returns the speculation stats."""
+    alone: dict[str, list[int]] = {}
+    for r in reqs:
+        out, _ = _outputs(lm, None, [r], prefill_chunk=prefill_chunk)
+        alone.update(out)
+    batched, _ = _outputs(lm, None, reqs, stagger=False, prefill_chunk=prefill_chunk)
+    st = _check(lm, SpecConfig("ngram", num_draft_tokens=4, adaptive=False), reqs,
+                want if want is not None else alone, prefill_chunk=prefill_chunk)
+    for r in reqs:
+        assert batched[r.req_id] == alone[r.req_id], r.req_id
+        if want is not None:
+            assert alone[r.req_id] == want[r.req_id], r.req_id
+    return st
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3"])
 def test_tiny_greedy_spec_equals_plain(arch):
     model, cfg = tiny_model(arch)
