@@ -85,6 +85,8 @@ def shapes_build_on_first_use() -> bool:
     compiles kernels, cuBLAS/cuDNN plan), so the warm-up runs every shape the first requests
     use; on the CPU the first step of any shape costs what the next one does."""
     return gpu_backend() is not None
+
+
 WARM_GROUP_WIDTH = 16  # the warm-up's group prefill: 16-token prompts
 # the CPU warm-up times a chunk that took less than this again and keeps the faster (a first
 # chunk of tinycoder-16m measured ~20 % slower than the next, allocating its buffers)
