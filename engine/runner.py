@@ -310,14 +310,16 @@ class Runner:
             ran()
             if not per_shape:
                 self._drain()
-            t1 = time.perf_counter()
-            self._prefill(self._warm_plan([chunk], vocab_size))
-            rate = chunk / max(time.perf_counter() - t1, 1e-9)
+
+            def chunk_rate() -> float:
+                t1 = time.perf_counter()
+                self._prefill(self._warm_plan([chunk], vocab_size))
+                return chunk / max(time.perf_counter() - t1, 1e-9)
+
+            rate = chunk_rate()
             if not per_shape:
                 if chunk / rate < CPU_RETIME_S:  # the first chunk also allocated its buffers
-                    t1 = time.perf_counter()
-                    self._prefill(self._warm_plan([chunk], vocab_size))
-                    rate = max(rate, chunk / max(time.perf_counter() - t1, 1e-9))
+                    rate = max(rate, chunk_rate())
                 ran()
                 return WarmUp(order, time.perf_counter() - t0, rate)
             # rows one token apart: the decode batch runs as serving batches do, rows of

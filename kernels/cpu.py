@@ -52,7 +52,8 @@ class InTransform(Exception):
     where these kernels cannot run; the caller takes MLX's own op instead."""
 
 
-def _eval(*arrays: mx.array) -> None:
+def evaluate(*arrays: mx.array) -> None:
+    """mx.eval, raising InTransform where a transformation is tracing the call."""
     try:
         mx.eval(*arrays)
     except ValueError as e:
@@ -88,9 +89,9 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
     if isinstance(mask, mx.array):
         if mask.dtype != mx.bool_:
             mask = mask.astype(mx.float32)
-        _eval(scores, mask)
+        evaluate(scores, mask)
     else:
-        _eval(scores)
+        evaluate(scores)
     s = np.array(scores, copy=False).reshape(B, Hkv, rep, L, K)  # a view: written in place
     if mask is not None:
         if isinstance(mask, str):  # "causal": the queries are the last L of K positions
@@ -122,7 +123,7 @@ def swiglu_takes(gate: mx.array, x: mx.array) -> bool:
 
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     """silu(gate) * x = x * gate / (1 + exp(-gate)), float32 (see `swiglu_takes`)."""
-    _eval(gate, x)
+    evaluate(gate, x)
     g = np.array(gate, copy=False)
     out = np.negative(g)
     np.exp(out, out=out)

@@ -30,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from kernels.common import compile_cpu_library, cpu_compiler
+from kernels.cpu import InTransform, evaluate
 
 log = logging.getLogger("mlxd.kernels")
 
@@ -193,11 +194,9 @@ def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bits: int,
     if lib is None:
         return None
     try:
-        mx.eval(x, w, scales, biases)
-    except ValueError as e:
-        if "transformations" in str(e):
-            return None
-        raise
+        evaluate(x, w, scales, biases)
+    except InTransform:
+        return None
     k, n = x.shape[-1], w.shape[0]
     rows = x.size // k
     xn = np.ascontiguousarray(np.asarray(x, dtype=np.float32).reshape(rows, k))

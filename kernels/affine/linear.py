@@ -26,8 +26,8 @@ On the CPU MLX's calls get x as it is.
 
 The dense path rounds differently from the few-row kernels, so in float32 on the CPU a row's
 outputs are the same alone and in a batch only while both take the same path (a 10-token prompt
-alone takes the few-row kernel, in a group of four the dense one); decode batches and verify
-forwards of up to 15 rows all take the few-row one.
+alone takes the few-row kernel, in a group of twenty the dense one); decode batches and verify
+forwards of up to 127 rows all take the few-row one.
 """
 
 from __future__ import annotations
@@ -44,11 +44,6 @@ from kernels.common import gpu_backend, swap_classes
 
 from . import cpu as cpu_kernel
 from . import qmm
-
-
-def enabled() -> bool:
-    """Whether the few-row kernel runs here (CUDA)."""
-    return gpu_backend() == "cuda"
 
 
 def swapped_here() -> bool:
@@ -154,10 +149,14 @@ def dequantized_peak_bytes(model: Any) -> int:
     return 2 * largest
 
 
+def _rows(x: mx.array) -> int:
+    """x's rows in all (leading dims flattened)."""
+    return x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
+
+
 def route(x: mx.array) -> str:
     """ROUTE's answer for x's rows in all."""
-    k = x.shape[-1] if x.ndim else 0
-    return ROUTE.get(x.size // k if k else 0, "mlx")
+    return ROUTE.get(_rows(x), "mlx")
 
 
 def mlx_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, bits: int, group: int,
@@ -187,7 +186,7 @@ def affine_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array |
     the device's `DEQUANTIZE_ROWS` rows on; else MLX's (flattened on CUDA). Every layer call of
     a decode step comes here (~225 for an 8B model), so the choice is made in one pass."""
     backend = gpu_backend()
-    rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
+    rows = _rows(x)
     if backend == "metal":
         y = _mlx(x, w, scales, biases, bits, group, "affine", False)
     elif backend == "cuda":
@@ -211,9 +210,9 @@ def affine_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array |
     return y if bias is None else y + bias
 
 
-# On the CPU MLX's quantized matmul for fewer rows than DEQUANTIZE_ROWS["cpu"] runs on one thread;
-# a weight of this many elements or more is split by output rows over CPU streams (one thread
-# each), which run at once. Every output is computed exactly as before (the same kernel over the
+# On the CPU MLX's quantized matmul (where the C++ kernel does not take a call, or was not built)
+# runs on one thread; a weight of this many elements or more is split by output rows over CPU
+# streams (one thread each), which run at once. Every output is computed exactly as before (the same kernel over the
 # same row of W), so the result is bit-identical. Measured on the 2-core Linux machine (float32,
 # 4-bit g64): 8192x2048 one row 11.7 -> 5.9 ms, 2048x2048 3.1 -> 2.4 ms; a random 4-bit
 # Llama-3.2-1B-shape model decodes at 347-351 instead of 639-643 ms a token in mlxd's engine.
