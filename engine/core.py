@@ -27,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import mlx.core as mx
 
@@ -105,7 +105,13 @@ WARM_DECODE_ROWS = 16  # the warm-up runs the decode batch at 1..this many rows
 
 class EngineThread:
     """The one thread that owns MLX: `start` runs the subclass's `_loop` on it, `stop` sets
-    `_stopping`, wakes it through `_wake` and joins it (the engine, the pool of engines)."""
+    `_stopping`, wakes it through `_wake` and joins it (the engine, the pool of engines).
+
+    `spawn` builds the object on that thread in the first place. MLX keeps state per thread:
+    on CUDA the command encoders, the default streams, cuDNN's attention graphs (one per exact
+    shape, tens of ms each to build) and `mx.compile`'s functions. A warm-up run on the thread
+    that built the engine leaves all of that behind for a loop on another thread to build
+    again, in front of the first requests."""
 
     _thread: threading.Thread | None
     _wake: threading.Condition
@@ -113,6 +119,31 @@ class EngineThread:
 
     def _loop(self) -> None:
         raise NotImplementedError
+
+    @classmethod
+    def spawn(cls, *args: Any, **kwargs: Any) -> Self:
+        """`cls(*args, **kwargs)` built on a new thread, which then runs its loop (`start` is
+        then a no-op); this thread waits for the build and raises what it raised."""
+        built: dict[str, Any] = {}
+        done = threading.Event()
+
+        def main() -> None:
+            try:
+                obj = cls(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                built["error"] = exc
+                done.set()
+                return
+            obj._thread = threading.current_thread()
+            built["obj"] = obj
+            done.set()
+            obj._loop()
+
+        threading.Thread(target=main, name="mlxd-engine", daemon=True).start()
+        done.wait()
+        if "error" in built:
+            raise built["error"]
+        return built["obj"]
 
     def start(self) -> None:
         if self._thread is None:

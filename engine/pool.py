@@ -224,7 +224,7 @@ class EnginePool(EngineThread):
     # -- start-up ----------------------------------------------------------------------------
     def _load_default(self) -> None:
         """The default model loads before serving (with the warm-up, if configured), on the
-        caller's thread, as a single engine does."""
+        caller's thread, as a single engine does (`EnginePool.spawn`: the pool's own)."""
         slot = self.default
         t0 = time.monotonic()
         spec = slot.spec

@@ -50,7 +50,10 @@ def build_client(args: argparse.Namespace | None = None, **overrides: Any):
         except AdapterError as exc:
             raise StartupError(f"--adapter: {exc}") from None
         make_engine = opts.get("make_engine")  # mlxd.distributed: this rank's engine
-        client = make_engine(loaded, config) if make_engine else AsyncEngine(Engine(loaded, config))
+        # built on the thread that will run it (EngineThread.spawn): what the warm-up builds
+        # stays where the steps look for it
+        client = (make_engine(loaded, config) if make_engine
+                  else AsyncEngine(Engine.spawn(loaded, config)))
         if opts.get("served_model_name"):
             client.model.model_id = opts["served_model_name"]
     clash = {name for name, _ in adapters} & {client.model.model_id, client.model.path,
@@ -125,7 +128,7 @@ def _pool_client(opts: dict[str, Any], config: Any, adapters: list[tuple[str, st
     if opts.get("load_slice_bytes"):
         pool_config.load_slice_bytes = int(opts["load_slice_bytes"])
     try:
-        return AsyncPool(EnginePool(specs, pool_config))
+        return AsyncPool(EnginePool.spawn(specs, pool_config))
     except AdapterError as exc:
         raise StartupError(f"--adapter: {exc}") from None
 

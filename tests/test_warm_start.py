@@ -80,3 +80,42 @@ def test_cpu_warm_up_runs_a_short_prompt_and_times_one_chunk(tinycoder_path):
         assert out.done.wait(300) and len(out.tokens) == 8
     finally:
         eng.stop()
+
+
+def test_the_server_warms_up_on_the_thread_that_serves(monkeypatch):
+    """MLX keeps per-thread state (CUDA: cuDNN attention graphs, compiled functions, command
+    encoders, default streams): `mlxd serve`'s engine, single or pooled, is built and warmed up
+    on the thread whose loop then runs the requests, never on the caller's."""
+    import asyncio
+    import threading
+
+    from engine.api import Request, SamplingParams
+    from engine.runner import Runner
+    from mlxd.runtime import build_client
+
+    seen: dict[str, set[int]] = {}
+
+    def recorded(name, fn):
+        def wrapped(self, *args, **kwargs):
+            seen.setdefault(name, set()).add(threading.get_ident())
+            return fn(self, *args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(Runner, "warm_up", recorded("warm_up", Runner.warm_up))
+    monkeypatch.setattr(Runner, "run", recorded("run", Runner.run))
+
+    async def tokens(client) -> list[int]:
+        req = Request("r", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=3))
+        return [t async for ev in await client.submit(req) for t in ev.token_ids]
+
+    for opts in ({"model": None}, {"models": [("coder", "")]}):
+        seen.clear()
+        client = build_client(dtype="float32", **opts)
+        client.start()
+        try:
+            assert len(asyncio.run(tokens(client))) == 3
+        finally:
+            client.stop()
+        assert len(seen["warm_up"]) == 1, opts
+        assert seen["run"] == seen["warm_up"], opts  # the warm-up's steps and the request's
+        assert threading.get_ident() not in seen["run"], opts
