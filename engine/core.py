@@ -183,6 +183,7 @@ class Engine(EngineThread):
             if cfg.prefix_cache_bytes != 0 else NoPrefix(make, chunk)
         )
         self.runner = Runner(model, kv, self.spec, self.prefix)
+        self.runner.on_first = self._first_tokens
         self._trace = StepTrace(cfg.trace_steps) if cfg.trace_steps else None
         if self._trace is not None:
             self.runner.timings = {}
@@ -579,6 +580,14 @@ class Engine(EngineThread):
             self.spec.record(num_rows, result.width, seconds, plan.prefill is None)
         if self._trace is not None:
             self._trace_step(plan, result, start, scheduled, ran, updated, prefill_from, num_rows)
+
+    def _first_tokens(self, plan: Plan, first: StepResult) -> None:
+        """The runner read a prefill's first tokens: out to the clients before the step goes on
+        (the prompt's blocks into the prefix cache, the rows' join and first decode launch)."""
+        events = self.scheduler.row_events(first)
+        self._num_generated += sum(len(e.token_ids) for e in events)
+        if events:
+            self._emit(events)
 
     def _trace_step(self, plan: Plan, result: StepResult, start: float, scheduled: float,
                     ran: float, updated: float, prefill_from: int, num_rows: int) -> None:

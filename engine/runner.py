@@ -3,8 +3,9 @@
     result = runner.run(plan)
 
 `run` does, in order: the plan's prefill chunk (one right-padded forward for the group; the
-prefix cache takes the chunk's complete blocks; the group's last chunk samples each row's first
-token from the logits at its last prompt token, reported in this step's result), the group
+group's last chunk samples each row's first token from the logits at its last prompt token and
+hands it to `on_first` as soon as it is read, or reports it in this step's result without one;
+then the prefix cache takes the chunk's complete blocks), the group
 joining the running batch when its prefill is complete, and the batch's decode at the width the
 speculation picks (`Speculation.decide`; always 1 with `NoSpec`; plain in the step rows join,
 and none when a joining row is under a grammar, which must take its first token first):
@@ -142,6 +143,10 @@ class Runner:
         self.timings: dict[str, float] | None = None
         # LoRA adapters installed by the loader (engine/lora.py): each forward's rows select theirs
         self.adapters = lora.attached(model)
+        # called with a completed prefill's first tokens as soon as they are read, before the
+        # prefix cache stores the prompt's blocks and the rows' first decode step is launched
+        # (None: they come back in the step's result with the decode rows' tokens)
+        self.on_first: Callable[[Plan, StepResult], None] | None = None
 
     def adapter_index(self, name: str | None) -> int:
         """A request's adapter by name -> its per-row index (KeyError: not served here)."""
@@ -187,18 +192,21 @@ class Runner:
         first = self._prefill(plan) if plan.prefill is not None else None
         if plan.prefill is not None:
             self._lap("prefill", t0)
+        # with `on_first`, the first tokens are out (and counted by the rows) before the rows
+        # join; they are then no longer pending in the step's result
+        pending = first if self.on_first is None else None
         batch = plan.batch
         if plan.join is not None:
             batch.concat(plan.join)
         if not len(batch):
             self._held = 0  # chosen for rows that are gone
-            return _joined(self._drain(), first)
+            return _joined(self._drain(), pending)
         if first is not None and plan.join is not None:
             # rows that took their first token from the prefill decode plainly in this step (a
             # verify's drafts must have seen that token); under a grammar they wait a step, for
             # it to take that token before it masks the next
             if plan.join.constrained_rows():
-                return _joined(self._drain(), first)
+                return _joined(self._drain(), pending)
             width = 1
         else:
             width, self._held = self._held or self.spec.decide(batch), 0
@@ -206,15 +214,15 @@ class Runner:
         sync = width > 1 or bool(constrained)
         if sync and self._inflight is not None:
             self._held = max(width, self._held)
-            return _joined(self._drain(), first)
+            return _joined(self._drain(), pending)
         if width > 1:
             result = self.verify(batch, width)
         elif sync:
             result = _collect(self._launch(batch, constrained))
-        elif _all_at_their_limit(batch, self._inflight, first):
+        elif _all_at_their_limit(batch, self._inflight, pending):
             # every row's last token is already computed: a launch would be thrown away, and a
             # request arriving now would wait for it
-            return _joined(self._drain(), first)
+            return _joined(self._drain(), pending)
         else:
             t0 = time.perf_counter()
             previous, self._inflight = self._inflight, self._launch(batch, constrained)
@@ -222,7 +230,7 @@ class Runner:
             result = _collect(previous) if previous is not None else StepResult()
             self._lap("collect", t0)
         result.width = width
-        return _joined(result, first)
+        return _joined(result, pending)
 
     def _drain(self) -> StepResult:
         previous, self._inflight = self._inflight, None
@@ -265,6 +273,8 @@ class Runner:
             mx.eval(*_outputs(first), *kvb.state_arrays(group.caches),
                     *_arrays_of(group.batch.sampler))
             self._lap("prefill_wait", t0)
+            if self.on_first is not None:
+                self.on_first(plan, _collect(first))
         t0 = time.perf_counter()
         self.prefix.store(group.rows, group.caches, wait=first is not None)
         self._lap("store", t0)
@@ -294,8 +304,8 @@ class Runner:
         `per_shape=False` (the CPU): one short prompt and its first decode step, then the timed
         chunk (`warm_up_shapes`)."""
         t0 = time.perf_counter()
-        saved = self.prefix, self.spec
-        self.prefix, self.spec = NoPrefix(self.new_caches), NoSpec()
+        saved = self.prefix, self.spec, self.on_first
+        self.prefix, self.spec, self.on_first = NoPrefix(self.new_caches), NoSpec(), None
         before = set(self.shapes)
         order: list[Shape] = []
 
@@ -336,20 +346,20 @@ class Runner:
             self._drain()
         finally:
             self.reset()
-            self.prefix, self.spec = saved
+            self.prefix, self.spec, self.on_first = saved
         return WarmUp(order, time.perf_counter() - t0, rate)
 
     def warm_prefill(self, widths: list[int], vocab_size: int) -> None:
         """One row's prefill chunk at each of `widths` (the long-prompt chunks the measured
         budget gives, engine.scheduler), so that their first use builds nothing."""
-        saved = self.prefix, self.spec
-        self.prefix, self.spec = NoPrefix(self.new_caches), NoSpec()
+        saved = self.prefix, self.spec, self.on_first
+        self.prefix, self.spec, self.on_first = NoPrefix(self.new_caches), NoSpec(), None
         try:
             for width in widths:
                 self._prefill(self._warm_plan([width], vocab_size))
         finally:
             self.reset()
-            self.prefix, self.spec = saved
+            self.prefix, self.spec, self.on_first = saved
 
     def _warm_plan(self, prompt_lens: list[int], vocab_size: int) -> Plan:
         """A plan that prefills rows of these prompt lengths in one chunk and joins them to an

@@ -485,6 +485,16 @@ class Scheduler:
             if group.finished and group is self.prefill:  # its rows joined the batch this step
                 self.prefill = None
         events, self._failed = self._failed, []
+        events += self.row_events(result)
+        self.prefix.advance(self.running.rows, self.running.caches)
+        self.drop_finished()
+        self._give_prefix_room()  # finished rows gave their KV back
+        return events
+
+    def row_events(self, result: StepResult) -> list[TokenEvent]:
+        """The events of `result`'s rows (`update`; the runner's early first tokens, before
+        the rows join the batch, on their own)."""
+        events = []
         for i, row in enumerate(result.rows):
             if row.finished:
                 continue
@@ -497,9 +507,6 @@ class Scheduler:
             row.finished = event.finish_reason is not None
             if event.finish_reason in (FINISH_STOP, FINISH_LENGTH) and event.error is None:
                 self._store_finished(row, result.tokens[i], len(event.token_ids))
-        self.prefix.advance(self.running.rows, self.running.caches)
-        self.drop_finished()
-        self._give_prefix_room()  # finished rows gave their KV back
         return events
 
     def _store_finished(self, row: RowMeta, step_tokens: list[int], emitted: int) -> None:
