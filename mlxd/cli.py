@@ -10,6 +10,7 @@ the model loads. A model that cannot be loaded ends it with one or two lines tha
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import math
 import os
@@ -473,6 +474,12 @@ def _run_server(client: Any, args: argparse.Namespace, sock: Any,
     app = create_app(client, config)
     server = server_cls(uvicorn_config(app, host=args.host, port=args.port,
                                        log_level=args.log_level))
+    # what start-up built (the model, its tokenizer, the libraries they import: ~120k objects on
+    # a CPU machine, ~440k where transformers imports torch) lives as long as the server. Frozen,
+    # the cyclic collector no longer walks it in its full collections, which land on the engine
+    # thread inside whatever step allocates: 210 ms each on an H100 host with torch, 27 ms here
+    gc.collect()
+    gc.freeze()
     client.start()
     try:
         server.run(sockets=[sock])

@@ -99,6 +99,42 @@ def test_good_flags_parse(monkeypatch):
     assert _engine_config({"prefix_cache_bytes": 0}).prefix_cache_bytes == 0
 
 
+def test_serving_starts_with_the_start_up_objects_frozen(monkeypatch):
+    """What start-up built is frozen out of the cyclic collector's walks before the engine
+    serves (a full collection otherwise lands inside an engine step), and the client is
+    started and stopped around the server."""
+    import gc
+
+    from tests.fake_engine import FakeEngine
+
+    monkeypatch.delenv("MLXD_API_KEY", raising=False)
+    seen: dict[str, int] = {}
+    client = FakeEngine()
+
+    def start() -> None:
+        seen["frozen_at_start"] = gc.get_freeze_count()
+
+    def stop() -> None:
+        seen["stopped"] = 1
+
+    monkeypatch.setattr(client, "start", start, raising=False)
+    monkeypatch.setattr(client, "stop", stop, raising=False)
+
+    class Served:
+        def __init__(self, config):
+            self.config = config
+
+        def run(self, sockets):
+            seen["ran"] = 1
+
+    gc.unfreeze()
+    try:
+        cli._run_server(client, cli.parse_serve_args([]), sock=None, server_cls=Served)
+        assert seen["frozen_at_start"] > 1000 and seen["ran"] == seen["stopped"] == 1
+    finally:
+        gc.unfreeze()
+
+
 def test_api_key_from_the_environment(monkeypatch):
     monkeypatch.setenv("MLXD_API_KEY", "sk-env")
     assert cli.parse_serve_args([]).api_key == "sk-env"
