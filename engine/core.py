@@ -54,7 +54,14 @@ from engine.kv.batch import KVConfig
 from engine.kv.memory import MemoryBudget
 from engine.kv.prefix_cache import NoPrefix, PrefixIndex
 from engine.loader import LoadedModel
-from engine.runner import Runner, Shape, WarmUp, shapes_build_on_first_use
+from engine.runner import (
+    BUCKET_HIT_TOKENS,
+    Runner,
+    Shape,
+    WarmUp,
+    buckets_prefill_shapes,
+    shapes_build_on_first_use,
+)
 from engine.scheduler import Plan, Scheduler, SchedulerConfig, StepResult, auto_prefill_budget
 from engine.spec import SpecConfig, build_speculation
 from engine.spec.decoder import Speculation
@@ -184,6 +191,10 @@ class Engine(EngineThread):
         )
         self.runner = Runner(model, kv, self.spec, self.prefix)
         self.runner.on_first = self._first_tokens
+        if buckets_prefill_shapes(make(0)):  # MLX-CUDA: few prefill shapes, each built once
+            self.runner.bucket_widths = True
+            if isinstance(self.prefix, PrefixIndex):
+                self.prefix.hit_blocks = max(1, BUCKET_HIT_TOKENS // self.prefix.block_size)
         self._trace = StepTrace(cfg.trace_steps) if cfg.trace_steps else None
         if self._trace is not None:
             self.runner.timings = {}

@@ -61,6 +61,7 @@ from engine.batch import RowMeta, RunningBatch
 from engine.kv import batch as kvb
 from engine.kv.batch import KVConfig
 from engine.kv.prefix_cache import NoPrefix, PrefixIndex
+from engine.kv.recurrent import RecurrentLayout
 from engine.models import UnsupportedArchitecture, prepare_model, speculation_blocker
 from engine.models.heads import logits_at
 from engine.sampling import SamplerState, sample, token_logprobs
@@ -86,6 +87,31 @@ def shapes_build_on_first_use() -> bool:
     compiles kernels, cuBLAS/cuDNN plan), so the warm-up runs every shape the first requests
     use; on the CPU the first step of any shape costs what the next one does."""
     return gpu_backend() is not None
+
+
+def buckets_prefill_shapes(layouts: list[Any]) -> bool:
+    """Whether prefill shapes are bucketed (`bucketed_width`, `PrefixIndex.hit_blocks`): on
+    MLX-CUDA, which builds a cuDNN attention graph (~42 ms on an H100's host) and matmul plans
+    for every new (query, key) length pair, so that a prompt of a length not seen before
+    costs 26 -> 75 ms over a cached context where its compute is ~20 ms; for models whose
+    layouts are all full attention (trailing pads are then invisible under the causal mask;
+    ring and recurrent layouts would take them in)."""
+    return gpu_backend() == "cuda" and all(
+        getattr(layer, "ring_size", None) is None and not isinstance(layer, RecurrentLayout)
+        for layer in layouts)
+
+
+BUCKET_MIN_WIDTH = 256  # narrower last chunks run at their own width
+BUCKET_HIT_TOKENS = 512  # cached prefixes are used in multiples of this many tokens
+
+
+def bucketed_width(width: int) -> int:
+    """A prefill's last chunk width rounded up to one of four steps an octave (at most 25 %
+    of padding, ~10 % on average) from `BUCKET_MIN_WIDTH` on."""
+    if width < BUCKET_MIN_WIDTH:
+        return width
+    step = 1 << (width.bit_length() - 3)
+    return -(-width // step) * step
 
 
 WARM_GROUP_WIDTH = 16  # the warm-up's group prefill: 16-token prompts
@@ -147,6 +173,8 @@ class Runner:
         # prefix cache stores the prompt's blocks and the rows' first decode step is launched
         # (None: they come back in the step's result with the decode rows' tokens)
         self.on_first: Callable[[Plan, StepResult], None] | None = None
+        # pad a group's last chunk to `bucketed_width` (`buckets_prefill_shapes`)
+        self.bucket_widths = False
 
     def adapter_index(self, name: str | None) -> int:
         """A request's adapter by name -> its per-row index (KeyError: not served here)."""
@@ -247,9 +275,14 @@ class Runner:
         start, end = group.done, plan.prefill_end
         if end <= start:
             return None
+        bucket = self.bucket_widths and end >= group.width
         if start == 0:  # the lengths announced here hold across chunks
-            kvb.prepare_right_padded(group.caches, [len(t) for t in group.token_lists])
+            lengths = [len(t) for t in group.token_lists]
+            if not kvb.prepare_right_padded(group.caches, lengths) and self.bucket_widths:
+                kvb.prepare(group.caches, lengths=lengths)  # a last chunk may be padded
         width = end - start
+        if bucket:  # trailing pads, never seen by the real tokens' causal attention
+            width = min(bucketed_width(width), max(width, group.chunk))
         rows = [t[start:end] + [0] * (width - len(t[start:end])) for t in group.token_lists]
         self.shapes[("prefill", len(rows), width)] += 1
         inputs = mx.array(rows, dtype=mx.int32)

@@ -275,9 +275,10 @@ class Scheduler:
 
     def _chunk_within_layouts(self, cols: int) -> int:
         """`cols` as a long prompt's chunk: at most the prefix cache's `max_chunk`, rounded
-        down to its block size, at least `prefill_chunk`."""
+        down to its block size (times its `hit_blocks`), at least `prefill_chunk`."""
         prefix = self.prefix
-        cols = min(cols, prefix.max_chunk) // prefix.block_size * prefix.block_size
+        granule = prefix.block_size * prefix.hit_blocks
+        cols = min(cols, prefix.max_chunk) // granule * granule
         return max(prefix.chunk, cols)
 
     def size_idle_chunk(self, tokens_per_s: float) -> None:

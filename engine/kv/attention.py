@@ -160,8 +160,8 @@ class KVLayout:
         """Boolean mask `[B, 1, N, K]` for the next `update_and_fetch` of N columns.
 
         K is the number of columns that call will return. Full layouts with equal rows and no
-        padding return mlx-lm's own forms ("causal" / None / `[N, K]`), so a lone row matches
-        mlx-lm bit for bit.
+        left padding return mlx-lm's own forms ("causal" / None / `[N, K]`), so a lone row
+        matches mlx-lm bit for bit; trailing pads keep them (no real query sees a later column).
         """
         step = self._step(N)
         span = window_size if window_size is not None else self.window

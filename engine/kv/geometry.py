@@ -76,7 +76,7 @@ class Step:
     cap: int  # columns needed after the update
     num_old: int  # old columns returned in front of the chunk (fold-in path)
     width: int  # columns returned to attention
-    uniform: bool  # full layout, equal rows, no padding: mlx-lm's own masks apply
+    uniform: bool  # full layout, equal rows, no left pads: mlx-lm's own masks apply
     roll: mx.array | None  # gather index that moves left pads to the end
     write_start: int | None  # every row writes columns [write_start, write_start + S)
     write_idx: mx.array | None  # else: scatter index [B, 1, S, 1]
@@ -156,7 +156,9 @@ def _make_step(
     if skip.any():
         idx = (np.arange(num_new)[None] + skip[:, None]) % num_new
         roll = mx.array(idx, dtype=mx.int32)[:, None, :, None]
-    uniform = R is None and rows > 0 and bool((real == num_new).all()) and bool((n == n[0]).all())
+    # trailing pads (a right-padded chunk) keep the causal form: a real query sees no column
+    # past its own, so it never sees them, and the pads' own outputs are thrown away
+    uniform = R is None and rows > 0 and not skip.any() and bool((n == n[0]).all())
     if R is None or num_new <= geo.slack + 1:
         # write all columns in place (pads included: they land on free/out-of-window slots)
         cap = top + num_new if R is None else min(R, top + num_new)

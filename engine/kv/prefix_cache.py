@@ -215,9 +215,11 @@ class PrefixCache:
         return self.find(token_ids, max_tokens, key)[0]
 
     def find(
-        self, token_ids: Sequence[int], max_tokens: int | None = None, key: int = 0
+        self, token_ids: Sequence[int], max_tokens: int | None = None, key: int = 0,
+        multiple: int = 1,
     ) -> tuple[PrefixHit | None, _Node]:
-        """`lookup`, and the node where its walk down the trie stopped (for `walks_past`)."""
+        """`lookup` (a hit of a multiple of `multiple` blocks), and the node where its walk
+        down the trie stopped (for `walks_past`)."""
         limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
         node, path = self._root(key), []
         for block in self._blocks(token_ids, limit):
@@ -227,7 +229,7 @@ class PrefixCache:
             path.append(child)
             node = child
         for cand in reversed(path):
-            if self._restorable(path[: cand.depth]):
+            if cand.depth % multiple == 0 and self._restorable(path[: cand.depth]):
                 self._touch(cand)
                 return PrefixHit(cand.depth * self.block_size, cand), node
         return None, node
@@ -648,6 +650,9 @@ class PrefixIndex:
         self._capture = recurrent or bool(ring_slack)
         self._reach = 0 if recurrent else 1 + min(ring_slack, default=0)
         self._store_finished = not recurrent  # the recurrent state is past the last boundary
+        # hits are used in multiples of this many blocks, and long prompts' chunks are too
+        # (engine.runner.buckets_prefill_shapes: bucketed prefill shapes on MLX-CUDA)
+        self.hit_blocks = 1
 
     def lookup(self, row: RowMeta) -> None:
         """Find the row's longest cached prefix (at most prompt - 1 tokens), again while it
@@ -665,7 +670,8 @@ class PrefixIndex:
             if whole and not self.cache.walks_past(ids, len(ids) - 1, end):
                 looked.version = version
                 return
-        hit, end = self.cache.find(ids, max_tokens=len(ids) - 1, key=row.adapter)
+        hit, end = self.cache.find(ids, max_tokens=len(ids) - 1, key=row.adapter,
+                                   multiple=self.hit_blocks)
         self._looked[row.req_id] = _Looked(hit, version, weakref.ref(end))
         row.num_cached_tokens = hit.num_tokens if hit is not None else 0
 
@@ -795,6 +801,7 @@ class NoPrefix:
     is written)."""
 
     block_size = 16
+    hit_blocks = 1
 
     def __init__(self, make_caches: MakeCaches, prefill_chunk: int = 512) -> None:
         self._make_caches = make_caches
