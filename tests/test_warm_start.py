@@ -119,3 +119,47 @@ def test_the_server_warms_up_on_the_thread_that_serves(monkeypatch):
         assert len(seen["warm_up"]) == 1, opts
         assert seen["run"] == seen["warm_up"], opts  # the warm-up's steps and the request's
         assert threading.get_ident() not in seen["run"], opts
+
+
+def test_spawn_raises_the_build_error_on_the_callers_thread():
+    """`EngineThread.spawn`: what the build raised comes back to the caller, and nothing is
+    left running; a built object runs its loop on the thread that built it until stopped."""
+    import threading
+
+    import pytest
+
+    from engine.core import EngineThread
+
+    class Broken(EngineThread):
+        def __init__(self) -> None:
+            raise ValueError("no such model")
+
+    before = set(threading.enumerate())
+    with pytest.raises(ValueError, match="no such model"):
+        Broken.spawn()
+    for t in set(threading.enumerate()) - before:  # the build's thread ends with it
+        t.join(5)
+        assert not t.is_alive()
+
+    class Looping(EngineThread):
+        def __init__(self) -> None:
+            self.built_on = threading.get_ident()
+            self._wake = threading.Condition()
+            self._stopping = False
+            self._thread = None
+
+        def _loop(self) -> None:
+            self.looped_on = threading.get_ident()
+            with self._wake:
+                while not self._stopping:
+                    self._wake.wait()
+
+    obj = Looping.spawn()
+    thread = obj._thread
+    try:
+        assert thread is not None and thread.ident == obj.built_on != threading.get_ident()
+        obj.start()  # a no-op: the loop already runs
+        assert obj._thread is thread
+    finally:
+        obj.stop()
+    assert obj.looped_on == obj.built_on and not thread.is_alive()
