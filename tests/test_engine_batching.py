@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import threading
 
 import pytest
 
@@ -218,64 +217,3 @@ def test_a_row_joins_into_the_slot_a_finished_row_left(monkeypatch):
         eng.turn()
     assert in_place  # the late row was written into the slot r0 left
     assert {r.req_id: o.tokens for r, o in zip(reqs, outs, strict=True)} == alone
-
-
-def test_first_token_goes_out_before_the_step_stores_and_launches(tinycoder_path):
-    """A prompt's first token reaches its client as soon as the prefill's last chunk is read:
-    before that chunk's blocks go into the prefix cache and before the row's first decode step
-    is launched; the output is the same as a run alone, and a prompt that ends at its first
-    token is stored all the same."""
-    from engine.core import Engine, EngineConfig
-    from engine.loader import load_model
-    from engine.scheduler import SchedulerConfig
-
-    lm = load_model(str(tinycoder_path), dtype="float32")
-    lm.eos_token_ids = ()
-    eng = Engine(lm, EngineConfig(SchedulerConfig()))
-    order: list[str] = []
-    store, launch = eng.prefix.store, eng.runner._launch
-
-    def stored(*args, **kwargs):
-        order.append("store")
-        return store(*args, **kwargs)
-
-    def launched(*args, **kwargs):
-        order.append("launch")
-        return launch(*args, **kwargs)
-
-    eng.prefix.store = stored  # type: ignore[method-assign]
-    eng.runner._launch = launched  # type: ignore[method-assign]
-    chunk = eng.prefix.chunk
-    rng = random.Random(3)
-    prompt = [rng.randrange(3, 4000) for _ in range(2 * chunk + 5)]
-
-    tokens: list[int] = []
-    done = threading.Event()
-
-    def sink(events) -> None:
-        for e in events:
-            if e.token_ids and not tokens:
-                order.append("token")
-            tokens.extend(e.token_ids)
-            if e.finish_reason is not None:
-                done.set()
-
-    eng.add(greedy("r", prompt, 4), sink)
-    eng.start()
-    try:
-        assert done.wait(300)
-    finally:
-        eng.stop()
-    # a store per chunk, the first token, the last chunk's store, then the decode launch
-    first = order.index("token")
-    assert order[:first] == ["store"] * first and first >= 2
-    assert order[first + 1] == "store" and "launch" in order[first + 2 :]
-    assert tokens == run_alone(make_engine(lm), greedy("alone", prompt, 4)).tokens
-
-    one = Engine(lm, EngineConfig(SchedulerConfig()))
-    one.start()
-    try:
-        assert run_alone(one, greedy("a", prompt, 1)).tokens == tokens[:1]
-        assert one.stats().prefix_cache.blocks >= len(prompt) // one.prefix.block_size
-    finally:
-        one.stop()

@@ -1,8 +1,12 @@
 """The first token comes from the prefill: a prompt's last chunk computes the logits at each
 row's last prompt token only (engine.models.heads) and samples from them, and the engine
-reports that token in the step the prefill completes, not one decode step later."""
+reports that token in the step the prefill completes, not one decode step later: the moment it
+is read, before the step stores the prompt's blocks and launches the next decode."""
 
 from __future__ import annotations
+
+import random
+import threading
 
 import mlx.core as mx
 import pytest
@@ -14,7 +18,7 @@ from engine.models import ARCHITECTURES
 from engine.models.heads import decoder_owner, logits_at
 from engine.scheduler import SchedulerConfig
 from tests.tiny_archs import tiny_model
-from tests.tiny_models import greedy, greedy_deviations, loaded, submit
+from tests.tiny_models import greedy, greedy_deviations, loaded, make_engine, run_alone, submit
 from tests.tiny_models import tiny_model as tiny_llama
 
 
@@ -138,3 +142,66 @@ def test_no_decode_step_is_launched_past_every_row_s_last_token():
         eng.turn()
     assert len(a.tokens) == 3 and len(b.tokens) == 7
     assert decodes() - before == 6
+
+
+def test_first_token_goes_out_before_the_step_stores_and_launches(tinycoder_path):
+    """A prompt's first token reaches its client as soon as the prefill's last chunk is read:
+    before that chunk's blocks go into the prefix cache and before the row's first decode step
+    is launched; the output is the same as a run alone, and a prompt that ends at its first
+    token is stored all the same."""
+    from engine.loader import load_model
+
+    lm = load_model(str(tinycoder_path), dtype="float32")
+    lm.eos_token_ids = ()
+    eng = Engine(lm, EngineConfig(SchedulerConfig()))
+    order: list[str] = []
+    store, launch = eng.prefix.store, eng.runner._launch
+
+    def stored(*args, **kwargs):
+        order.append("store")
+        return store(*args, **kwargs)
+
+    def launched(*args, **kwargs):
+        order.append("launch")
+        return launch(*args, **kwargs)
+
+    eng.prefix.store = stored  # type: ignore[method-assign]
+    eng.runner._launch = launched  # type: ignore[method-assign]
+    chunk = eng.prefix.chunk
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, 4000) for _ in range(2 * chunk + 5)]
+
+    tokens: list[int] = []
+    done = threading.Event()
+
+    def sink(events) -> None:
+        for e in events:
+            if e.token_ids and not tokens:
+                order.append("token")
+            tokens.extend(e.token_ids)
+            if e.finish_reason is not None:
+                done.set()
+
+    eng.add(greedy("r", prompt, 4), sink)
+    eng.start()
+    try:
+        assert done.wait(300)
+    finally:
+        eng.stop()
+    # a store per chunk, the first token, the last chunk's store, then the decode launch
+    first = order.index("token")
+    assert order[:first] == ["store"] * first and first >= 2
+    assert order[first + 1] == "store" and "launch" in order[first + 2 :]
+    alone = make_engine(lm)
+    try:
+        assert tokens == run_alone(alone, greedy("alone", prompt, 4)).tokens
+    finally:
+        alone.stop()
+
+    one = Engine(lm, EngineConfig(SchedulerConfig()))
+    one.start()
+    try:
+        assert run_alone(one, greedy("a", prompt, 1)).tokens == tokens[:1]
+        assert one.stats().prefix_cache.blocks >= len(prompt) // one.prefix.block_size
+    finally:
+        one.stop()
