@@ -48,7 +48,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -337,8 +338,6 @@ class Runner:
         `per_shape=False` (the CPU): one short prompt and its first decode step, then the timed
         chunk (`warm_up_shapes`)."""
         t0 = time.perf_counter()
-        saved = self.prefix, self.spec, self.on_first
-        self.prefix, self.spec, self.on_first = NoPrefix(self.new_caches), NoSpec(), None
         before = set(self.shapes)
         order: list[Shape] = []
 
@@ -348,7 +347,7 @@ class Runner:
                 if on_shape is not None:
                     on_shape(shape)
 
-        try:
+        with self._set_aside():
             self.run(self._warm_plan([chunk if per_shape else WARM_GROUP_WIDTH], vocab_size))
             ran()
             if not per_shape:
@@ -377,19 +376,23 @@ class Runner:
                 self.run(Plan(batch))
                 ran()
             self._drain()
-        finally:
-            self.reset()
-            self.prefix, self.spec, self.on_first = saved
         return WarmUp(order, time.perf_counter() - t0, rate)
 
     def warm_prefill(self, widths: list[int], vocab_size: int) -> None:
         """One row's prefill chunk at each of `widths` (the long-prompt chunks the measured
         budget gives, engine.scheduler), so that their first use builds nothing."""
+        with self._set_aside():
+            for width in widths:
+                self._prefill(self._warm_plan([width], vocab_size))
+
+    @contextmanager
+    def _set_aside(self) -> Iterator[None]:
+        """The warm-up's forwards: the prefix cache, speculation and `on_first` out of the way
+        (nothing stored, no drafts, no events), and no step left in flight after."""
         saved = self.prefix, self.spec, self.on_first
         self.prefix, self.spec, self.on_first = NoPrefix(self.new_caches), NoSpec(), None
         try:
-            for width in widths:
-                self._prefill(self._warm_plan([width], vocab_size))
+            yield
         finally:
             self.reset()
             self.prefix, self.spec, self.on_first = saved
