@@ -664,9 +664,11 @@ class PrefixIndex:
         if looked is not None and (looked.hit is None or self.cache.holds(looked.hit)):
             if looked.version == version:
                 return
-            # nothing new on its path (the common case: a cheap check, not a walk)
+            # nothing new on its path (the common case: a cheap check, not a walk); the hit is
+            # the walk's end, or its last multiple of `hit_blocks` blocks
             end = looked.end()
-            whole = end is not None and end.depth == (looked.hit.node.depth if looked.hit else 0)
+            m = self.hit_blocks
+            whole = end is not None and end.depth // m * m == (looked.hit.node.depth if looked.hit else 0)
             if whole and not self.cache.walks_past(ids, len(ids) - 1, end):
                 looked.version = version
                 return
