@@ -5,9 +5,7 @@
 `run` does, in order: the plan's prefill chunk (one right-padded forward for the group; the
 group's last chunk samples each row's first token from the logits at its last prompt token and
 hands it to `on_first` as soon as it is read, or reports it in this step's result without one;
-then the prefix cache takes the chunk's complete blocks; while other rows decode, the first
-token is read only after their decode is launched, so that the host builds the store and the
-decode while the device runs the chunk), the group
+then the prefix cache takes the chunk's complete blocks), the group
 joining the running batch when its prefill is complete, and the batch's decode at the width the
 speculation picks (`Speculation.decide`; always 1 with `NoSpec`; plain in the step rows join,
 and none when a joining row is under a grammar, which must take its first token first):
@@ -167,17 +165,14 @@ class Runner:
         self.prefix = prefix or NoPrefix(self.new_caches)
         self._inflight: InFlight | None = None
         self._held = 0  # a width chosen while a step was in flight: the next decode's
-        # a completed prefill whose first tokens are read after the decode launch (`_defers_first`)
-        self._unread: tuple[Plan, InFlight] | None = None
         self.shapes: Counter[Shape] = Counter()  # forwards run so far per shape (warm-up included)
         # seconds of this step's phases so far, while the engine traces steps (engine.steptrace)
         self.timings: dict[str, float] | None = None
         # LoRA adapters installed by the loader (engine/lora.py): each forward's rows select theirs
         self.adapters = lora.attached(model)
-        # called with a completed prefill's first tokens as soon as they are read: before the
-        # prefix cache stores the prompt's blocks and the rows' first decode step is launched,
-        # or, while other rows decode, right after that launch (`_defers_first`) (None: they
-        # come back in the step's result with the decode rows' tokens)
+        # called with a completed prefill's first tokens as soon as they are read, before the
+        # prefix cache stores the prompt's blocks and the rows' first decode step is launched
+        # (None: they come back in the step's result with the decode rows' tokens)
         self.on_first: Callable[[Plan, StepResult], None] | None = None
         # pad a group's last chunk to `bucketed_width` (`buckets_prefill_shapes`)
         self.bucket_widths = False
@@ -219,7 +214,6 @@ class Runner:
         """Forget the step in flight (its rows were failed)."""
         self._inflight = None
         self._held = 0
-        self._unread = None
 
     # -- the step --------------------------------------------------------------------------
     def run(self, plan: Plan) -> StepResult:
@@ -227,39 +221,26 @@ class Runner:
         first = self._prefill(plan) if plan.prefill is not None else None
         if plan.prefill is not None:
             self._lap("prefill", t0)
-        try:
-            result = self._decode(plan, first)
-        finally:
-            self._unread = None  # read below, or its rows failed with the step
-        return result
-
-    def _decode(self, plan: Plan, first: InFlight | None) -> StepResult:
-        """The rest of `run` after the prefill chunk: the join, then the batch's decode."""
         # with `on_first`, the first tokens are out (and counted by the rows) before the rows
-        # join, or right after the decode they join is launched (`_defers_first`); they are
-        # then no longer pending in the step's result
+        # join; they are then no longer pending in the step's result
         pending = first if self.on_first is None else None
         batch = plan.batch
         if plan.join is not None:
             batch.concat(plan.join)
         if not len(batch):
             self._held = 0  # chosen for rows that are gone
-            self._read_first()
             return _joined(self._drain(), pending)
         if first is not None and plan.join is not None:
             # rows that took their first token from the prefill decode plainly in this step (a
             # verify's drafts must have seen that token); under a grammar they wait a step, for
             # it to take that token before it masks the next
             if plan.join.constrained_rows():
-                self._read_first()
                 return _joined(self._drain(), pending)
             width = 1
         else:
             width, self._held = self._held or self.spec.decide(batch), 0
         constrained = batch.constrained_rows()
         sync = width > 1 or bool(constrained)
-        if sync:
-            self._read_first()
         if sync and self._inflight is not None:
             self._held = max(width, self._held)
             return _joined(self._drain(), pending)
@@ -267,18 +248,14 @@ class Runner:
             result = self.verify(batch, width)
         elif sync:
             result = _collect(self._launch(batch, constrained))
-        elif _all_at_their_limit(batch, self._inflight,
-                                 pending or (self._unread[1] if self._unread else None)):
+        elif _all_at_their_limit(batch, self._inflight, pending):
             # every row's last token is already computed: a launch would be thrown away, and a
             # request arriving now would wait for it
-            self._read_first()
             return _joined(self._drain(), pending)
         else:
             t0 = time.perf_counter()
             previous, self._inflight = self._inflight, self._launch(batch, constrained)
             t0 = self._lap("launch", t0)
-            self._read_first()
-            t0 = time.perf_counter()
             result = _collect(previous) if previous is not None else StepResult()
             self._lap("collect", t0)
         result.width = width
@@ -326,43 +303,16 @@ class Runner:
             logits = self._forward(inputs, group.caches, group.batch, last=last)
             kvb.finalize(group.caches)
             first = self._sample(group.batch, logits, group.batch.constrained_rows())
-            outputs = [*_outputs(first), *kvb.state_arrays(group.caches),
-                       *_arrays_of(group.batch.sampler)]
-            if self._defers_first(plan):
-                mx.async_eval(*outputs)
-                self._unread = plan, first
-            else:
-                t0 = time.perf_counter()
-                mx.eval(*outputs)
-                self._lap("prefill_wait", t0)
-                if self.on_first is not None:
-                    self.on_first(plan, _collect(first))
+            t0 = time.perf_counter()
+            mx.eval(*_outputs(first), *kvb.state_arrays(group.caches),
+                    *_arrays_of(group.batch.sampler))
+            self._lap("prefill_wait", t0)
+            if self.on_first is not None:
+                self.on_first(plan, _collect(first))
         t0 = time.perf_counter()
-        # a deferred first token: the copies queue behind the chunk, which is still running
-        self.prefix.store(group.rows, group.caches,
-                          wait=first is not None and self._unread is None)
+        self.prefix.store(group.rows, group.caches, wait=first is not None)
         self._lap("store", t0)
         return first
-
-    def _defers_first(self, plan: Plan) -> bool:
-        """Whether a completed prefill's first tokens are read after the step's decode is
-        launched rather than before its prefix-cache store: while other rows decode
-        (pipelined, no grammar), so that the device runs the chunk, the store's copies and
-        the decode back to back while the host builds them. With nobody decoding, the first
-        token is read at once (the fastest first token for a lone request)."""
-        return (self.on_first is not None and len(plan.batch) > 0 and plan.join is not None
-                and not plan.batch.constrained_rows() and not plan.join.constrained_rows())
-
-    def _read_first(self) -> None:
-        """Wait for a deferred prefill's first tokens and hand them to `on_first`."""
-        if self._unread is None:
-            return
-        (plan, first), self._unread = self._unread, None
-        t0 = time.perf_counter()
-        result = _collect(first)
-        self._lap("prefill_wait", t0)
-        assert self.on_first is not None
-        self.on_first(plan, result)
 
     def _lap(self, phase: str, since: float) -> float:
         """Now; with `timings` on (engine.steptrace), also record `phase` as lasting since

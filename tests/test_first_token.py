@@ -83,55 +83,6 @@ def test_the_first_token_is_out_in_the_step_the_prefill_completes():
     assert greedy_deviations(model, list(range(3, 20)), busy.tokens)[0] == 0
 
 
-def test_while_rows_decode_the_first_token_is_read_after_the_decode_launch():
-    """With rows decoding, a completed prefill queues its blocks' copies and the decode it
-    joins before its first token is read (the device runs them back to back while the host
-    builds them); the token still goes out in that step, outputs are the model's own, and a
-    request that ends at its first token (max_tokens 1) ends there."""
-    model, cfg = tiny_llama("llama")
-    lm = loaded(model, cfg)
-    eng = Engine(lm, EngineConfig(SchedulerConfig(prefill_chunk=32)))
-    order: list[str] = []
-    store, launch = eng.prefix.store, eng.runner._launch
-
-    def stored(*args, **kwargs):
-        order.append("store")
-        return store(*args, **kwargs)
-
-    def launched(*args, **kwargs):
-        order.append("launch")
-        return launch(*args, **kwargs)
-
-    eng.prefix.store = stored  # type: ignore[method-assign]
-    eng.runner._launch = launched  # type: ignore[method-assign]
-    busy = submit(eng, greedy("busy", list(range(3, 40)), 40))
-    _steps_until(eng, lambda: len(busy.tokens) >= 3)
-    assert eng.runner.in_flight
-    prompt = [(5 * j) % 500 + 3 for j in range(70)]
-    order.clear()
-    new: list[int] = []
-
-    def sink(events) -> None:
-        for e in events:
-            if e.token_ids and not new:
-                order.append("token")
-            new.extend(e.token_ids)
-
-    eng.add(greedy("new", prompt, 8), sink)
-    while not new:
-        eng.turn()
-    at = order.index("token")
-    # the last chunk's store and the decode launch came before the token, nothing after it
-    assert order[at - 2 : at] == ["store", "launch"] and "store" not in order[at:], order
-    one = submit(eng, greedy("one", prompt[:40], 1))
-    while eng.has_pending():
-        eng.turn()
-    assert len(one.tokens) == 1 and one.finish == "length"
-    assert len(new) == 8 and len(busy.tokens) == 40
-    for p, tokens in ((prompt[:40], one.tokens), (prompt, new), (list(range(3, 40)), busy.tokens)):
-        assert greedy_deviations(model, p, tokens)[0] == 0
-
-
 def test_first_tokens_of_a_group_sampled_seeded_with_logprobs():
     """A group of rows of different lengths (right-padded) samples every row's first token at
     its own last position: seeded rows give the same tokens and logprobs alone and in the
