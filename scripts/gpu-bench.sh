@@ -47,10 +47,10 @@ stage() {
     sweep) need_model; run sweep 230 python3 -m bench sweep --model "$MODEL" --peers "$PEERS" \
              --prompt-tokens 1024 --output-tokens 128 --concurrency 64 --requests-per-level 128 \
              --level-deadline 60 --mlxd-args "${MLXD_ARGS:-}" --out "$OUT/sweep" ;;
-    agent) need_model; run agent 330 python3 -m bench agent --model "$MODEL" --peers "$PEERS" \
+    agent) need_model; run agent 480 python3 -m bench agent --model "$MODEL" --peers "$PEERS" \
              --sessions 16 --turns 8 --tool-tokens 200,2000 --deadline 70 \
              --mlxd-args "${MLXD_ARGS:-}" --out "$OUT/agent" ;;
-    agent64) need_model; run agent64 300 python3 -m bench agent --model "$MODEL" --peers "$PEERS" \
+    agent64) need_model; run agent64 480 python3 -m bench agent --model "$MODEL" --peers "$PEERS" \
                --sessions 64 --turns 4 --tool-tokens 200,2000 --deadline 100 \
                --mlxd-args "${MLXD_ARGS:-}" --out "$OUT/agent64" ;;
     attention) run attention 120 python3 -m bench attention --out "$OUT/attention" ;;
