@@ -15,6 +15,7 @@ from typing import Any
 from engine.api import ModelInfo
 from server.detokenize import TokenVocab
 from server.errors import APIError, bad_request
+from server.tokencache import PromptTokenCache
 
 log = logging.getLogger("mlxd.server")
 
@@ -39,6 +40,8 @@ class ServedModel:
     adapters: tuple[str, ...] = ()  # LoRA adapters served on this model: each a model name too
     adapter: str | None = None  # this view runs with that adapter (server.models)
     engine_name: str | None = None  # Request.model for it (None: the engine's default model)
+    # chat prompts' ids, reused from the previous turn's (server.tokencache)
+    token_cache: PromptTokenCache | None = None
 
     @classmethod
     def from_info(cls, info: ModelInfo, alias: str | None = None) -> ServedModel:
@@ -49,7 +52,7 @@ class ServedModel:
         adapters = tuple(str(a) for a in info.extra.get("adapters") or ())
         aliases.update(adapters)
         return cls(info, name, aliases, TokenVocab(tok), vocab_size, max_token_chars(tok),
-                   adapters)
+                   adapters, token_cache=PromptTokenCache(tok))
 
     def adapter_for(self, requested: str | None) -> str | None:
         """The adapter a request's `model` names (None: the base model)."""
@@ -193,6 +196,8 @@ def encode(
     bound = model.max_token_chars * model.context_length
     if bound and len(text) > bound:
         raise context_error(model, None, param, len(text))
+    if not add_special_tokens and model.token_cache is not None:  # a chat template's text
+        return model.token_cache.encode(text)
     # verbose=False: the context check reports long prompts, not a tokenizer warning
     return list(model.tokenizer.encode(text, add_special_tokens=add_special_tokens, verbose=False))
 
