@@ -10,7 +10,8 @@ own. So the ids up to and including a special token depend only on the text up t
 the rest is tokenized as the same text preceded by that special token (`S + rest`, its first
 id dropped): the piece after `S` sees what it sees in the whole text (an `rstrip` token's
 whitespace, a "first piece only" prefix space). Reuse therefore happens only at the end of a
-special token (`_bounds`), and only when the re-tokenized anchor gives back that token's id.
+special token (an entry's `bounds`), and only when the re-tokenized anchor gives back that
+token's id.
 Until `VERIFY` reuses have been seen, every prompt's ids are also checked against the
 tokenizer's own; a mismatch turns the cache off for that tokenizer for good (with a warning).
 """

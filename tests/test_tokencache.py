@@ -134,8 +134,7 @@ def test_a_tokenizer_without_special_tokens_or_a_slow_one_is_not_cached():
     assert not cache.enabled and cache.encode(text) == _full(tok, text)
 
 
-def test_threads_share_one_cache(monkeypatch):
-    monkeypatch.setattr(tokencache, "ENTRIES", 4)
+def test_threads_share_one_cache():
     tok = _bundled()
     cache = PromptTokenCache(tok, entries=4)
     convs = [_conversation(tok, 5, seed) for seed in range(6)]

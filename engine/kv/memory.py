@@ -24,9 +24,9 @@ prefix-cache blocks makes room.
 Activations (`transient`): per token of a forward, the hidden states and MLP (`4 * 8 * hidden`)
 and the logits row (`4 * vocab`), plus attention scores over every key of a full-attention
 layer (`6 * heads` bytes per query x key), plus, for a forward of 512 tokens or more on CUDA
-and 128 on the CPU (16 without its C++ kernel), two dense copies of the largest quantized weight (kernels/affine/linear.py,
-`DEQUANTIZE_ROWS`); with quantized KV, attention also reads a layer's
-codes through a contiguous copy, and about two layers' worth are alive at a step's peak
+and 128 on the CPU (16 without its C++ kernel), two dense copies of the largest quantized
+weight (kernels/affine/linear.py, `DEQUANTIZE_ROWS`); with quantized KV, attention also reads a
+layer's codes through a contiguous copy, and about two layers' worth are alive at a step's peak
 (`read_bytes`: 8-bit KV, 8 full layers of 1,024 tokens x 8 rows: 2.7 of 10.5 MB). Measured on tinycoder-16m (float32, 6 heads) with
 MLX's peak memory around one prefill forward: a 240-token chunk costs 9.7 MB at 240 keys and
 29.1 MB at 3,120 (the estimate: 12.9 and 37.8 MB); four rows x 512 tokens at 3,584 keys, 259 MB

@@ -668,7 +668,8 @@ class PrefixIndex:
             # the walk's end, or its last multiple of `hit_blocks` blocks
             end = looked.end()
             m = self.hit_blocks
-            whole = end is not None and end.depth // m * m == (looked.hit.node.depth if looked.hit else 0)
+            hit_depth = looked.hit.node.depth if looked.hit else 0
+            whole = end is not None and end.depth // m * m == hit_depth
             if whole and not self.cache.walks_past(ids, len(ids) - 1, end):
                 looked.version = version
                 return

@@ -212,8 +212,8 @@ def affine_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array |
 
 # On the CPU MLX's quantized matmul (where the C++ kernel does not take a call, or was not built)
 # runs on one thread; a weight of this many elements or more is split by output rows over CPU
-# streams (one thread each), which run at once. Every output is computed exactly as before (the same kernel over the
-# same row of W), so the result is bit-identical. Measured on the 2-core Linux machine (float32,
+# streams (one thread each), which run at once. Every output is computed exactly as before
+# (the same kernel over the same row of W), so the result is bit-identical. Measured on the 2-core Linux machine (float32,
 # 4-bit g64): 8192x2048 one row 11.7 -> 5.9 ms, 2048x2048 3.1 -> 2.4 ms; a random 4-bit
 # Llama-3.2-1B-shape model decodes at 347-351 instead of 639-643 ms a token in mlxd's engine.
 CPU_SPLIT_WEIGHTS = 2048 * 2048
