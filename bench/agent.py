@@ -112,6 +112,8 @@ class SessionPlan:
     agent: int
     task: str
     tool_results: list[ToolResult]  # one after each turn but the last
+    start_s: float = 0.0  # when the session sends its first turn, after the run's start
+    tool_s: list[float] = field(default_factory=list)  # each tool's run before the next turn
 
 
 @dataclass(slots=True)
@@ -155,8 +157,12 @@ class _Corpus:
 
 def make_workload(tok: Any, *, sessions: int, turns: int, agents: int, seed: int,
                   tool_tokens: tuple[int, int], system_tokens: int,
-                  root: Path = common.REPO) -> Workload:
-    """System prompts, tasks and tool results for every session; the same for the same seed."""
+                  root: Path = common.REPO, stagger_s: float = 0.0,
+                  tool_seconds: tuple[float, float] = (0.0, 0.0)) -> Workload:
+    """System prompts, tasks and tool results for every session; the same for the same seed.
+    Session i starts at i * `stagger_s` / sessions seconds; after each turn its tool runs for
+    a time drawn uniformly from `tool_seconds` (from a generator of its own, so that the texts
+    of a seed do not depend on the timing)."""
     rng = random.Random(seed)
     files = corpus_files(root)
     if not files:
@@ -176,6 +182,11 @@ def make_workload(tok: Any, *, sessions: int, turns: int, agents: int, seed: int
         results = [corpus.excerpt(rng.randrange(len(files)), rng.randint(lo, hi))
                    for _ in range(turns - 1)]
         plans.append(SessionPlan(s, s % agents, task, results))
+    timing = random.Random(f"timing-{seed}")
+    for plan in plans:
+        plan.start_s = plan.index * stagger_s / max(sessions, 1)
+        plan.tool_s = [timing.uniform(*tool_seconds) if tool_seconds[1] > 0 else 0.0
+                       for _ in plan.tool_results]
     sys_tokens = [len(tok.encode(tok.apply_chat_template([{"role": "system", "content": p}],
                                                          tokenize=False), add_special_tokens=False))
                   for p in prompts]
@@ -308,7 +319,11 @@ async def run_session(client: httpx.AsyncClient, cfg: RunConfig, work: Workload,
         {"role": "system", "content": work.system_prompts[plan.agent]},
         {"role": "user", "content": plan.task}]
     reusable = work.system_tokens[plan.agent]
+    if plan.start_s > 0:
+        await asyncio.sleep(plan.start_s)
     for k in range(cfg.turns):
+        if k and plan.tool_s[k - 1] > 0:  # the tool runs before the next request
+            await asyncio.sleep(plan.tool_s[k - 1])
         body = {"model": cfg.model_id, "messages": messages, "tools": TOOLS,
                 "max_tokens": cfg.max_tokens, "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True}}
@@ -695,7 +710,8 @@ def run_agent(args: argparse.Namespace, out: Path, log: Any = print,
     tok = load_tokenizer(model)
     lo, hi = args.tool_tokens
     work = make_workload(tok, sessions=args.sessions, turns=args.turns, agents=args.agents,
-                         seed=args.seed, tool_tokens=(lo, hi), system_tokens=args.system_tokens)
+                         seed=args.seed, tool_tokens=(lo, hi), system_tokens=args.system_tokens,
+                         stagger_s=args.stagger, tool_seconds=args.tool_seconds)
     sizes = args.calib_sizes or [s for s in (128, 512, 1024, 2048, 3072) if s < ctx]
     sizes = clip_sizes(sizes, ctx)
     prompts = calib_prompts(model, sizes, args.calib_repeats, args.seed)
@@ -706,6 +722,7 @@ def run_agent(args: argparse.Namespace, out: Path, log: Any = print,
         "config": {"model": model, "model_name": Path(model).name, "context": ctx,
                    "sessions": args.sessions, "turns": args.turns, "agents": args.agents,
                    "max_tokens": args.max_tokens, "tool_tokens": [lo, hi],
+                   "stagger_s": args.stagger, "tool_seconds": list(args.tool_seconds),
                    "system_tokens": work.system_tokens, "seed": args.seed,
                    "calib_sizes": sizes, "calib_repeats": args.calib_repeats,
                    "tool_result_tokens": [[t.num_tokens for t in p.tool_results]
@@ -995,6 +1012,14 @@ def _range(text: str) -> tuple[int, int]:
     return a, b
 
 
+def _float_range(text: str) -> tuple[float, float]:
+    lo, _, hi = text.partition(",")
+    a, b = float(lo), float(hi or lo)
+    if not 0 <= a <= b:
+        raise argparse.ArgumentTypeError("expected MIN,MAX seconds with 0 <= MIN <= MAX")
+    return a, b
+
+
 def _server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None,
                    help="model directory (default: the bundled tinycoder-16m)")
@@ -1022,6 +1047,10 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--tool-tokens", type=_range, default=(200, 4000),
                    help="MIN,MAX tokens of each tool result")
     p.add_argument("--system-tokens", type=int, default=600, help="system prompt size")
+    p.add_argument("--stagger", type=float, default=0.0,
+                   help="spread the sessions' starts evenly over this many seconds (0: together)")
+    p.add_argument("--tool-seconds", type=_float_range, default=(0.0, 0.0),
+                   help="MIN,MAX seconds a tool runs between a turn and the next (uniform)")
     p.add_argument("--context", type=int, default=None,
                    help="context limit (default: the model's max_position_embeddings)")
     p.add_argument("--calib-sizes", type=common.int_list, default=None,

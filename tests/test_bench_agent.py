@@ -275,3 +275,31 @@ def test_deadline_keeps_the_turns_that_finished(tok):
     assert ended == Counter({"deadline": 2}) and wall < 20
     assert sorted((r.session, r.turn) for r in records) == [(0, 1), (1, 1)]
     assert all(r.ok and r.start >= 0 and r.end > r.start for r in records)
+
+
+def test_staggered_sessions_and_tool_time(tok):
+    """--stagger spreads the sessions' first turns, --tool-seconds waits between a session's
+    turns; the texts of a seed stay the same whatever the timing."""
+    import asyncio
+
+    kw = dict(sessions=3, turns=3, agents=1, seed=0, tool_tokens=(200, 200), system_tokens=600)
+    plain = make_workload(tok, **kw)
+    work = make_workload(tok, **kw, stagger_s=0.6, tool_seconds=(0.2, 0.3))
+    assert [p.tool_results for p in work.sessions] == [p.tool_results for p in plain.sessions]
+    assert [p.start_s for p in work.sessions] == pytest.approx([0.0, 0.2, 0.4])
+    assert all(len(p.tool_s) == 2 and all(0.2 <= t <= 0.3 for t in p.tool_s)
+               for p in work.sessions)
+    assert work == make_workload(tok, **kw, stagger_s=0.6, tool_seconds=(0.2, 0.3))
+    assert all(p.start_s == 0 and p.tool_s == [0.0, 0.0] for p in plain.sessions)
+
+    seen: list[dict] = []
+    cfg = agent.RunConfig("http://test", "m", max_tokens=100, context=4096, turns=3)
+    records, ended, _ = asyncio.run(agent.run_sessions(
+        cfg, work, deadline_s=30, timeout_s=30,
+        transport=_sse_server([700] * 9, seen)))
+    assert ended == Counter({"turns": 3})
+    for p in work.sessions:
+        rs = sorted((r for r in records if r.session == p.index), key=lambda r: r.turn)
+        assert rs[0].start >= p.start_s - 0.01
+        for k in (1, 2):  # the next turn waits for the tool after the answer
+            assert rs[k].start - rs[k - 1].end >= p.tool_s[k - 1] - 0.01
