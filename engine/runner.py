@@ -240,9 +240,10 @@ class Runner:
         else:
             width, self._held = self._held or self.spec.decide(batch), 0
         constrained = batch.constrained_rows()
-        sync = width > 1 or bool(constrained)
+        sync = width > 1 or bool(constrained) or self.spec.sync_plain
         if sync and self._inflight is not None:
-            self._held = max(width, self._held)
+            if width > 1 or constrained:
+                self._held = max(width, self._held)
             return _joined(self._drain(), pending)
         if width > 1:
             result = self.verify(batch, width)

@@ -479,3 +479,40 @@ def test_flat_costs_take_the_lookup_offer_in_the_engine(tinycoder, monkeypatch):
     st = stats
     widths = [int(k.split("x")[1]) for k in st.step_ms]
     assert st.spec_steps > 0 and max(widths) >= 6, st
+
+
+def test_a_lookup_miss_while_speculation_pays_reads_the_next_step_first(tinycoder, monkeypatch):
+    """While n-gram speculation pays (a verify of W columns costs 1 + 0.085 (W - 1) plain
+    steps, as on a bandwidth-bound target), a step whose lookup found
+    nothing is decoded synchronously: nothing is left in flight after it, so the next lookup
+    sees the token it produced (a copied stretch is verified from the step after it starts,
+    not a step later). Greedy output stays plain's."""
+    from engine import runner as runner_mod
+    from engine.spec import adaptive
+
+    record = adaptive.Controller.record
+
+    def flat(self, num_rows, width, seconds, typical, emitted=1.0, drafter=0.0):
+        seconds = 0.001 * (1 + 0.085 * (width - 1))
+        return record(self, num_rows, width, seconds, typical, emitted, drafter)
+
+    monkeypatch.setattr(adaptive.Controller, "record", flat)
+    synced: list[bool] = []
+    run = runner_mod.Runner.run
+
+    def watched(self, plan):
+        result = run(self, plan)
+        if self.spec.sync_plain and result.width == 1:
+            synced.append(self._inflight is None)
+        return result
+
+    monkeypatch.setattr(runner_mod.Runner, "run", watched)
+    tok = tinycoder.tokenizer
+    src = "def area(w, h):\n    total = w * h\n    if total < 0:\n        raise ValueError('negative')\n    return total\n\n"
+    text = src + "# the same function, renamed to size:\n" + src.replace("area", "size")[:40]
+    reqs = [greedy("e0", tok.encode(text), 160)]  # on past the copy: misses
+    want, _ = _outputs(tinycoder, None, reqs, prefill_chunk=128)
+    got, stats = _outputs(tinycoder, SpecConfig("ngram", num_draft_tokens=8), reqs,
+                          prefill_chunk=128)
+    assert got == want and stats.spec_steps > 0
+    assert synced and all(synced), synced

@@ -31,6 +31,7 @@ from engine.api import SpecStats
 from engine.spec.accept import plain_greedy
 from engine.spec.adaptive import Controller, ControllerConfig
 from engine.spec.base import Drafter, Proposal, ProposeContext
+from kernels.common import gpu_backend
 
 PLAIN_HOLD = 15  # decide() re-decides a plain choice every PLAIN_HOLD + 1 steps
 
@@ -103,6 +104,10 @@ class Speculation:
         self._verified = 0  # columns of the last verify (0: it had no drafts)
         self._overhead_seen = 0.0  # drafter seconds (prefill, catch-up) already passed on
         self._plain_hold = 0  # further decide() calls answered "plain" without re-deciding
+        self.sync_plain = False  # decide's plain step is read before the next decide
+        # only on a CPU, where it was measured: on a GPU the pipeline hides a plain step's host
+        # work, a large share of a step there
+        self._sync_on_miss = drafter.point_mass and gpu_backend() is None
         self._plain_rows: list[Any] | None = None  # the batch's row list when it was decided
         self._min_gain: np.ndarray | None = None  # the last decision's (Decision.min_gain)
         self.warmup_seconds = 0.0  # warm_up(): the speculative shapes built at engine start
@@ -172,6 +177,11 @@ class Speculation:
         hold = decision.width == 1 and not decision.probe and ctl.config.adaptive and found
         self._plain_hold = PLAIN_HOLD if hold else 0
         self._plain_rows = rows
+        # a lookup that found nothing while speculation pays here: the next plain step is read
+        # before the next lookup, so that a copied stretch starting at the token now in flight
+        # is verified from the next step on, not one step later
+        self.sync_plain = (self._sync_on_miss and not found and decision.width == 1
+                           and ctl.warm(len(rows)))
         return decision.width
 
     def _available(self, batch: Any, caps: np.ndarray) -> np.ndarray:
@@ -366,6 +376,8 @@ def _ratio(num: float, den: float, digits: int = 4) -> float | None:
 
 class NoSpec:
     """`Speculation` when it is off: every step plain, no per-row state."""
+
+    sync_plain = False
 
     def admit(self, rows: list[Any], batch_size: int = 0) -> None:
         del rows, batch_size
