@@ -10,7 +10,9 @@ system prompt (tool definitions as JSON, then project notes). Each turn streams 
 tool calls), then a tool result of 200–4,000 tokens of real text (the checkout's own sources and
 docs), and sends the whole history again. A session ends after `--turns` turns or when the next
 turn would not fit the model's context. The workload (system prompts, tasks, tool results) is a
-pure function of `--seed` and the checkout.
+pure function of `--seed` and the checkout. The sessions start together and send each next turn
+as soon as the answer is in, unless `--stagger S` spreads their starts over S seconds and
+`--tool-seconds MIN,MAX` waits that long (seeded, uniform) between an answer and the next turn.
 
 Per turn: TTFT, prompt tokens, `usage.prompt_tokens_details.cached_tokens`, output tokens, wall
 time, and the tokens the server could have reused (the previous turn's prompt and answer; for
