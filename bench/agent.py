@@ -114,8 +114,8 @@ class SessionPlan:
     agent: int
     task: str
     tool_results: list[ToolResult]  # one after each turn but the last
-    start_s: float = 0.0  # when the session sends its first turn, after the run's start
-    tool_s: list[float] = field(default_factory=list)  # each tool's run before the next turn
+    start_s: float  # when the session sends its first turn, after the run's start
+    tool_s: list[float]  # each tool's run (seconds) before the next turn
 
 
 @dataclass(slots=True)
@@ -177,18 +177,15 @@ def make_workload(tok: Any, *, sessions: int, turns: int, agents: int, seed: int
         room = max(0, system_tokens - len(tok.encode(head, add_special_tokens=False)))
         prompts.append(head + corpus.excerpt(rng.randrange(len(files)), room).text)
     lo, hi = tool_tokens
+    timing = random.Random(f"timing-{seed}")
     plans = []
     for s in range(sessions):
         name = files[rng.randrange(len(files))].stem
         task = TASKS[rng.randrange(len(TASKS))].format(name=name)
         results = [corpus.excerpt(rng.randrange(len(files)), rng.randint(lo, hi))
                    for _ in range(turns - 1)]
-        plans.append(SessionPlan(s, s % agents, task, results))
-    timing = random.Random(f"timing-{seed}")
-    for plan in plans:
-        plan.start_s = plan.index * stagger_s / max(sessions, 1)
-        plan.tool_s = [timing.uniform(*tool_seconds) if tool_seconds[1] > 0 else 0.0
-                       for _ in plan.tool_results]
+        plans.append(SessionPlan(s, s % agents, task, results, s * stagger_s / sessions,
+                                 [timing.uniform(*tool_seconds) for _ in results]))
     sys_tokens = [len(tok.encode(tok.apply_chat_template([{"role": "system", "content": p}],
                                                          tokenize=False), add_special_tokens=False))
                   for p in prompts]

@@ -240,9 +240,10 @@ class Runner:
         else:
             width, self._held = self._held or self.spec.decide(batch), 0
         constrained = batch.constrained_rows()
-        sync = width > 1 or bool(constrained) or self.spec.sync_plain
+        must_sync = width > 1 or bool(constrained)  # a verify, or a grammar masking each token
+        sync = must_sync or self.spec.sync_plain  # or a lookup to be made on the newest token
         if sync and self._inflight is not None:
-            if width > 1 or constrained:
+            if must_sync:  # kept for the next step; a lookup miss decides afresh
                 self._held = max(width, self._held)
             return _joined(self._drain(), pending)
         if width > 1:
