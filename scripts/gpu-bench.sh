@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The GPU benchmarks of docs/benchmarks.md as run on an H200, stage by stage:
+# The GPU benchmarks of docs/benchmarks.md as run on an H100 or H200, stage by stage:
 #
 #   scripts/gpu-bench.sh [STAGE ...]     (default: every stage, in this order)
 #
-# coldstart (first: it needs a machine that has compiled nothing yet), prefill, sweep, agent
-# (16 x 8), agent64 (64 x 4), attention, switch, qmm, spec. Each stage runs under its own time
-# limit (LIMIT_<STAGE>=seconds overrides it); its log goes to $OUT/<stage>.log, its JSON and PNG
-# to $OUT/<stage>/, and after every stage $OUT is packed into $PACK (default $OUT.tgz), so that
-# a run cut short keeps what finished.
-# PEERS (default mlx_lm) are the servers sweep, agent and agent64 run beside mlxd ("" for none);
+# coldstart (first: it needs a machine that has compiled nothing yet), prefill, sweep (1,024-token
+# prompts at c=64), short (128-token prompts at c=4, 16, 64), agent (16 x 8), agent64 (64 x 4),
+# stagger (16 x 8 with starts spread out and tool time between turns; mlxd alone), attention,
+# switch, qmm, spec. Each stage runs under its own time limit (LIMIT_<STAGE>=seconds overrides
+# it); its log goes to $OUT/<stage>.log, its JSON and PNG to $OUT/<stage>/, and after every
+# stage $OUT is packed into $PACK (default $OUT.tgz), so that a run cut short keeps what finished.
+# PEERS (default mlx_lm) are the servers sweep, short, agent and agent64 run beside mlxd ("" for none);
 # WRAP, when set, prefixes every stage's command (a profiler, e.g. `py-spy record ... --`);
-# MLXD_ARGS are passed to mlxd serve in sweep, agent and agent64 (e.g. "--trace-steps
+# MLXD_ARGS are passed to mlxd serve in sweep, short and the agent stages (e.g. "--trace-steps
 # $OUT/steps.jsonl": where each engine step's time goes).
 # Expects mlx[cuda] and mlxd's dependencies importable; DATA must hold tinycoder-draft-4m/ and
 # tinycoder-dev.jsonl (the spec stage); the models are written to /tmp on first use.
@@ -47,12 +48,19 @@ stage() {
     sweep) need_model; run sweep 230 python3 -m bench sweep --model "$MODEL" --peers "$PEERS" \
              --prompt-tokens 1024 --output-tokens 128 --concurrency 64 --requests-per-level 128 \
              --level-deadline 60 --mlxd-args "${MLXD_ARGS:-}" --out "$OUT/sweep" ;;
-    agent) need_model; run agent 480 python3 -m bench agent --model "$MODEL" --peers "$PEERS" \
-             --sessions 16 --turns 8 --tool-tokens 200,2000 --deadline 70 \
-             --mlxd-args "${MLXD_ARGS:-}" --out "$OUT/agent" ;;
-    agent64) need_model; run agent64 480 python3 -m bench agent --model "$MODEL" --peers "$PEERS" \
-               --sessions 64 --turns 4 --tool-tokens 200,2000 --deadline 100 \
-               --mlxd-args "${MLXD_ARGS:-}" --out "$OUT/agent64" ;;
+    short) need_model; run short 200 python3 -m bench sweep --model "$MODEL" --peers "$PEERS" \
+             --prompt-tokens 128 --output-tokens 128 --concurrency 4,16,64 --requests-per-level 64 \
+             --level-deadline 40 --mlxd-args "${MLXD_ARGS:-}" --out "$OUT/short" ;;
+    agent) need_model; run agent 300 python3 -m bench agent --model "$MODEL" --peers "$PEERS" \
+             --sessions 16 --turns 8 --tool-tokens 200,2000 --deadline 60 --no-raw \
+             --calib-repeats 1 --mlxd-args "${MLXD_ARGS:-}" --out "$OUT/agent" ;;
+    agent64) need_model; run agent64 400 python3 -m bench agent --model "$MODEL" --peers "$PEERS" \
+               --sessions 64 --turns 4 --tool-tokens 200,2000 --deadline 80 --no-raw \
+               --calib-repeats 1 --mlxd-args "${MLXD_ARGS:-}" --out "$OUT/agent64" ;;
+    stagger) need_model; run stagger 200 python3 -m bench agent --model "$MODEL" --peers "" \
+               --sessions 16 --turns 8 --tool-tokens 200,2000 --stagger 16 --tool-seconds 0.5,4 \
+               --deadline 120 --no-raw --calib-repeats 1 --mlxd-args "${MLXD_ARGS:-}" \
+               --out "$OUT/stagger" ;;
     attention) run attention 120 python3 -m bench attention --out "$OUT/attention" ;;
     switch) need_model; run switch 70 python3 -m bench switch \
               --model coder=mlxd/models/tinycoder-16m --model "big=$MODEL" --rounds 2 \
@@ -72,5 +80,5 @@ stage() {
 }
 
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(coldstart prefill sweep agent agent64 attention switch qmm spec)
+[ ${#stages[@]} -gt 0 ] || stages=(coldstart prefill sweep short agent agent64 stagger attention switch qmm spec)
 for s in "${stages[@]}"; do stage "$s"; done
