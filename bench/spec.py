@@ -487,7 +487,10 @@ def add_parsers(sub: Any) -> None:
 
 
 def _uses_draft(args: argparse.Namespace) -> bool:
-    modes = f"{args.modes},{args.edit_modes if args.edit_concurrency else ''}"
+    """Whether a mode that runs needs the draft model: `--modes` run only with prompt
+    workloads at some `--concurrency`, `--edit-modes` only at some `--edit-concurrency`."""
+    prompts = any(w for w in args.workloads.split(",")) and common.int_list(args.concurrency)
+    modes = f"{args.modes if prompts else ''},{args.edit_modes if args.edit_concurrency else ''}"
     return any(m.startswith("draft") for m in modes.split(","))
 
 

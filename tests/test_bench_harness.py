@@ -131,6 +131,21 @@ def test_load_against_a_running_server(real_server, tmp_path: Path):
     assert all(lvl["num_completed"] == 2 and lvl["output_tokens"] == 8 for lvl in result["levels"])
 
 
+def test_spec_loads_the_draft_model_only_for_modes_it_runs():
+    """An edits-only run (`--workloads ""`) needs no draft model for the default `--modes`."""
+    from argparse import Namespace
+
+    from bench.spec import _uses_draft
+
+    edits = dict(workloads="", concurrency="1,4", modes="plain,draft,ngram",
+                 edit_modes="plain,ngram", edit_concurrency="1")
+    assert not _uses_draft(Namespace(**edits))
+    assert _uses_draft(Namespace(**{**edits, "workloads": "chat"}))
+    assert not _uses_draft(Namespace(**{**edits, "workloads": "chat", "concurrency": ""}))
+    assert _uses_draft(Namespace(**{**edits, "edit_modes": "plain,draft"}))
+    assert not _uses_draft(Namespace(**{**edits, "edit_modes": "plain,draft", "edit_concurrency": ""}))
+
+
 def test_spec_toy_plain_against_ngram(tmp_path: Path, dev_jsonl: Path):
     out = tmp_path / "spec"
     rc = main(["spec", "--data", str(dev_jsonl), "--workloads", "code", "--concurrency", "1",
