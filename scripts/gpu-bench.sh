@@ -6,18 +6,19 @@
 # coldstart (first: it needs a machine that has compiled nothing yet), prefill, sweep (1,024-token
 # prompts at c=64), short (128-token prompts at c=4, 16, 64), agent (16 x 8), agent64 (64 x 4),
 # stagger (16 x 8 with starts spread out and tool time between turns; mlxd alone), attention,
-# switch, qmm, spec. Each stage runs under its own time limit (LIMIT_<STAGE>=seconds overrides
-# it); its log goes to $OUT/<stage>.log, its JSON and PNG to $OUT/<stage>/, and after every
-# stage $OUT is packed into $PACK (default $OUT.tgz), so that a run cut short keeps what finished.
+# switch, qmm, spec (the 8B twin in 4-bit), spec16 (in bf16). Each stage runs under its own
+# time limit (LIMIT_<STAGE>=seconds overrides it); its log goes to $OUT/<stage>.log, its JSON
+# and PNG to $OUT/<stage>/, and after every stage $OUT is packed into $PACK (default
+# $OUT.tgz), so that a run cut short keeps what finished.
 # PEERS (default mlx_lm) are the servers sweep, short, agent and agent64 run beside mlxd ("" for none);
 # WRAP, when set, prefixes every stage's command (a profiler, e.g. `py-spy record ... --`);
 # MLXD_ARGS are passed to mlxd serve in sweep, short and the agent stages (e.g. "--trace-steps
 # $OUT/steps.jsonl": where each engine step's time goes).
 # Expects mlx[cuda] and mlxd's dependencies importable; DATA must hold tinycoder-draft-4m/ and
-# tinycoder-dev.jsonl (the spec stage); the models are written to /tmp on first use.
+# tinycoder-dev.jsonl (the spec stages); the models are written to /tmp on first use.
 set -u
 OUT=${OUT:-.bench/gpu}; DATA=${DATA:-../shared}; PACK=${PACK:-$OUT.tgz}; PEERS=${PEERS-mlx_lm}
-MODEL=/tmp/llama-1b-32k; TWIN=/tmp/twin-8b4
+MODEL=/tmp/llama-1b-32k; TWIN=/tmp/twin-8b4; TWIN16=/tmp/twin-8b16
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
@@ -75,10 +76,20 @@ stage() {
         --edit-concurrency 1,4 --max-tokens 256 --requests-per-stream 2 --edit-requests 4 --modes plain,draft,ngram \
         --edit-modes plain,ngram,draft --warmup --seconds 3 --repeats 2 --budget-s 190 --log \
         --out "$OUT/spec" ;;
+    spec16)
+      [ -f "$TWIN16/config.json" ] || python3 -m bench wide-twin mlxd/models/tinycoder-16m \
+        "$TWIN16" --hidden 4608 --layers 32 --intermediate 14336 --heads 48 --kv-heads 16 \
+        --bits 16 --dtype bfloat16 > "$OUT/twin16.log" 2>&1
+      run spec16 420 python3 -m bench spec --model "$TWIN16" \
+        --draft-model "$DATA/tinycoder-draft-4m" --data "$DATA/tinycoder-dev.jsonl" \
+        --dtype bfloat16 --workloads chat,code --concurrency 1,4 --modes plain,draft,ngram \
+        --edit-modes plain,ngram --edit-concurrency 1,4 --edit-requests 8 \
+        --requests-per-stream 2 --max-tokens 256 --warmup --repeats 1 --budget-s 330 \
+        --out "$OUT/spec16" ;;
     *) echo "unknown stage $1" >&2; return 2 ;;
   esac
 }
 
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(coldstart prefill sweep short agent agent64 stagger attention switch qmm spec)
+[ ${#stages[@]} -gt 0 ] || stages=(coldstart prefill sweep short agent agent64 stagger attention switch qmm spec spec16)
 for s in "${stages[@]}"; do stage "$s"; done
