@@ -28,6 +28,12 @@ need_model() {
     --bits 4 --context 32768 --vocab 128256 > "$OUT/model.log" 2>&1
 }
 
+need_twin() {  # dir log wide-twin-args...: the 8B-cost twin of tinycoder-16m, built once
+  local dir=$1 log=$2; shift 2
+  [ -f "$dir/config.json" ] || python3 -m bench wide-twin mlxd/models/tinycoder-16m "$dir" \
+    --hidden 4608 --layers 32 --intermediate 14336 --heads 48 --kv-heads 16 "$@" > "$log" 2>&1
+}
+
 run() {  # stage default_limit command...
   local stage=$1 limit=$2; shift 2
   local var="LIMIT_${stage^^}"; limit=${!var:-$limit}
@@ -68,18 +74,14 @@ stage() {
               --out "$OUT/switch" ;;
     qmm) run qmm 170 python3 -m bench qmm --random-shape llama-3-8b --out "$OUT/qmm" ;;
     spec)
-      [ -f "$TWIN/config.json" ] || python3 -m bench wide-twin mlxd/models/tinycoder-16m "$TWIN" \
-        --hidden 4608 --layers 32 --intermediate 14336 --heads 48 --kv-heads 16 --bits 4 \
-        > "$OUT/twin.log" 2>&1
+      need_twin "$TWIN" "$OUT/twin.log" --bits 4
       run spec 270 python3 -m bench spec --model "$TWIN" --draft-model "$DATA/tinycoder-draft-4m" \
         --data "$DATA/tinycoder-dev.jsonl" --dtype bfloat16 --workloads chat,code --concurrency 1,4 \
         --edit-concurrency 1,4 --max-tokens 256 --requests-per-stream 2 --edit-requests 4 --modes plain,draft,ngram \
         --edit-modes plain,ngram,draft --warmup --seconds 3 --repeats 2 --budget-s 190 --log \
         --out "$OUT/spec" ;;
     spec16)
-      [ -f "$TWIN16/config.json" ] || python3 -m bench wide-twin mlxd/models/tinycoder-16m \
-        "$TWIN16" --hidden 4608 --layers 32 --intermediate 14336 --heads 48 --kv-heads 16 \
-        --bits 16 --dtype bfloat16 > "$OUT/twin16.log" 2>&1
+      need_twin "$TWIN16" "$OUT/twin16.log" --bits 16 --dtype bfloat16
       run spec16 420 python3 -m bench spec --model "$TWIN16" \
         --draft-model "$DATA/tinycoder-draft-4m" --data "$DATA/tinycoder-dev.jsonl" \
         --dtype bfloat16 --workloads chat,code --concurrency 1,4 --modes plain,draft,ngram \
