@@ -10,9 +10,12 @@ joining the running batch when its prefill is complete, and the batch's decode a
 speculation picks (`Speculation.decide`; always 1 with `NoSpec`; plain in the step rows join,
 and none when a joining row is under a grammar, which must take its first token first):
 
-* width 1, pipelined: the step is launched (`mx.async_eval`) and the previous step's tokens are
-  read while it computes, so Python bookkeeping overlaps the forward pass; the result is the
-  previous step's. (On a CPU, a layer whose attention or SwiGLU takes `kernels.cpu` evaluates
+* width 1, pipelined: the step's graph is built while the previous step computes; once the
+  batch's KV is large, the previous step is waited for before this one is launched (`_settle`:
+  so that it writes its KV columns in place instead of copying every buffer); the step is
+  launched (`mx.async_eval`) and the previous step's tokens are read while it computes, so
+  graph building and Python bookkeeping overlap the forward passes; the result is the previous
+  step's. (On a CPU, a layer whose attention or SwiGLU takes `kernels.cpu` evaluates
   its inputs while the step is built, so long-context and many-row steps overlap less.) Once
   every row's last token (its max_tokens) is in flight, nothing more is launched: the step
   only reads that one, so the next request does not wait for a step whose tokens would be
@@ -295,7 +298,7 @@ class Runner:
             # launched, not waited for: the prefix cache's bookkeeping below and the next
             # step's graph are built while the device runs this chunk; what was launched
             # before (the previous chunk) is waited for first, so the host stays at most one
-            # chunk ahead
+            # chunk ahead and this chunk writes the group's KV in place (`_settle`)
             mx.synchronize()
             mx.async_eval(kvb.state_arrays(group.caches))
         else:
@@ -306,6 +309,7 @@ class Runner:
             kvb.finalize(group.caches)
             first = self._sample(group.batch, logits, group.batch.constrained_rows())
             t0 = time.perf_counter()
+            _settle(group.caches)
             mx.eval(*_outputs(first), *kvb.state_arrays(group.caches),
                     *_arrays_of(group.batch.sampler))
             self._lap("prefill_wait", t0)
@@ -431,6 +435,7 @@ class Runner:
         self.shapes[("decode", len(batch), 1)] += 1
         logits = self._forward(batch.next_tokens[:, None], batch.caches, batch)[:, -1, :]
         step = self._sample(batch, logits, constrained)
+        _settle(batch.caches)
         mx.async_eval(*_outputs(step), *batch.arrays(), *_arrays_of(batch.sampler))
         return step
 
@@ -461,6 +466,7 @@ class Runner:
         # so the target's layouts are the plain engine's (engine/spec/ringcommit.py)
         ring_round = RingRound(batch.caches or [], K + 1)
         logits = self._forward(_verify_input(batch, rnd), ring_round.model_caches, batch)
+        _settle(batch.caches)
         first, errors = _mask(logits[:, 0, :], batch.constrained_rows())
         if first is not None:  # column 0 under the grammar (constrained rows have no drafts)
             logits = mx.concatenate([first[:, None], logits[:, 1:]], axis=1)
@@ -495,6 +501,25 @@ class Runner:
         chosen, top_ids, top_lps = extra
         return _collect(InFlight(list(batch.rows), tokens, accepted + 1, chosen, top_ids, top_lps,
                                  errors))
+
+
+SETTLE_BYTES = 256 << 20  # KV buffers from which a step waits for the one before (`_settle`)
+
+
+def _settle(caches: list[Any] | None) -> None:
+    """Wait for everything launched before when `caches` hold at least `SETTLE_BYTES`: call it
+    after a step's graph is built and before it is evaluated.
+
+    A step writes its new KV columns into the layouts' buffers, which MLX does in place only
+    when nothing else holds the buffer; a step (or a prefix-cache copy) still in flight holds
+    it until it has run, and MLX then copies the whole buffer, at every layer of every step:
+    at 64 rows of a few thousand tokens, gigabytes a step. The wait costs little: the
+    graph is still built (the Python side of a step) while the previous step runs, only its
+    dispatch waits, and MLX starts the device on a step's first kernels while it dispatches
+    the rest. Below `SETTLE_BYTES` a copy costs less than that wait (a quarter of a gigabyte
+    read and written is ~0.1 ms on an H200), so small batches keep dispatching ahead."""
+    if caches and kvb.nbytes(caches) >= SETTLE_BYTES:
+        mx.synchronize()
 
 
 def _verify_input(batch: RunningBatch, rnd: Round) -> mx.array:

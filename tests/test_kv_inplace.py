@@ -1,0 +1,105 @@
+"""A decode step writes its KV columns in place only when nothing in flight still holds the
+buffer: once a batch's KV is large, the runner waits for what was launched before
+(`engine.runner._settle`) after it has built a step's graph and before it evaluates it."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from engine import runner as runner_mod
+from engine.kv.attention import PlainLayout
+from tests.tiny_models import greedy, loaded, make_engine, submit, tiny_model
+
+ROWS, HEADS, DIM = 4, 8, 128
+
+
+def _filled_layout() -> PlainLayout:
+    """Rows of different lengths (so a decode step scatters its columns), ~3k columns each."""
+    lay = PlainLayout(ROWS)
+    lengths = [3000, 2990, 2980, 2970]
+    lay.prepare(lengths=lengths)
+    kv = mx.random.normal((ROWS, HEADS, max(lengths), DIM))
+    lay.update_and_fetch(kv, kv)
+    lay.finalize()
+    mx.eval(lay._bufs)
+    return lay
+
+
+def _pipelined_decode_peak(settle: bool, monkeypatch) -> tuple[int, int]:
+    """Peak bytes above the start while step t + 1 is dispatched with step t (a heavy read of
+    the buffers) still running, and one K buffer's bytes. The layout (~100 MB) counts as large
+    (`SETTLE_BYTES`) when `settle`, as small otherwise."""
+    lay = _filled_layout()
+    threshold = lay.nbytes if settle else lay.nbytes + 1
+    monkeypatch.setattr(runner_mod, "SETTLE_BYTES", threshold)
+    q = mx.random.normal((ROWS, HEADS, 64, DIM))
+    mx.eval(q)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    previous = None
+    for _ in range(3):
+        new = mx.random.normal((ROWS, HEADS, 1, DIM))
+        keys, values = lay.update_and_fetch(new, new)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.1).sum()
+        runner_mod._settle([lay])
+        mx.async_eval(out, *lay._bufs)
+        if previous is not None:
+            previous.item()
+        previous = out
+    previous.item()
+    return mx.get_peak_memory() - base, lay._bufs[0].nbytes
+
+
+def test_a_step_settled_before_dispatch_writes_its_kv_in_place(monkeypatch):
+    grown, buffer = _pipelined_decode_peak(True, monkeypatch)
+    assert grown < buffer, (grown, buffer)  # the attention's own scores, no copy
+
+
+def test_a_step_dispatched_while_the_previous_reads_the_buffer_copies_it(monkeypatch):
+    """Why the runner settles large batches: MLX copies a buffer that an in-flight step still
+    holds (and below the threshold the runner lets it)."""
+    grown, buffer = _pipelined_decode_peak(False, monkeypatch)
+    assert grown >= buffer, (grown, buffer)
+
+
+def test_every_decode_step_is_settled_between_its_graph_and_its_dispatch(monkeypatch):
+    events: list[str] = []
+    real_async_eval, real_settle = mx.async_eval, runner_mod._settle
+
+    def settled(caches) -> None:
+        events.append("settle")
+        real_settle(caches)
+
+    def dispatched(*arrays):
+        events.append("dispatch")
+        return real_async_eval(*arrays)
+
+    monkeypatch.setattr(runner_mod, "_settle", settled)
+    monkeypatch.setattr(runner_mod.mx, "async_eval", dispatched)
+    model, cfg = tiny_model("llama")
+    eng = make_engine(loaded(model, cfg))
+    forward, launch = eng.runner._forward, eng.runner._launch
+
+    def forwarded(*args, **kwargs):
+        events.append("forward")
+        return forward(*args, **kwargs)
+
+    def launched(*args, **kwargs):
+        events.append("launch")
+        return launch(*args, **kwargs)
+
+    eng.runner._forward = forwarded  # type: ignore[method-assign]
+    eng.runner._launch = launched  # type: ignore[method-assign]
+    rng = np.random.default_rng(0)
+    outs = [submit(eng, greedy(f"r{i}", rng.integers(3, cfg["vocab_size"], 20).tolist(), 12))
+            for i in range(3)]
+    try:
+        for o in outs:
+            assert o.done.wait(120)
+    finally:
+        eng.stop()
+    launches = [i for i, e in enumerate(events) if e == "launch"]
+    assert len(launches) >= 11
+    for i in launches:  # the step's forward, then the wait, then its dispatch
+        assert events[i + 1 : i + 4] == ["forward", "settle", "dispatch"], events[i : i + 6]
