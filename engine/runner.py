@@ -298,7 +298,7 @@ class Runner:
             # launched, not waited for: the prefix cache's bookkeeping below and the next
             # step's graph are built while the device runs this chunk; what was launched
             # before (the previous chunk) is waited for first, so the host stays at most one
-            # chunk ahead and this chunk writes the group's KV in place (`_settle`)
+            # chunk ahead and this chunk writes the group's KV in place (why: `_settle`)
             mx.synchronize()
             mx.async_eval(kvb.state_arrays(group.caches))
         else:
@@ -516,8 +516,8 @@ def _settle(caches: list[Any] | None) -> None:
     at 64 rows of a few thousand tokens, gigabytes a step. The wait costs little: the
     graph is still built (the Python side of a step) while the previous step runs, only its
     dispatch waits, and MLX starts the device on a step's first kernels while it dispatches
-    the rest. Below `SETTLE_BYTES` a copy costs less than that wait (a quarter of a gigabyte
-    read and written is ~0.1 ms on an H200), so small batches keep dispatching ahead."""
+    the rest. Below `SETTLE_BYTES` the copy is small (a quarter of a gigabyte read and written
+    is ~0.1 ms on an H200) and steps are dispatched ahead as before."""
     if caches and kvb.nbytes(caches) >= SETTLE_BYTES:
         mx.synchronize()
 
