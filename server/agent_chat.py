@@ -10,7 +10,7 @@ empty arguments; later deltas carry argument fragments only; the last chunk's fi
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -26,13 +26,14 @@ from server.openai_api import (
     chunk_writer,
     make_specs,
     new_id,
+    openai_stream,
     sampling_params,
 )
 from server.prepare import off_loop
 from server.prompts import ServedModel, template_messages
 from server.protocol import ChatCompletionRequest
 from server.reasoning import model_thinks
-from server.sse import DONE, SSEResponse, run_until_disconnect, sse_event
+from server.sse import SSEResponse, run_until_disconnect
 from server.structured import response_format_constraint
 from server.tools import CallArgs, CallStart, TextEvent, function_specs
 from server.turn import (
@@ -141,7 +142,7 @@ async def chat_completions_agent(request: Request, body: ChatCompletionRequest, 
     })
 
 
-async def _stream(
+def _stream(
     gens: list[Generation],
     plan: TurnPlan,
     parallel: bool,
@@ -152,15 +153,14 @@ async def _stream(
     want_lp: bool,
     k: int,
 ) -> AsyncIterator[bytes]:
-    include_usage = body.include_usage
     write = chunk_writer(gens, body, cid, created, model, "chat.completion.chunk")
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, lps: Any = None) -> bytes:
         return write([{"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}])
 
-    for g in gens:
-        yield chunk(g.spec.index, {"role": "assistant", "content": ""})
-    try:
+    async def choices() -> AsyncGenerator[bytes, None]:
+        for g in gens:
+            yield chunk(g.spec.index, {"role": "assistant", "content": ""})
         async for step in turn_steps(gens, plan, parallel):
             lps = chat_logprobs(model, step.logprobs, k) if want_lp and step.logprobs else None
             for e in step.events:
@@ -181,10 +181,5 @@ async def _stream(
                 yield chunk(step.index, {}, lps=lps)
             if step.finish_reason:
                 yield chunk(step.index, {}, step.finish_reason)
-    except GenerationError as exc:
-        yield sse_event(error_body(str(exc), "server_error", None, "generation_failed"))
-        yield sse_event(DONE)
-        return
-    if include_usage:
-        yield write([], usage_numbers(gens))
-    yield sse_event(DONE)
+
+    return openai_stream(choices(), gens, body, write)

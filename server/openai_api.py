@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -302,7 +303,27 @@ def chunk_writer(
     return chunk
 
 
-async def _chat_stream(
+async def openai_stream(
+    choices: AsyncGenerator[bytes, None], gens: list[Generation], body: Any, chunk: Callable[..., bytes]
+) -> AsyncIterator[bytes]:
+    """A streamed completion's chunks (`choices`) and the tail every OpenAI stream shares: the
+    usage chunk when `stream_options.include_usage` asks for it, then `[DONE]`; a generation that
+    fails mid-stream ends it with an error event and `[DONE]`. Closing this closes `choices`,
+    whose cleanup aborts the rows."""
+    try:
+        async with contextlib.aclosing(choices) as events:
+            async for event in events:
+                yield event
+    except GenerationError as exc:
+        yield sse_event(error_body(str(exc), "server_error", None, "generation_failed"))
+        yield sse_event(DONE)
+        return
+    if body.include_usage:
+        yield chunk([], usage_numbers(gens))
+    yield sse_event(DONE)
+
+
+def _chat_stream(
     gens: list[Generation],
     model: ServedModel,
     cid: str,
@@ -311,51 +332,21 @@ async def _chat_stream(
     want_lp: bool,
     k: int,
 ) -> AsyncIterator[bytes]:
-    include_usage = body.include_usage
     chunk = chunk_writer(gens, body, cid, created, model, "chat.completion.chunk")
 
-    for g in gens:
-        yield chunk(
-            [
-                {
-                    "index": g.spec.index,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            ]
-        )
-    try:
+    def one(index: int, delta: dict[str, Any], lps: Any = None, finish: str | None = None) -> bytes:
+        return chunk([{"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}])
+
+    async def choices() -> AsyncGenerator[bytes, None]:
+        for g in gens:
+            yield one(g.spec.index, {"role": "assistant", "content": ""})
         async for d in stream_all(gens):
             if d.text or d.logprobs:
-                yield chunk(
-                    [
-                        {
-                            "index": d.index,
-                            "delta": {"content": d.text},
-                            "logprobs": chat_logprobs(model, d.logprobs, k) if want_lp else None,
-                            "finish_reason": None,
-                        }
-                    ]
-                )
+                yield one(d.index, {"content": d.text}, chat_logprobs(model, d.logprobs, k) if want_lp else None)
             if d.finish_reason:
-                yield chunk(
-                    [
-                        {
-                            "index": d.index,
-                            "delta": {},
-                            "logprobs": None,
-                            "finish_reason": d.finish_reason,
-                        }
-                    ]
-                )
-    except GenerationError as exc:
-        yield sse_event(error_body(str(exc), "server_error", None, "generation_failed"))
-        yield sse_event(DONE)
-        return
-    if include_usage:
-        yield chunk([], usage_numbers(gens))
-    yield sse_event(DONE)
+                yield one(d.index, {}, finish=d.finish_reason)
+
+    return openai_stream(choices(), gens, body, chunk)
 
 
 # -- /v1/completions ------------------------------------------------------------------------
@@ -493,7 +484,7 @@ def _echo_only(
     return SSEResponse(events())
 
 
-async def _completion_stream(
+def _completion_stream(
     gens: list[Generation],
     model: ServedModel,
     cid: str,
@@ -502,38 +493,19 @@ async def _completion_stream(
     echo_of: dict[int, str],
     k: int,
 ) -> AsyncIterator[bytes]:
-    include_usage = body.include_usage
     want_lp = body.logprobs is not None
     chunk = chunk_writer(gens, body, cid, created, model, "text_completion")
 
-    for index, echo in echo_of.items():
-        if echo:
-            yield chunk([{"index": index, "text": echo, "logprobs": None, "finish_reason": None}])
-    try:
+    async def choices() -> AsyncGenerator[bytes, None]:
+        for index, echo in echo_of.items():
+            if echo:
+                yield chunk([{"index": index, "text": echo, "logprobs": None, "finish_reason": None}])
         async for d in stream_all(gens):
             if d.text or d.logprobs or d.finish_reason:
-                lp = (
-                    completion_logprobs(model, d.logprobs, k, len(echo_of[d.index]))
-                    if want_lp
-                    else None
-                )
-                yield chunk(
-                    [
-                        {
-                            "index": d.index,
-                            "text": d.text,
-                            "logprobs": lp,
-                            "finish_reason": d.finish_reason,
-                        }
-                    ]
-                )
-    except GenerationError as exc:
-        yield sse_event(error_body(str(exc), "server_error", None, "generation_failed"))
-        yield sse_event(DONE)
-        return
-    if include_usage:
-        yield chunk([], usage_numbers(gens))
-    yield sse_event(DONE)
+                lp = completion_logprobs(model, d.logprobs, k, len(echo_of[d.index])) if want_lp else None
+                yield chunk([{"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}])
+
+    return openai_stream(choices(), gens, body, chunk)
 
 
 async def _collect(request: Request, gens: list) -> list | Response:
