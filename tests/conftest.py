@@ -41,6 +41,25 @@ def dev_data_path() -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def fake():
+    """A scripted engine (tests/fake_engine.py), one per test module; modules reset it."""
+    from tests.fake_engine import FakeEngine
+
+    return FakeEngine()
+
+
+@pytest.fixture(scope="module")
+def server(fake):
+    """uvicorn serving `fake` with the default config on a free loopback port."""
+    from server.app import create_app
+    from server.config import ServerConfig
+    from tests.fake_engine import ServerThread
+
+    with ServerThread(create_app(fake, ServerConfig())) as srv:
+        yield srv
+
+
 @pytest.fixture(scope="session")
 def real_engine():
     """The real engine on the bundled model (float32 on CPU), started once per session."""

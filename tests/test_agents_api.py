@@ -42,17 +42,6 @@ def scripted(fake: FakeEngine, text: str):
     return lambda request: ids
 
 
-@pytest.fixture(scope="module")
-def fake():
-    return FakeEngine()
-
-
-@pytest.fixture(scope="module")
-def server(fake):
-    with ServerThread(create_app(fake, ServerConfig())) as s:
-        yield s
-
-
 @pytest.fixture(autouse=True)
 def _fresh(fake):
     fake.reset()

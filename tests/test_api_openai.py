@@ -10,21 +10,10 @@ import pytest
 
 from server.app import create_app
 from server.config import ServerConfig
-from tests.fake_engine import DEFAULT_TEXT, FakeEngine, ServerThread
+from tests.fake_engine import DEFAULT_TEXT, ServerThread
 
 MODEL = "tinycoder-16m"
 HI = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def fake():
-    return FakeEngine()
-
-
-@pytest.fixture(scope="module")
-def server(fake):
-    with ServerThread(create_app(fake, ServerConfig())) as s:
-        yield s
 
 
 @pytest.fixture(autouse=True)

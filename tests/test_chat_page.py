@@ -17,10 +17,6 @@ import time
 import httpx
 import pytest
 
-from server.app import create_app
-from server.config import ServerConfig
-from tests.fake_engine import FakeEngine, ServerThread
-
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
 try:
@@ -33,17 +29,6 @@ except ImportError:  # the test extras are not installed
 
 ANSWER = "Here you go:\n```python\ndef add(a, b):\n    return a + b\n```\nThat adds two numbers."
 LONG = "word " * 400
-
-
-@pytest.fixture(scope="module")
-def fake():
-    return FakeEngine()
-
-
-@pytest.fixture(scope="module")
-def server(fake):
-    with ServerThread(create_app(fake, ServerConfig())) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")

@@ -7,25 +7,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from server.app import create_app
-from server.config import ServerConfig
-from tests.fake_engine import FakeEngine, ServerThread
-
 MODEL = "tinycoder-16m"
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 HI = {"role": "user", "content": "hi"}
-
-
-@pytest.fixture(scope="module")
-def fake():
-    return FakeEngine()
-
-
-@pytest.fixture(scope="module")
-def server(fake):
-    with ServerThread(create_app(fake, ServerConfig())) as s:
-        yield s
 
 
 @pytest.fixture(autouse=True)
