@@ -11,6 +11,7 @@ import pytest
 
 MODEL = "tinycoder-16m"
 HI = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +53,14 @@ def assert_aborted_promptly(fake, left_at, n_rows=1, within=1.0):
             {"model": MODEL, "messages": HI, "max_tokens": 2000, "stream": True},
         ),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2000, "stream": True}),
+        (  # tools on: the tool-call parsing path
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": HI, "max_tokens": 2000, "stream": True, "tools": TOOLS},
+        ),
+        ("/v1/messages", {"model": MODEL, "messages": HI, "max_tokens": 2000, "stream": True}),
+        ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 2000, "stream": True}),
     ],
+    ids=["chat", "completions", "chat-tools", "messages", "responses"],
 )
 def test_stream_disconnect_aborts(server, fake, path, body):
     lines, left_at = read_some_then_leave(server.url + path, body, 5)
