@@ -135,17 +135,6 @@ def test_refusals_before_anything_is_queued():
 # -- the route over the fake engine -------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def fake():
-    return FakeEngine()
-
-
-@pytest.fixture(scope="module")
-def fake_server(fake):
-    with ServerThread(create_app(fake, ServerConfig())) as s:
-        yield s
-
-
 @pytest.fixture(autouse=True)
 def _fresh(fake):
     fake.reset()
@@ -155,8 +144,8 @@ def _post(srv, **body) -> httpx.Response:
     return httpx.post(srv.url + "/v1/embeddings", json=body, timeout=60)
 
 
-def test_route_shapes_usage_and_base64(fake_server, fake):
-    r = _post(fake_server, model=MODEL, input=TEXTS)
+def test_route_shapes_usage_and_base64(server, fake):
+    r = _post(server, model=MODEL, input=TEXTS)
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["object"] == "list" and out["model"] == MODEL
@@ -166,25 +155,25 @@ def test_route_shapes_usage_and_base64(fake_server, fake):
     assert fake.embeds[0].inputs == ids  # texts tokenized with the tokenizer's special tokens
     n = sum(map(len, ids))
     assert out["usage"] == {"prompt_tokens": n, "total_tokens": n}
-    b = _post(fake_server, model=MODEL, input=TEXTS, encoding_format="base64").json()
+    b = _post(server, model=MODEL, input=TEXTS, encoding_format="base64").json()
     for d, f in zip(b["data"], out["data"], strict=True):
         vec = np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4")
         np.testing.assert_array_equal(vec, np.array(f["embedding"], dtype=np.float32))
     # token ids: one list, or a list of lists
-    one = _post(fake_server, model=MODEL, input=ids[1]).json()["data"][0]["embedding"]
+    one = _post(server, model=MODEL, input=ids[1]).json()["data"][0]["embedding"]
     assert one == out["data"][1]["embedding"]
-    many = _post(fake_server, model=MODEL, input=ids).json()["data"]
+    many = _post(server, model=MODEL, input=ids).json()["data"]
     assert [d["embedding"] for d in many] == [d["embedding"] for d in out["data"]]
 
 
-def test_route_dimensions(fake_server, fake):
-    r = _post(fake_server, model=MODEL, input="hi", dimensions=16)
+def test_route_dimensions(server, fake):
+    r = _post(server, model=MODEL, input="hi", dimensions=16)
     assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter"
     fake.reset(matryoshka=(16,))
-    r = _post(fake_server, model=MODEL, input="hi", dimensions=16)
+    r = _post(server, model=MODEL, input="hi", dimensions=16)
     assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 16
     assert fake.embeds[-1].dimensions == 16
-    r = _post(fake_server, model=MODEL, input="hi", dimensions=0)
+    r = _post(server, model=MODEL, input="hi", dimensions=0)
     assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"
 
 
@@ -201,18 +190,18 @@ def test_route_dimensions(fake_server, fake):
     (dict(model="gpt-4", input="hi"), 404, "model_not_found", "model"),
     (dict(model="/etc/passwd", input="hi"), 404, "model_not_found", "model"),
 ])
-def test_route_errors_are_openai_shaped(fake_server, fake, body, status, code, param):
-    r = _post(fake_server, **body)
+def test_route_errors_are_openai_shaped(server, fake, body, status, code, param):
+    r = _post(server, **body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["code"] == code and err["param"] == param and err["message"]
     assert err["type"] == "invalid_request_error"
     assert fake.embeds == []  # refused before the engine saw it
-    assert _post(fake_server, model=MODEL, input="still serving").status_code == 200
+    assert _post(server, model=MODEL, input="still serving").status_code == 200
 
 
-def test_route_over_context_text_is_refused(fake_server):
-    r = _post(fake_server, model=MODEL, input="word " * 5000)
+def test_route_over_context_text_is_refused(server):
+    r = _post(server, model=MODEL, input="word " * 5000)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
