@@ -516,8 +516,8 @@ def _settle(caches: list[Any] | None) -> None:
     at 64 rows of a few thousand tokens, gigabytes a step. The wait costs little: the
     graph is still built (the Python side of a step) while the previous step runs, only its
     dispatch waits, and MLX starts the device on a step's first kernels while it dispatches
-    the rest. Below `SETTLE_BYTES` the copy is small (a quarter of a gigabyte read and written
-    is ~0.1 ms on an H200) and steps are dispatched ahead as before."""
+    the rest. Below `SETTLE_BYTES` steps are dispatched ahead as before. What the wait gives
+    on a GPU (64 long rows decode faster, short ones the same): docs/kv-layouts.md."""
     if caches and kvb.nbytes(caches) >= SETTLE_BYTES:
         mx.synchronize()
 

@@ -103,3 +103,54 @@ def test_every_decode_step_is_settled_between_its_graph_and_its_dispatch(monkeyp
     assert len(launches) >= 11
     for i in launches:  # the step's forward, then the wait, then its dispatch
         assert events[i + 1 : i + 4] == ["forward", "settle", "dispatch"], events[i : i + 6]
+
+
+def test_every_verify_forward_is_settled_before_its_evaluation(monkeypatch):
+    """The verify step's forward writes its columns into the same buffers: it waits too."""
+    from engine.core import Engine, EngineConfig
+    from engine.scheduler import SchedulerConfig
+    from engine.spec import SpecConfig
+
+    events: list[str] = []
+    real_eval, real_settle = mx.eval, runner_mod._settle
+
+    def settled(caches) -> None:
+        events.append("settle")
+        real_settle(caches)
+
+    def evaluated(*arrays):
+        events.append("eval")
+        return real_eval(*arrays)
+
+    monkeypatch.setattr(runner_mod, "_settle", settled)
+    monkeypatch.setattr(runner_mod.mx, "eval", evaluated)
+    model, cfg = tiny_model("llama")
+    draft, _ = tiny_model("llama", seed=1)
+    spec = SpecConfig("draft", draft_model=draft, num_draft_tokens=3, adaptive=False, warmup=False)
+    eng = Engine(loaded(model, cfg), EngineConfig(SchedulerConfig(), spec=spec))
+    eng.start()
+    forward, verify = eng.runner._forward, eng.runner.verify
+
+    def forwarded(*args, **kwargs):
+        events.append("forward")
+        return forward(*args, **kwargs)
+
+    def verified(*args, **kwargs):
+        events.append("verify")
+        return verify(*args, **kwargs)
+
+    eng.runner._forward = forwarded  # type: ignore[method-assign]
+    eng.runner.verify = verified  # type: ignore[method-assign]
+    rng = np.random.default_rng(1)
+    outs = [submit(eng, greedy(f"v{i}", rng.integers(3, cfg["vocab_size"], 20).tolist(), 12))
+            for i in range(2)]
+    try:
+        for o in outs:
+            assert o.done.wait(120)
+    finally:
+        eng.stop()
+    rounds = [i for i, e in enumerate(events) if e == "verify"]
+    assert len(rounds) >= 3
+    for i in rounds:  # the target's forward (the draft's steps come before it), the wait, the eval
+        j = events.index("forward", i)
+        assert events[j + 1 : j + 3] == ["settle", "eval"], events[i : j + 4]
