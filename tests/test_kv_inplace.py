@@ -63,42 +63,34 @@ def test_a_step_dispatched_while_the_previous_reads_the_buffer_copies_it(monkeyp
     assert grown >= buffer, (grown, buffer)
 
 
-def test_every_decode_step_is_settled_between_its_graph_and_its_dispatch(monkeypatch):
-    events: list[str] = []
-    real_async_eval, real_settle = mx.async_eval, runner_mod._settle
+def _recorder(events: list[str], name: str, fn):
+    def recorded(*args, **kwargs):
+        events.append(name)
+        return fn(*args, **kwargs)
 
-    def settled(caches) -> None:
-        events.append("settle")
-        real_settle(caches)
+    return recorded
 
-    def dispatched(*arrays):
-        events.append("dispatch")
-        return real_async_eval(*arrays)
 
-    monkeypatch.setattr(runner_mod, "_settle", settled)
-    monkeypatch.setattr(runner_mod.mx, "async_eval", dispatched)
-    model, cfg = tiny_model("llama")
-    eng = make_engine(loaded(model, cfg))
-    forward, launch = eng.runner._forward, eng.runner._launch
-
-    def forwarded(*args, **kwargs):
-        events.append("forward")
-        return forward(*args, **kwargs)
-
-    def launched(*args, **kwargs):
-        events.append("launch")
-        return launch(*args, **kwargs)
-
-    eng.runner._forward = forwarded  # type: ignore[method-assign]
-    eng.runner._launch = launched  # type: ignore[method-assign]
-    rng = np.random.default_rng(0)
-    outs = [submit(eng, greedy(f"r{i}", rng.integers(3, cfg["vocab_size"], 20).tolist(), 12))
-            for i in range(3)]
+def _drive(eng, cfg, prefix: str, rows: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    outs = [submit(eng, greedy(f"{prefix}{i}", rng.integers(3, cfg["vocab_size"], 20).tolist(), 12))
+            for i in range(rows)]
     try:
         for o in outs:
             assert o.done.wait(120)
     finally:
         eng.stop()
+
+
+def test_every_decode_step_is_settled_between_its_graph_and_its_dispatch(monkeypatch):
+    events: list[str] = []
+    monkeypatch.setattr(runner_mod, "_settle", _recorder(events, "settle", runner_mod._settle))
+    monkeypatch.setattr(runner_mod.mx, "async_eval", _recorder(events, "dispatch", mx.async_eval))
+    model, cfg = tiny_model("llama")
+    eng = make_engine(loaded(model, cfg))
+    eng.runner._forward = _recorder(events, "forward", eng.runner._forward)  # type: ignore[method-assign]
+    eng.runner._launch = _recorder(events, "launch", eng.runner._launch)  # type: ignore[method-assign]
+    _drive(eng, cfg, "r", 3, seed=0)
     launches = [i for i, e in enumerate(events) if e == "launch"]
     assert len(launches) >= 11
     for i in launches:  # the step's forward, then the wait, then its dispatch
@@ -112,43 +104,16 @@ def test_every_verify_forward_is_settled_before_its_evaluation(monkeypatch):
     from engine.spec import SpecConfig
 
     events: list[str] = []
-    real_eval, real_settle = mx.eval, runner_mod._settle
-
-    def settled(caches) -> None:
-        events.append("settle")
-        real_settle(caches)
-
-    def evaluated(*arrays):
-        events.append("eval")
-        return real_eval(*arrays)
-
-    monkeypatch.setattr(runner_mod, "_settle", settled)
-    monkeypatch.setattr(runner_mod.mx, "eval", evaluated)
+    monkeypatch.setattr(runner_mod, "_settle", _recorder(events, "settle", runner_mod._settle))
+    monkeypatch.setattr(runner_mod.mx, "eval", _recorder(events, "eval", mx.eval))
     model, cfg = tiny_model("llama")
     draft, _ = tiny_model("llama", seed=1)
     spec = SpecConfig("draft", draft_model=draft, num_draft_tokens=3, adaptive=False, warmup=False)
     eng = Engine(loaded(model, cfg), EngineConfig(SchedulerConfig(), spec=spec))
     eng.start()
-    forward, verify = eng.runner._forward, eng.runner.verify
-
-    def forwarded(*args, **kwargs):
-        events.append("forward")
-        return forward(*args, **kwargs)
-
-    def verified(*args, **kwargs):
-        events.append("verify")
-        return verify(*args, **kwargs)
-
-    eng.runner._forward = forwarded  # type: ignore[method-assign]
-    eng.runner.verify = verified  # type: ignore[method-assign]
-    rng = np.random.default_rng(1)
-    outs = [submit(eng, greedy(f"v{i}", rng.integers(3, cfg["vocab_size"], 20).tolist(), 12))
-            for i in range(2)]
-    try:
-        for o in outs:
-            assert o.done.wait(120)
-    finally:
-        eng.stop()
+    eng.runner._forward = _recorder(events, "forward", eng.runner._forward)  # type: ignore[method-assign]
+    eng.runner.verify = _recorder(events, "verify", eng.runner.verify)  # type: ignore[method-assign]
+    _drive(eng, cfg, "v", 2, seed=1)
     rounds = [i for i, e in enumerate(events) if e == "verify"]
     assert len(rounds) >= 3
     for i in rounds:  # the target's forward (the draft's steps come before it), the wait, the eval
