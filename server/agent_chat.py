@@ -182,4 +182,4 @@ def _stream(
             if step.finish_reason:
                 yield chunk(step.index, {}, step.finish_reason)
 
-    return openai_stream(choices(), gens, body, write)
+    return openai_stream(choices(), gens, body.include_usage, write)

@@ -304,7 +304,8 @@ def chunk_writer(
 
 
 async def openai_stream(
-    choices: AsyncGenerator[bytes, None], gens: list[Generation], body: Any, chunk: Callable[..., bytes]
+    choices: AsyncGenerator[bytes, None], gens: list[Generation], include_usage: bool,
+    chunk: Callable[..., bytes],
 ) -> AsyncIterator[bytes]:
     """A streamed completion's chunks (`choices`) and the tail every OpenAI stream shares: the
     usage chunk when `stream_options.include_usage` asks for it, then `[DONE]`; a generation that
@@ -318,7 +319,7 @@ async def openai_stream(
         yield sse_event(error_body(str(exc), "server_error", None, "generation_failed"))
         yield sse_event(DONE)
         return
-    if body.include_usage:
+    if include_usage:
         yield chunk([], usage_numbers(gens))
     yield sse_event(DONE)
 
@@ -346,7 +347,7 @@ def _chat_stream(
             if d.finish_reason:
                 yield one(d.index, {}, finish=d.finish_reason)
 
-    return openai_stream(choices(), gens, body, chunk)
+    return openai_stream(choices(), gens, body.include_usage, chunk)
 
 
 # -- /v1/completions ------------------------------------------------------------------------
@@ -505,7 +506,7 @@ def _completion_stream(
                 lp = completion_logprobs(model, d.logprobs, k, len(echo_of[d.index])) if want_lp else None
                 yield chunk([{"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}])
 
-    return openai_stream(choices(), gens, body, chunk)
+    return openai_stream(choices(), gens, body.include_usage, chunk)
 
 
 async def _collect(request: Request, gens: list) -> list | Response:
