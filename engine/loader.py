@@ -148,7 +148,7 @@ def build_model(files: ModelFiles, *, dtype: str = "auto",
     fewrow.install(net)  # CUDA only: 3..16-row matmuls as one gathered gemv, engine/fewrow.py
     cuda_guard.install(net)  # CUDA only: RoPE modules that slice inputs MLX-CUDA cannot launch
     cuda_guard.install_attention(net)  # CUDA: 2..33-query attention on plain ops; CPU: NumPy softmax
-    affine_linear.install(net)  # CUDA, CPU: few-row and prefill-sized quantized matmuls (kernels/affine)
+    affine_linear.install(net, lazy=True)  # CUDA, CPU: few-row, joined and prefill-sized quantized matmuls
     served = lora.load(net, adapters)  # after the dtype and the swaps: wraps the final classes
     params = [p for _, p in cast(list[tuple[str, mx.array]], tree_flatten(net.parameters()))]
     dtypes = sorted({str(p.dtype) for p in params if mx.issubdtype(p.dtype, mx.floating)})

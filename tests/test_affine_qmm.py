@@ -169,6 +169,109 @@ def test_install_on_cuda_and_cpu_or_forced_and_leaves_other_layers():
     assert not any(isinstance(m, linear.FewRowQuantizedLinear) for _, m in model.named_modules())
 
 
+class _Siblings(nn.Module):
+    """An attention's q/k/v and an MLP's gate/up, 4-bit, optionally with biases (qwen2's q/k/v)."""
+
+    def __init__(self, bias: bool = False, v_bits: int = 4) -> None:
+        super().__init__()
+        k = 128
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(k, 64, bias=bias), nn.Linear(k, 32, bias=bias),
+                                                 nn.Linear(k, 32, bias=bias))
+        self.gate_proj, self.up_proj = nn.Linear(k, 96), nn.Linear(k, 96)
+        self.o_proj = nn.Linear(64, k)  # no sibling: stays alone
+        nn.quantize(self, group_size=32, bits=4)
+        if v_bits != 4:
+            self.v_proj = nn.QuantizedLinear.from_linear(nn.Linear(k, 32, bias=bias), group_size=32, bits=v_bits)
+        mx.eval(self.parameters())
+
+
+QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17])
+def test_joined_siblings_equal_the_members_alone(monkeypatch, bias, rows):
+    """q/k/v and gate/up joined: each member's output equals its own call bit for bit, called
+    in any order, with the joined product taken up to JOIN_ROWS rows and each member's own
+    beyond; the members' parameters are views of one buffer (no second copy)."""
+    monkeypatch.setitem(linear.JOIN_ROWS, "cpu", 16)
+    monkeypatch.setitem(linear.JOIN_ROWS, "cuda", 16)
+    mod = _Siblings(bias=bias)
+    x = mx.random.normal((rows, 128), key=mx.random.key(rows))
+    swap = {nn.QuantizedLinear: linear.FewRowQuantizedLinear}
+    from kernels.common import swap_classes
+
+    swap_classes(mod, swap)  # alone: the few-row layer without a group
+    want = {n: getattr(mod, n)(x) for n in QKV + GATE_UP}
+    mx.eval(want)
+    swap_classes(mod, {v: k for k, v in swap.items()})
+    mx.synchronize()
+    before = mx.get_active_memory()
+    assert linear.install(mod, force=True) == 6
+    assert linear.join_siblings(mod) == 0  # joined once
+    group = mod.q_proj.__dict__["_siblings"]
+    assert mod.gate_proj.__dict__["_siblings"] is mod.up_proj.__dict__["_siblings"] is not group
+    assert "_siblings" not in mod.o_proj.__dict__
+    assert group.weight.shape == (128, 128 * 4 // 32) and group.splits == [64, 96]
+    import gc
+
+    gc.collect()
+    joined_bytes = sum(a.nbytes for g in (group, mod.up_proj.__dict__["_siblings"])
+                       for a in (g.weight, g.scales, g.biases))
+    assert mx.get_active_memory() - before < joined_bytes / 4  # the members' weights are views of it
+    joined = rows <= 16
+    calls: list[int] = []
+    real = linear.affine_matmul
+    monkeypatch.setattr(linear, "affine_matmul", lambda x, w, *a, **k: calls.append(w.shape[0]) or real(x, w, *a, **k))
+    for order in (QKV, ("v_proj", "q_proj", "k_proj"), GATE_UP, ("up_proj", "gate_proj")):
+        calls.clear()
+        got = {n: getattr(mod, n)(x) for n in order}
+        for n in order:
+            assert mx.array_equal(got[n], want[n]), (order, n)
+        full = 128 if order[0] in QKV else 192
+        assert calls == ([full] if joined else [getattr(mod, n)["weight"].shape[0] for n in order])
+        assert group._x is None and not group._parts  # nothing held once every member took its part
+
+
+def test_a_member_called_with_another_input_computes_alone():
+    mod = _Siblings()
+    x, x2 = mx.random.normal((1, 128), key=mx.random.key(1)), mx.random.normal((1, 128), key=mx.random.key(2))
+    linear.install(mod, force=True)
+
+    def alone(name: str, x: mx.array) -> mx.array:
+        m = getattr(mod, name)
+        return linear.affine_matmul(x, m["weight"], m["scales"], m["biases"], 4, 32)
+
+    q = mod.q_proj(x)
+    assert mx.array_equal(mod.k_proj(x2), alone("k_proj", x2))  # not x's part
+    assert mx.array_equal(mod.v_proj(x), alone("v_proj", x))  # x's part, still held
+    assert mx.array_equal(q, alone("q_proj", x))
+    assert linear.uninstall(mod) == 6
+    assert all("_siblings" not in getattr(mod, n).__dict__ for n in QKV + GATE_UP)
+    assert mx.allclose(mod.k_proj(x2), alone("k_proj", x2), atol=1e-5)  # MLX's class over the view
+
+
+def test_install_joins_where_the_device_is_listed(monkeypatch):
+    if not linear.swapped_here():
+        pytest.skip("Metal keeps MLX's classes")
+    device = gpu_backend() or "cpu"
+    monkeypatch.setitem(linear.JOIN_ROWS, device, 16)
+    mod = _Siblings()
+    linear.install(mod)
+    assert "_siblings" in mod.q_proj.__dict__
+    monkeypatch.delitem(linear.JOIN_ROWS, device)
+    mod = _Siblings()
+    linear.install(mod)
+    assert not any("_siblings" in getattr(mod, n).__dict__ for n in QKV + GATE_UP)
+
+
+def test_siblings_of_other_formats_stay_apart():
+    mod = _Siblings(v_bits=8)
+    linear.install(mod, force=True)
+    assert all("_siblings" not in getattr(mod, n).__dict__ for n in QKV)
+    assert "_siblings" in mod.gate_proj.__dict__
+
+
 def test_route_table():
     """One row on MLX's one-row kernel, 2..16 rows on ours, anything else on MLX's."""
     assert linear.ROUTE == {1: "mlx", **{m: "ours" for m in range(2, 17)}}
