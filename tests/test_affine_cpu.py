@@ -128,3 +128,32 @@ def test_engine_exact_tier_through_the_cpu_kernel(arch):
     finally:
         linear.uninstall(model)
     assert st.spec_steps > 0
+
+
+def test_loader_joins_the_siblings_of_a_lazily_built_model(tmp_path, monkeypatch):
+    """engine.loader builds the model with its weights not yet read and joins q/k/v and gate/up
+    there: the joined buffers are read with the parameters, and the engine's greedy tokens are
+    those of the same model with its siblings apart."""
+    from bench.modelprep import SHAPES, random_model
+    from engine.core import Engine, EngineConfig
+    from engine.loader import load_model
+    from engine.scheduler import SchedulerConfig
+    from tests.tiny_models import drive, greedy
+
+    path = random_model("tiny", tmp_path / "q4", bits=4)
+    prompts = [[5 + i, 17, 42 + 3 * i, 8, 99] for i in range(3)]
+
+    def tokens() -> tuple[int, list[list[int]]]:
+        lm = load_model(str(path), dtype="float32")
+        groups = {id(m.__dict__["_siblings"]) for _, m in lm.model.named_modules() if "_siblings" in m.__dict__}
+        eng = Engine(lm, EngineConfig(SchedulerConfig()))  # stepped on this thread
+        outs = drive(eng, [greedy(f"r{i}", p, max_tokens=12) for i, p in enumerate(prompts)])
+        alone = drive(eng, [greedy("alone", prompts[1], max_tokens=12)])
+        assert alone[0].tokens == outs[1].tokens
+        return len(groups), [o.tokens for o in outs]
+
+    joined, want = tokens()
+    assert joined == 2 * SHAPES["tiny"]["num_hidden_layers"]
+    monkeypatch.setattr(linear, "JOIN_ROWS", {})
+    apart, got = tokens()
+    assert apart == 0 and got == want and all(len(t) == 12 for t in got)
