@@ -2,7 +2,8 @@
 
 On the CPU: the kernel's index math (its packing and group reads, and the mma body's fragment
 layout, emulated lane by lane) against mx.dequantize; FewRowQuantizedLinear equals
-QuantizedLinear exactly (the twin runs); the install swap; the ROUTE table and, with CUDA
+QuantizedLinear exactly (the twin runs); the install swap; joined sibling projections equal to
+the members alone; the ROUTE table and, with CUDA
 forced (the kernel call replaced by MLX's twin), which rows go where and with which shapes; and
 the engine's exact tier with the swap and the CUDA routing forced. The CUDA sources compile for sm_90 with nvcc when it is
 installed. The `gpu` tests compare the CUDA kernel with mx.quantized_matmul on the H200.
