@@ -3,14 +3,15 @@
 On the CPU: the kernel's index math (its packing and group reads, and the mma body's fragment
 layout, emulated lane by lane) against mx.dequantize; FewRowQuantizedLinear equals
 QuantizedLinear exactly (the twin runs); the install swap; joined sibling projections equal to
-the members alone; the ROUTE table and, with CUDA
-forced (the kernel call replaced by MLX's twin), which rows go where and with which shapes; and
-the engine's exact tier with the swap and the CUDA routing forced. The CUDA sources compile for sm_90 with nvcc when it is
+the members alone; the ROUTE table and, with CUDA forced (the kernel call replaced by MLX's
+twin), which rows go where and with which shapes; and the engine's exact tier with the swap
+and the CUDA routing forced. The CUDA sources compile for sm_90 with nvcc when it is
 installed. The `gpu` tests compare the CUDA kernel with mx.quantized_matmul on the H200.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import re
@@ -24,7 +25,7 @@ import pytest
 
 from kernels.affine import linear, qmm
 from kernels.affine import source as src
-from kernels.common import gpu_backend
+from kernels.common import gpu_backend, swap_classes
 
 BITS_GROUPS = [(b, g) for b in qmm.BITS for g in qmm.GROUPS]
 
@@ -200,8 +201,6 @@ def test_joined_siblings_equal_the_members_alone(monkeypatch, bias, rows):
     mod = _Siblings(bias=bias)
     x = mx.random.normal((rows, 128), key=mx.random.key(rows))
     swap = {nn.QuantizedLinear: linear.FewRowQuantizedLinear}
-    from kernels.common import swap_classes
-
     swap_classes(mod, swap)  # alone: the few-row layer without a group
     want = {n: getattr(mod, n)(x) for n in QKV + GATE_UP}
     mx.eval(want)
@@ -214,8 +213,6 @@ def test_joined_siblings_equal_the_members_alone(monkeypatch, bias, rows):
     assert mod.gate_proj.__dict__["_siblings"] is mod.up_proj.__dict__["_siblings"] is not group
     assert "_siblings" not in mod.o_proj.__dict__
     assert group.weight.shape == (128, 128 * 4 // 32) and group.splits == [64, 96]
-    import gc
-
     gc.collect()
     joined_bytes = sum(a.nbytes for g in (group, mod.up_proj.__dict__["_siblings"])
                        for a in (g.weight, g.scales, g.biases))
