@@ -347,3 +347,40 @@ def test_rows_leaving_and_joining_through_free_slots_equal_the_reference(geo, op
     assert join(5)
     check_chunk(layout, refs, rng, 1, [1] * len(refs))
     check_chunk(layout, refs, rng, 3, [3] * len(refs))
+
+
+def test_rows_moved_in_place_across_layers_are_evaluated_once(monkeypatch):
+    """`filter_rows` moves rows in place in every layer of the batch, evaluating all layers'
+    copies at once (one wait for the step in flight, not one per layer); each kept row still
+    holds exactly its own history, and the slots it left are free."""
+    from engine.batch import compact_order
+    from engine.kv.batch import filter_rows
+
+    rng = np.random.default_rng(3)
+    templates = [make_layout("plain", 0, 0, 0, 16), make_layout("ring", 16, 2, 4, 16),
+                 make_layout("plain", 0, 0, 0, 8)]
+    layers, before = [], []
+    for t in templates:
+        rows = []
+        for n in range(3, 9):
+            row = t.empty_like(1)
+            row.update_and_fetch(rand(rng, 1, n), rand(rng, 1, n))
+            rows.append(row)
+        layers.append(t.empty_like(0).merge(rows))
+        before.append([row_of_layout(r) for r in rows])
+    order = compact_order(6, {1})
+    slots = [layer.slots for layer in layers]
+    evals = []
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: evals.append(1) or real_eval(*a))
+    filter_rows(layers, order)
+    monkeypatch.setattr(mx, "eval", real_eval)
+    assert len(evals) == 1
+    assert [layer.slots for layer in layers] == slots  # nothing gathered into new buffers
+    for layer, rows in zip(layers, before, strict=True):
+        assert layer.num_rows == 5
+        for j, i in enumerate(order):
+            a, b = rows[i], row_of_layout(layer.extract(j))
+            np.testing.assert_array_equal(a.positions, b.positions)
+            for x, y in zip(a.bufs or [], b.bufs or [], strict=True):
+                assert mx.array_equal(x, y)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 
@@ -31,7 +32,7 @@ class FakeLayer:
     def __init__(self, rows: int):
         self.rows = list(range(rows))
 
-    def filter(self, keep: list[int]) -> None:
+    def filter(self, keep: list[int], moves: list[Any] | None = None) -> None:
         self.rows = [self.rows[i] for i in keep]
 
     def extend(self, other: FakeLayer) -> None:

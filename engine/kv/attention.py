@@ -46,6 +46,7 @@ Nothing is copied: rejected columns become free (full) or out-of-window (ring).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -62,6 +63,26 @@ from engine.kv.geometry import (
     row_offsets,
     shared,
 )
+
+
+@dataclass(slots=True)
+class RowMove:
+    """Rows to copy into other slots of a layout's buffers, in place (`KVLayout.filter`)."""
+
+    bufs: list[mx.array]
+    dst: list[int]
+    moving: list[mx.array]  # per buffer, the source rows in `dst`'s order (not yet evaluated)
+
+
+def apply_moves(moves: Sequence[RowMove]) -> None:
+    """Write the moved rows into their slots. The copies are evaluated first, all layers'
+    at once: a buffer that a pending read still refers to cannot be written in place, so MLX
+    would copy all of it."""
+    mx.eval([m for mv in moves for m in mv.moving])
+    for mv in moves:
+        for b, m in zip(mv.bufs, mv.moving, strict=True):
+            for i, d in enumerate(mv.dst):
+                b[d : d + 1] = m[i : i + 1]
 
 
 class KVLayout:
@@ -403,7 +424,9 @@ class KVLayout:
     def same_kind(self, other: Any) -> bool:
         return type(other) is type(self) and other._params() == self._params()
 
-    def filter(self, keep: Sequence[int] | np.ndarray | mx.array) -> None:
+    def filter(
+        self, keep: Sequence[int] | np.ndarray | mx.array, moves: list[RowMove] | None = None
+    ) -> None:
         """Keep these rows, in this order; the others are dropped.
 
         When few rows go (at most `free_slots(len(keep))` slots would be left free) and few
@@ -411,7 +434,11 @@ class KVLayout:
         slots in place, and the slots past the last kept row become free for rows that join
         later (`extend`): no copy of the whole batch. `engine.batch.compact_order` gives the
         order that moves the fewest rows. Otherwise the kept rows are gathered into new
-        buffers."""
+        buffers.
+
+        With `moves`, an in-place move is appended there instead of done: the caller
+        evaluates every layer's moves at once and writes them (`apply_moves`), one wait
+        for the whole model instead of one per layer."""
         idx = np.asarray(keep, dtype=np.int64).reshape(-1)
         k = len(idx)
         in_place = False
@@ -422,24 +449,22 @@ class KVLayout:
                 idx_mx = mx.array(idx, dtype=mx.int32)
                 self._bufs = [b[idx_mx] for b in self._bufs]
             elif len(moved):
-                self._move_rows(moved, idx[moved])
+                move = self._row_move(moved, idx[moved])
+                if moves is None:
+                    apply_moves([move])
+                else:
+                    moves.append(move)
         self._n, self._skip, self._remaining = self._n[idx], self._skip[idx], self._remaining[idx]
         if self._ckpt is not None and self._high is not None:
             self._ckpt, self._high = self._ckpt[idx], self._high[idx]
         if not in_place:
             self._shrink()
 
-    def _move_rows(self, dst: np.ndarray, src: np.ndarray) -> None:
-        """Slot `dst[i]` takes a copy of slot `src[i]`, in place. The copies are evaluated
-        before they are written: a buffer that a pending read still refers to cannot be
-        written in place, so MLX would copy all of it."""
+    def _row_move(self, dst: np.ndarray, src: np.ndarray) -> RowMove:
+        """Slot `dst[i]` is to take a copy of slot `src[i]` (`apply_moves` does it)."""
         assert self._bufs is not None
         src_mx = mx.array(src, dtype=mx.int32)
-        moving = [b[src_mx] for b in self._bufs]
-        mx.eval(moving)
-        for b, m in zip(self._bufs, moving, strict=True):
-            for i, d in enumerate(dst.tolist()):
-                b[d : d + 1] = m[i : i + 1]
+        return RowMove(self._bufs, dst.tolist(), [b[src_mx] for b in self._bufs])
 
     def _shrink(self) -> None:
         if self._bufs is None:

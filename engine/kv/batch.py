@@ -24,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from engine.kv.attention import KVLayout
+from engine.kv.attention import KVLayout, RowMove, apply_moves
 from engine.kv.recurrent import RecurrentLayout
 
 Layout = KVLayout | RecurrentLayout
@@ -107,8 +107,11 @@ def extend(batch: Layouts | None, other: Layouts) -> Layouts:
 
 
 def filter_rows(batch: Layouts, keep: Sequence[int]) -> None:
+    moves: list[RowMove] = []
     for layer in batch:
-        layer.filter(keep)
+        layer.filter(keep, moves)
+    if moves:
+        apply_moves(moves)
 
 
 def extract_row(batch: Layouts, i: int) -> Layouts:

@@ -187,7 +187,9 @@ class RecurrentLayout:
     def same_kind(self, other: Any) -> bool:
         return isinstance(other, RecurrentLayout) and len(other.cache) == len(self.cache)
 
-    def filter(self, keep: Sequence[int] | np.ndarray | mx.array) -> None:
+    def filter(self, keep: Sequence[int] | np.ndarray | mx.array, moves: Any = None) -> None:
+        """Keep these rows, in this order (gathered: a state is small). `moves` is
+        `KVLayout.filter`'s; nothing is ever deferred here."""
         idx = np.asarray(keep, dtype=np.int64).reshape(-1)
         idx_mx = mx.array(idx, dtype=mx.int32)
         self.cache = [c[idx_mx] if c is not None else None for c in self.cache]
