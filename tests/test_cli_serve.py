@@ -242,6 +242,16 @@ def test_blas_that_does_not_load(tmp_path):
     _assert_short_error(r, f"--blas {fake}")
 
 
+def test_trace_file_that_cannot_be_written_is_the_flags_error(tmp_path):
+    """Before, a --trace-steps file in a missing directory failed the engine's start and was
+    reported as a missing model."""
+    bad = tmp_path / "no-such-dir" / "steps.jsonl"
+    r = _run("serve", "--port", "0", "--trace-steps", str(bad))
+    assert r.returncode == 2
+    _assert_short_error(r, f"--trace-steps {bad}: cannot write it")
+    assert "--model" not in r.stderr
+
+
 def test_port_in_use_is_one_line_before_the_model_loads():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
