@@ -256,8 +256,10 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # not listed keeps its siblings apart. Measured on the 2-core Linux machine (float32, 4-bit,
 # mlxd's engine in-process, windows alternating between joined and apart, tokens/s): a 4-layer,
 # 256-wide model 1.13x at one row and 1.15x at four (a forward 8.4 -> 7.1 ms); Llama-3.2-1B's
-# shape 1.00-1.01x a forward, 1.11x / 1.01x the engine's 1 / 4 rows. CUDA is not listed: not
-# measured (through the kernel of `ROUTE`'s 2..16 rows a joined launch lost, docs/kernels.md).
+# shape 1.00-1.01x a forward, 1.11x / 1.01x the engine's 1 / 4 rows. CUDA is not listed: at one
+# row (MLX's own kernel over the joined weight) an 8B-shape 4-bit model on one H100 gave 0.99x a
+# forward and 1.00x pipelined decode; through the kernel of `ROUTE`'s 2..16 rows a joined launch
+# lost (docs/kernels.md).
 JOIN_ROWS: dict[str, int] = {"cpu": 16}
 
 
