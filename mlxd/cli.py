@@ -437,13 +437,6 @@ def serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         return _fail(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}; choose "
                      "another --port (or --host)", 1)
-    if args.trace_steps:  # a file that cannot be written is the flag's error, not the model's
-        try:
-            with open(args.trace_steps, "a", encoding="utf-8"):
-                pass
-        except OSError as exc:
-            return _fail(f"--trace-steps {args.trace_steps}: cannot write it: "
-                         f"{exc.strerror or exc}", 2)
     try:
         client = build_client(args)
     except (StartupError, UnsupportedKV, UnsupportedArchitecture) as exc:  # a configuration this machine cannot run

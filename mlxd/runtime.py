@@ -26,6 +26,14 @@ def build_client(args: argparse.Namespace | None = None, **overrides: Any):
     if wanted.strip().lower() not in BLAS_KEYWORDS and info.path is None:
         raise StartupError(f"--blas {wanted}: {info.reason}; give a CBLAS library such as "
                            "libopenblas.so.0, or auto / none")
+    trace = opts.get("trace_steps")
+    if trace:  # the engine opens it after the load: a bad path is the flag's error, not the model's
+        try:
+            with open(trace, "a", encoding="utf-8"):
+                pass
+        except OSError as exc:
+            raise StartupError(f"--trace-steps {trace}: cannot write it: "
+                               f"{exc.strerror or exc}") from None
     import mlx.core as mx
 
     from engine.core import AsyncEngine, Engine
