@@ -36,6 +36,7 @@ forwards of up to 127 rows all take the few-row one.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from functools import lru_cache
@@ -284,15 +285,11 @@ class SiblingGroup:
         self.weight = mx.concatenate([m["weight"] for m in members], axis=0)
         self.scales = mx.concatenate([m["scales"] for m in members], axis=0)
         self.biases = mx.concatenate([m["biases"] for m in members], axis=0)
-        self.splits: list[int] = []
-        start = 0
-        for m in members:
-            stop = start + int(m["weight"].shape[0])
+        stops = list(itertools.accumulate(int(m["weight"].shape[0]) for m in members))
+        self.splits = stops[:-1]  # where each member's output columns start, but the first's
+        for m, start, stop in zip(members, [0, *self.splits], stops, strict=True):
             m.weight, m.scales, m.biases = (self.weight[start:stop], self.scales[start:stop],
                                             self.biases[start:stop])
-            self.splits.append(stop)
-            start = stop
-        self.splits.pop()
         self.members = members
         self._x: mx.array | None = None
         self._parts: dict[int, mx.array] = {}
