@@ -217,3 +217,54 @@ def test_a_row_joins_into_the_slot_a_finished_row_left(monkeypatch):
         eng.turn()
     assert in_place  # the late row was written into the slot r0 left
     assert {r.req_id: o.tokens for r, o in zip(reqs, outs, strict=True)} == alone
+
+
+def _prefill_steps(eng) -> list[list[str]]:
+    """Records, per step that prefilled, the requests of each of its prefill forwards."""
+    steps: list[list[str]] = []
+    run = eng.runner.run
+
+    def recording(plan):
+        groups = ([plan.prefill] if plan.prefill is not None else []) + plan.also
+        if groups:
+            steps.append([",".join(r.req_id for r in g.rows) for g in groups])
+        return run(plan)
+
+    eng.runner.run = recording
+    return steps
+
+
+def test_whole_prompts_sharing_a_step_match_alone():
+    """While a row decodes, prompts that each complete in one step run in the same step, each
+    in its own forward, within the prefill budget: every row's greedy tokens equal the same
+    request alone, and the batch is empty afterwards."""
+    from engine.core import Engine, EngineConfig
+    from engine.scheduler import SchedulerConfig
+    from tests.tiny_models import drive
+
+    model, cfg = tiny_model("qwen3")  # full attention: a step's chunk may exceed prefill_chunk
+    lm = loaded(model, cfg)
+    rng = random.Random(4)
+
+    def request(i: int, n: int, max_tokens: int):
+        return greedy(f"r{i}", [rng.randrange(3, cfg["vocab_size"]) for _ in range(n)],
+                      max_tokens)
+
+    lead = request(0, 12, 40)
+    burst = [request(i, 50 + 9 * i, 5 + 2 * i) for i in range(1, 8)]
+    sched = dict(prefill_chunk=32, prefill_budget=256)
+    alone = {r.req_id: drive(Engine(lm, EngineConfig(SchedulerConfig(**sched))), [r])[0].tokens
+             for r in [lead, *burst]}
+    eng = Engine(lm, EngineConfig(SchedulerConfig(**sched)))
+    steps = _prefill_steps(eng)
+    outs = {lead.req_id: submit(eng, lead)}
+    while len(outs[lead.req_id].tokens) < 3:
+        eng.turn()
+    outs.update({r.req_id: submit(eng, r) for r in burst})
+    while not all(o.done.is_set() for o in outs.values()):
+        eng.turn()
+    assert max(len(s) for s in steps) >= 2, steps  # some step ran several prompts
+    for r in [lead, *burst]:
+        assert outs[r.req_id].tokens == alone[r.req_id], r.req_id
+    stats = eng.stats()
+    assert stats.num_running == 0 and stats.kv_bytes == 0
