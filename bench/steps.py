@@ -4,9 +4,8 @@
     python -m bench steps steps.jsonl                                        # summarise it
 
 Steps fall into kinds by what they ran: `decode` (the running rows only), `prefill` (a prompt's
-chunk, no rows decoding), `prefill+decode` (a chunk beside decoding rows), `group` (several
-prompts prefilled together in one forward) and `prefills+decode` (several prompts, each in its
-own forward, beside decoding rows), each with `+join` when prompts joined the batch that
+chunk, no rows decoding), `prefill+decode` (a chunk beside decoding rows) and `group`
+(several prompts prefilled together), each with `+join` when prompts joined the batch that
 step. Per kind: how many, their total seconds, and the median and mean seconds of each phase
 (engine/steptrace.py names them), with the median prefill columns, decoding rows and cached
 tokens. Written to steps.json and steps.png (mean phase seconds per kind, stacked).
@@ -37,9 +36,7 @@ def add_parsers(sub: Any) -> None:
 
 def kind(step: dict[str, Any]) -> str:
     rows, joined = step.get("prefill_rows", 0), step.get("joined", 0)
-    if step.get("prefill_groups", 1) > 1:
-        name = "prefills+decode"
-    elif rows > 1:
+    if rows > 1:
         name = "group"
     elif not rows:
         name = "decode"

@@ -572,8 +572,8 @@ class Engine(EngineThread):
         plan = sched.schedule()
         scheduled = time.perf_counter()
         prefill_from = plan.prefill.done if plan.prefill is not None else 0
-        for group in ([plan.prefill] if plan.prefill is not None else []) + plan.also:
-            self._dequeue(group.rows)  # a started row no longer counts against max_queue
+        if plan.prefill is not None:
+            self._dequeue(plan.prefill.rows)  # a started row no longer counts against max_queue
         result = self.runner.run(plan)
         num_rows = len(plan.batch)
         ran = time.perf_counter()
@@ -606,23 +606,17 @@ class Engine(EngineThread):
         assert self._trace is not None and self.runner.timings is not None
         end = time.perf_counter()
         group = plan.prefill
-        also = plan.also
         record: dict[str, Any] = {
             "t": round(start, 6), "seconds": round(end - start, 6),
             "schedule": round(scheduled - start, 6),
             **{k: round(v, 6) for k, v in self.runner.timings.items()},
             "update": round(updated - ran, 6), "emit": round(end - updated, 6),
             "decode_rows": num_rows, "width": result.width,
-            "prefill_rows": (len(group.rows) if group is not None else 0)
-            + sum(len(g.rows) for g in also),
-            "prefill_cols": (plan.prefill_end - prefill_from if group is not None else 0)
-            + sum(g.width for g in also),
+            "prefill_rows": len(group.rows) if group is not None else 0,
+            "prefill_cols": plan.prefill_end - prefill_from if group is not None else 0,
             "prefill_cached": (sum(r.num_cached_tokens for r in group.rows)
-                               if group is not None and prefill_from == 0 else 0)
-            + sum(r.num_cached_tokens for g in also for r in g.rows),
-            "prefill_groups": (group is not None) + len(also),
-            "joined": (len(plan.join) if plan.join is not None else 0)
-            + sum(len(g.rows) for g in also),
+                               if group is not None and prefill_from == 0 else 0),
+            "joined": len(plan.join) if plan.join is not None else 0,
         }
         self._trace.write(record)
 
@@ -658,10 +652,8 @@ class Engine(EngineThread):
     def _fail_all(self, message: str, reason: str = FINISH_ERROR) -> None:
         sched = self.scheduler
         rows = list(sched.waiting) + (sched.prefill.rows if sched.prefill else []) + sched.running.rows
-        rows += [r for g in sched.also for r in g.rows]  # a step that failed before its update
         sched.waiting.clear()
         sched.prefill = None
-        sched.also = []
         for row in rows:  # prefix hits looked up for rows that will never run
             sched.prefix.forget(row)
         sched.running.take([])

@@ -250,12 +250,12 @@ class LeaderScheduler(Scheduler):
         self.pending.items.append(("abort", req_id))
         return super().abort(req_id)
 
-    def _pick(self, long_ok: bool, within: int | None = None) -> list[RowMeta]:
+    def _pick(self, long_ok: bool) -> list[RowMeta]:
         looked: list[str] = []
         prefix = self.prefix
         self.prefix = _LookupRecorder(prefix, looked)  # type: ignore[assignment]
         try:
-            rows = super()._pick(long_ok, within)
+            rows = super()._pick(long_ok)
         finally:
             self.prefix = prefix
         self.pending.picks.append((looked, [r.req_id for r in rows],
@@ -450,8 +450,8 @@ class FollowerScheduler(Scheduler):
 
     script: list[Pick]
 
-    def _pick(self, long_ok: bool, within: int | None = None) -> list[RowMeta]:
-        del long_ok, within
+    def _pick(self, long_ok: bool) -> list[RowMeta]:
+        del long_ok
         looked, picked, cached, self._picked_chunk = self.script.pop(0)
         by_id = {r.req_id: r for r in self.waiting}
         for req_id in looked:

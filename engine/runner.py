@@ -222,28 +222,22 @@ class Runner:
     def run(self, plan: Plan) -> StepResult:
         t0 = time.perf_counter()
         first = self._prefill(plan) if plan.prefill is not None else None
-        firsts = [first] if first is not None else []
-        for group in plan.also:  # whole prompts after the first group, each its own forward
-            extra = self._prefill(Plan(plan.batch, group, group.width, group.batch))
-            if extra is not None:
-                firsts.append(extra)
         if plan.prefill is not None:
             self._lap("prefill", t0)
         # with `on_first`, the first tokens are out (and counted by the rows) before the rows
         # join; they are then no longer pending in the step's result
-        pending = firsts if self.on_first is None else []
+        pending = first if self.on_first is None else None
         batch = plan.batch
-        joins = ([plan.join] if plan.join is not None else []) + [g.batch for g in plan.also]
-        for join in joins:
-            batch.concat(join)
+        if plan.join is not None:
+            batch.concat(plan.join)
         if not len(batch):
             self._held = 0  # chosen for rows that are gone
             return _joined(self._drain(), pending)
-        if firsts and joins:
+        if first is not None and plan.join is not None:
             # rows that took their first token from the prefill decode plainly in this step (a
             # verify's drafts must have seen that token); under a grammar they wait a step, for
             # it to take that token before it masks the next
-            if any(join.constrained_rows() for join in joins):
+            if plan.join.constrained_rows():
                 return _joined(self._drain(), pending)
             width = 1
         else:
@@ -330,8 +324,8 @@ class Runner:
         """Now; with `timings` on (engine.steptrace), also record `phase` as lasting since
         `since`."""
         now = time.perf_counter()
-        if self.timings is not None:  # summed: a step may run a phase more than once
-            self.timings[phase] = self.timings.get(phase, 0.0) + now - since
+        if self.timings is not None:
+            self.timings[phase] = now - since
         return now
 
     def prefill_row(self, caches: list[Any], token_ids: list[int]) -> None:
@@ -596,13 +590,13 @@ def _logprobs(
 
 
 def _all_at_their_limit(batch: RunningBatch, inflight: InFlight | None,
-                        firsts: list[InFlight]) -> bool:
+                        first: InFlight | None) -> bool:
     """Whether every row of `batch` reaches its max_new_tokens with the tokens already computed
-    but not yet reported (the step in flight, the first tokens of this step's prefills)."""
+    but not yet reported (the step in flight, the first tokens of this step's prefill)."""
     if any(r.num_generated + 1 < r.max_new_tokens for r in batch.rows):
         return False  # a row with two tokens to go: at most one of them is pending
     pending = {id(r) for r in inflight.rows} if inflight is not None else set()
-    for first in firsts:
+    if first is not None:
         pending.update(id(r) for r in first.rows)
     return all(r.num_generated + (id(r) in pending) >= r.max_new_tokens for r in batch.rows)
 
@@ -612,20 +606,21 @@ def _outputs(step: InFlight) -> list[mx.array]:
             if a is not None]
 
 
-def _joined(result: StepResult, firsts: list[InFlight]) -> StepResult:
+def _joined(result: StepResult, first: InFlight | None) -> StepResult:
     """`result` with the first tokens of the rows whose prefill completed this step after its
-    own rows (`firsts`: already evaluated), in the order the prefills ran."""
-    for first in firsts:
-        new = _collect(first)
-        offset = len(result.rows)
-        for name in ("logprobs", "top_logprobs"):
-            a, b = getattr(result, name), getattr(new, name)
-            if a is not None or b is not None:
-                setattr(result, name, (a if a is not None else [[] for _ in result.rows])
-                        + (b if b is not None else [[] for _ in new.rows]))
-        result.rows = result.rows + new.rows
-        result.tokens = result.tokens + new.tokens
-        result.errors.update({offset + i: e for i, e in new.errors.items()})
+    own rows (`first`: already evaluated)."""
+    if first is None:
+        return result
+    new = _collect(first)
+    offset = len(result.rows)
+    for name in ("logprobs", "top_logprobs"):
+        a, b = getattr(result, name), getattr(new, name)
+        if a is not None or b is not None:
+            setattr(result, name, (a if a is not None else [[] for _ in result.rows])
+                    + (b if b is not None else [[] for _ in new.rows]))
+    result.rows = result.rows + new.rows
+    result.tokens = result.tokens + new.tokens
+    result.errors.update({offset + i: e for i, e in new.errors.items()})
     return result
 
 

@@ -126,9 +126,6 @@ class Plan:
     prefill: PrefillGroup | None = None
     prefill_end: int = 0  # process columns [prefill.done, prefill_end)
     join: RunningBatch | None = None  # joins `batch` after the chunk (its prefill is complete)
-    # groups prefilled whole after `prefill`'s last chunk, each in its own forward; they join
-    # `batch` after `join`
-    also: list[PrefillGroup] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -172,7 +169,6 @@ class Scheduler:
         self._interleaved = False  # the last step ran a short group between a long one's chunks
         self._failed: list[TokenEvent] = []  # rows failed while planning, out with the next update
         self._picked_chunk = 0  # `_pick`: the most columns a step of the group it picked runs
-        self.also: list[PrefillGroup] = []  # this step's groups after the first (`Plan.also`)
 
     # -- admission -------------------------------------------------------------------------
     def add(self, row: RowMeta) -> None:
@@ -219,7 +215,6 @@ class Scheduler:
 
     # -- planning --------------------------------------------------------------------------
     def schedule(self) -> Plan:
-        self.also = []
         group = self._next_group()
         plan = Plan(self.running)
         if group is not None:
@@ -228,9 +223,6 @@ class Scheduler:
             plan.prefill_end = min(group.width, group.done + cols)
             if plan.prefill_end >= group.width:
                 plan.join = group.batch
-                if len(self.running) and group is self.prefill:
-                    used = (plan.prefill_end - group.done) * len(group.rows)
-                    plan.also = self._more_groups(self.prefill_budget - used)
         # the prefix cache's inserts during this step leave room for what this step holds
         self._give_prefix_room(group if group is not None and group is not self.prefill else None)
         return plan
@@ -251,34 +243,6 @@ class Scheduler:
         short = self._form_group(long_ok=False)
         self._interleaved = short is not None
         return short or started
-
-    def _more_groups(self, left: int) -> list[PrefillGroup]:
-        """Groups that start and complete in this step after the one it already runs, while
-        rows decode, within what is `left` of the prefill budget: each in its own forward,
-        reported as soon as it is read, so a burst of prompts shares each step's decode
-        instead of paying one decode step per prompt (the rows decoding wait for the step's
-        whole prefill, which the budget bounds as it bounds a long prompt's chunk)."""
-        while left > 0 and self.waiting:
-            group = self._form_group(long_ok=True, within=left)
-            if group is None:
-                break
-            self.also.append(group)
-            left -= group.width * len(group.rows)
-        return self.also
-
-    def _waits_for_this_step(self, row: RowMeta) -> bool:
-        """Whether a prompt prefilled this step shares more of `row`'s prompt than its own
-        prefix-cache hit (by one hit granule): the prefill stores those blocks, and `row`
-        starting after it takes them from the cache instead of computing them again."""
-        if not self.prefix.keeps:
-            return False
-        end = row.num_cached_tokens + self.prefix.block_size * self.prefix.hit_blocks
-        ids = row.request.prompt_ids
-        if end >= len(ids):
-            return False
-        head = ids[:end]
-        groups = [self.prefill, *self.also] if self.prefill is not None else self.also
-        return any(r.request.prompt_ids[:end] == head for g in groups for r in g.rows)
 
     def _order(self) -> list[RowMeta]:
         """Waiting rows in the order they may start: first those later requests have already
@@ -330,22 +294,15 @@ class Scheduler:
         one, where they are wider)."""
         return sorted({w for w in (self.busy_chunk(), self.idle_chunk) if w > self.prefix.chunk})
 
-    def _pick(self, long_ok: bool, within: int | None = None) -> list[RowMeta]:
+    def _pick(self, long_ok: bool) -> list[RowMeta]:
         """The next group's rows in `_order`: one long prompt alone (only when `long_ok`: no
         long one is in progress), or short ones up to the group budget, while their memory
         fits (`_admits`). An overdue row that cannot start now (no room, no memory, a long one
-        while another is in progress) stops the group: nothing later passes it.
-
-        `within`: a group this step runs after another (`_more_groups`): at most `within`
-        rows x columns, a long prompt only if it completes in one step, and the first row in
-        the order that cannot join ends it (nor does a row join whose prompt the step's other
-        prefills would give it more of, `_waits_for_this_step`)."""
+        while another is in progress) stops the group: nothing later passes it."""
         cfg = self.config
         started = len(self.prefill.rows) if self.prefill is not None else 0
-        started += sum(len(g.rows) for g in self.also)
         room = cfg.max_num_seqs - len(self.running) - started
-        chunk = self.prefix.chunk
-        budget = self._group_budget() if within is None else within
+        chunk, budget = self.prefix.chunk, self._group_budget()
         rows: list[RowMeta] = []
         width = 0
         admitted = self._row_tokens(self._admitted())
@@ -356,16 +313,11 @@ class Scheduler:
             self.prefix.lookup(row)
             long = _need(row) > chunk
             cols = 0
-            if within is not None and (
-                    max(width, _need(row)) * (len(rows) + 1) > within
-                    or long and (rows or _need(row) > self.step_chunk())
-                    or self._waits_for_this_step(row)):
-                break
             if not (long and (rows or not long_ok)
                     or rows and max(width, _need(row)) * (len(rows) + 1) > budget):
                 cols = self._admits(rows, row, admitted, self.step_chunk() if long else chunk)
             if not cols:
-                if overdue or not long or within is not None:
+                if overdue or not long:
                     break  # shortest first: what follows is no shorter
                 continue  # a long one waits for the long slot; shorter ones may go
             rows.append(row)
@@ -377,8 +329,7 @@ class Scheduler:
 
     # -- memory ----------------------------------------------------------------------------
     def _admitted(self) -> list[RowMeta]:
-        rows = self.running.rows + (self.prefill.rows if self.prefill is not None else [])
-        return rows + [r for g in self.also for r in g.rows]
+        return self.running.rows + (self.prefill.rows if self.prefill is not None else [])
 
     def _row_tokens(self, rows: list[RowMeta]) -> list[int]:
         return [self.budget.row_tokens(r.num_prompt_tokens, r.max_new_tokens) for r in rows]
@@ -462,8 +413,8 @@ class Scheduler:
         free = self._free(group.rows, chunk=group.chunk) if group is not None else self._free()
         self.prefix.set_room(free - self.budget.transient(chunk, chunk))
 
-    def _form_group(self, long_ok: bool = True, within: int | None = None) -> PrefillGroup | None:
-        picked = self._pick(long_ok, within)
+    def _form_group(self, long_ok: bool = True) -> PrefillGroup | None:
+        picked = self._pick(long_ok)
         if not picked:
             return None
         self._take_waiting(picked)
@@ -534,9 +485,6 @@ class Scheduler:
             group.done = plan.prefill_end
             if group.finished and group is self.prefill:  # its rows joined the batch this step
                 self.prefill = None
-        for extra in plan.also:
-            extra.done = extra.width
-        self.also = []
         events, self._failed = self._failed, []
         events += self.row_events(result)
         self.prefix.advance(self.running.rows, self.running.caches)

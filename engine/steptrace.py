@@ -7,8 +7,7 @@ One JSON line per step of the engine loop (engine.core `Engine._step`), appended
      "collect": ..., "update": ..., "emit": ...,            # seconds of each phase it ran
      "decode_rows": rows in the running batch after joins, "width": 0 none, 1 plain, k + 1 verify,
      "prefill_rows": ..., "prefill_cols": columns this step prefilled,
-     "prefill_cached": the groups' restored tokens (a group's first chunk only),
-     "prefill_groups": prefill forwards (groups) this step ran, "joined": ...}
+     "prefill_cached": the group's restored tokens (its first chunk only), "joined": ...}
 
 Phases: `schedule` (picking the rows, the prefix cache's restores built), `prefill` (the
 chunk's forward built and launched or, for a group's last chunk, waited for, `prefill_wait`,

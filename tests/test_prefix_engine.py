@@ -107,36 +107,3 @@ def test_rows_with_the_same_hit_share_one_restore(tinycoder_path):
     plain = Engine(lm, EngineConfig(SchedulerConfig(), prefix_cache_bytes=0))
     ref = drive(plain, [greedy(r.req_id, r.prompt_ids, 12) for r in reqs])
     assert [o.tokens for o in got] == [o.tokens for o in ref]
-
-
-def test_a_prompt_waits_a_step_for_what_another_prefill_of_that_step_stores():
-    """Prompts arriving together while a row decodes: one that shares an uncached prefix with
-    a prompt the step already prefills is not added to that step; it starts in the next one,
-    from the blocks that prefill stored. An unrelated prompt shares the step."""
-    from engine.core import Engine, EngineConfig
-    from engine.scheduler import SchedulerConfig
-    from tests.test_engine_batching import _prefill_steps
-    from tests.tiny_models import submit
-
-    model, cfg = tiny_model("qwen3")
-    lm = loaded(model, cfg)
-    rng = random.Random(5)
-
-    def tokens(n: int) -> list[int]:
-        return [rng.randrange(3, cfg["vocab_size"]) for _ in range(n)]
-
-    shared = tokens(96)
-    reqs = [greedy("a", shared + tokens(14), 4), greedy("c", tokens(115), 4),
-            greedy("b", shared + tokens(24), 4)]
-    eng = Engine(lm, EngineConfig(SchedulerConfig(prefill_chunk=32, prefill_budget=512)))
-    steps = _prefill_steps(eng)
-    lead = submit(eng, greedy("lead", tokens(10), 60))
-    while len(lead.tokens) < 2:
-        eng.turn()
-    outs = {r.req_id: submit(eng, r) for r in reqs}
-    while not all(o.done.is_set() for o in outs.values()):
-        eng.turn()
-    assert ["a", "c"] in steps and ["b"] in steps, steps
-    assert steps.index(["b"]) > steps.index(["a", "c"])
-    assert outs["b"].events[-1].num_cached_tokens == len(shared) // PREFIX_BLOCK_SIZE * PREFIX_BLOCK_SIZE
-    assert outs["c"].events[-1].num_cached_tokens == 0

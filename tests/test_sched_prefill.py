@@ -48,29 +48,22 @@ class FakeRunner:
     joined: dict[str, int] = field(default_factory=dict)  # req_id -> step it joined the batch
     groups: list[tuple[int, list[str]]] = field(default_factory=list)  # groups as they started
     prefill_steps: dict[str, list[int]] = field(default_factory=dict)  # steps with its chunk
-    cols: dict[int, int] = field(default_factory=dict)  # step -> rows x columns it prefilled
-    forwards: dict[int, int] = field(default_factory=dict)  # step -> its prefill forwards
 
     def run(self, plan: Plan) -> StepResult:
-        groups = [g for g in [plan.prefill, *plan.also] if g is not None]
-        if plan.prefill is not None:
-            first = (plan.prefill_end - plan.prefill.done) * len(plan.prefill.rows)
-            self.cols[self.step] = first + sum(g.width * len(g.rows) for g in plan.also)
-            self.forwards[self.step] = len(groups)
-        for group in groups:
+        group = plan.prefill
+        if group is not None:
             ids = [r.req_id for r in group.rows]
             if group.done == 0:
                 self.groups.append((self.step, ids))
             for rid in ids:
                 self.started.setdefault(rid, self.step)
                 self.prefill_steps.setdefault(rid, []).append(self.step)
-        joins = [plan.join] if plan.join is not None else []
-        for join in joins + [g.batch for g in plan.also]:
-            for row in join.rows:
+        if plan.join is not None:
+            for row in plan.join.rows:
                 self.joined[row.req_id] = self.step
             # the last chunk samples the rows' first tokens (engine.runner)
-            join.next_tokens = mx.full((len(join),), 5, dtype=mx.int32)
-            plan.batch.concat(join)
+            plan.join.next_tokens = mx.full((len(plan.join),), 5, dtype=mx.int32)
+            plan.batch.concat(plan.join)
         rows = list(plan.batch.rows)
         self.step += 1
         return StepResult(rows, [[5] for _ in rows], width=1 if rows else 0)
@@ -215,34 +208,6 @@ def test_group_budget_grows_when_no_rows_decode():
     for r in rows:
         busy.add(_row("b" + r.req_id, 32, 4))
     assert len(busy.schedule().prefill.rows) == 4  # 128 / 32
-
-
-def test_a_burst_of_whole_prompts_shares_the_steps_while_rows_decode():
-    """Prompts that each complete in one step (longer than a chunk, within the busy chunk)
-    arriving together while a row decodes: each step runs as many of them as the prefill
-    budget holds (two of ~100 tokens in 256), each in its own forward, shortest first; with no
-    row decoding one prompt runs at a time (no decode to share), until the first one joins."""
-    burst = [_row(f"p{i}", 100 + i, 4) for i in range(8)]
-    runner = _drive(_scheduler(), {0: [_row("d", 5, 400)], 2: burst})
-    steps = sorted({runner.joined[r.req_id] for r in burst})
-    assert steps == [2, 3, 4, 5]
-    assert all(runner.forwards[s] == 2 and runner.cols[s] <= 4 * CHUNK for s in steps)
-    assert [runner.joined[f"p{i}"] for i in range(8)] == [2, 2, 3, 3, 4, 4, 5, 5]
-    assert all(len(ids) == 1 for _, ids in runner.groups)  # each prompt its own forward
-    idle = _drive(_scheduler(), {0: [_row(f"p{i}", 100 + i, 4) for i in range(8)]})
-    first = idle.joined["p0"]
-    assert set(idle.forwards[s] for s in range(first + 1)) == {1}
-    assert idle.forwards[first + 1] == 2
-
-
-def test_a_prompt_longer_than_the_step_is_never_added_to_another():
-    """A prompt the busy chunk cannot finish in one step still prefills alone in chunks; a
-    short one after it, in order, waits for the next step's group rather than passing it."""
-    runner = _drive(_scheduler(), {0: [_row("d", 5, 400)],
-                                   2: [_row("a", 100, 4), _row("long", 5 * CHUNK, 4)]})
-    assert runner.joined["a"] == 2
-    assert runner.started["long"] == 3 and runner.joined["long"] == 4
-    assert runner.forwards[2] == 1 and max(runner.cols.values()) <= 4 * CHUNK
 
 
 def test_auto_budget_rule():

@@ -625,8 +625,6 @@ class _Looked:
 class PrefixIndex:
     """The scheduler's prefix-cache policy over a `PrefixCache` (see the module docstring)."""
 
-    keeps = True  # a prefill stores its blocks, for later prompts to hit
-
     def __init__(
         self, make_caches: MakeCaches, max_bytes: int, block_size: int = 16,
         prefill_chunk: int = 512,
@@ -807,7 +805,6 @@ class NoPrefix:
 
     block_size = 16
     hit_blocks = 1
-    keeps = False  # a prefill stores nothing a later prompt could hit
 
     def __init__(self, make_caches: MakeCaches, prefill_chunk: int = 512) -> None:
         self._make_caches = make_caches
