@@ -29,12 +29,15 @@ after `accepted[b]` columns. Cost: (k+1) state copies per recurrent layer per ro
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
 
 from engine.kv.geometry import UNBOUNDED
+
+if TYPE_CHECKING:  # types only: this module does not depend on the attention layouts
+    from engine.kv.attention import RowMove
 
 
 class RecurrentLayout:
@@ -187,7 +190,9 @@ class RecurrentLayout:
     def same_kind(self, other: Any) -> bool:
         return isinstance(other, RecurrentLayout) and len(other.cache) == len(self.cache)
 
-    def filter(self, keep: Sequence[int] | np.ndarray | mx.array, moves: Any = None) -> None:
+    def filter(
+        self, keep: Sequence[int] | np.ndarray | mx.array, moves: list[RowMove] | None = None
+    ) -> None:
         """Keep these rows, in this order (gathered: a state is small). `moves` is
         `KVLayout.filter`'s; nothing is ever deferred here."""
         idx = np.asarray(keep, dtype=np.int64).reshape(-1)
