@@ -372,15 +372,18 @@ class ToolCallParser:
         return _merge_text(events)
 
     def finish(self) -> list[Event]:
-        """The generation ended: flush held text; an unfinished call becomes text if it never
-        started, or is closed with what arrived."""
+        """The generation ended: flush held text; an unfinished call is closed with what arrived
+        if its name did; otherwise its markup becomes text, unless a call of this section came
+        before it (then it is the cut-off start of another call, never content)."""
         events: list[Event] = []
+        after_call = self._state != "text" and bool(self.calls)
         if self._state != "object" and self._held:
-            events.append(TextEvent(self._held))
+            if not after_call:
+                events.append(TextEvent(self._held))
         elif self._state == "object" and self._obj is not None:
             if self._started:
                 self._close_object(events, complete=False)
-            else:
+            elif not after_call:
                 events.append(TextEvent(self._obj_raw))
         self._held = ""
         self._state = "text"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -184,3 +185,26 @@ def test_a_cut_off_repeat_is_dropped_and_a_cut_off_new_call_kept():
     assert [(c.name, c.arguments) for c in cut_repeat.calls] == [("f", '{"a": 1}')]
     cut_new = parse_tool_calls(one + '\n<tool_call>\n{"name": "f", "arguments": {"a": 2', HERMES, ["f"])
     assert [(c.name, c.arguments) for c in cut_new.calls] == [("f", '{"a": 1}'), ("f", '{"a": 2')]
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_markup_of_a_call_cut_off_before_its_name_is_not_content(name):
+    """max_tokens ending the output inside the next call's markup (after a complete call, before
+    the new call's name) leaves the complete calls and no text; the same cut before any call is
+    still text (nothing was a call)."""
+    fmt = FORMATS[name]
+    one = _calls(fmt, [("f", '{"a": 1}')])
+    if fmt.list_close:
+        one = one[: -len(fmt.list_close)]
+    nxt = fmt.separator + fmt.call_open + '{"name": "f'
+    marker = fmt.separator + (fmt.call_open or fmt.start_markers[0])
+    for tail in {nxt[:k] for k in range(1, len(nxt))} | {marker[:3], '{"na'}:
+        whole = parse_tool_calls(one + tail, fmt, ["f"])
+        assert [(c.name, c.arguments) for c in whole.calls] == [("f", '{"a": 1}')], tail
+        assert whole.content == "", (tail, whole.content)
+        parser = ToolCallParser(fmt, ["f"])
+        events = [e for ch in one + tail for e in parser.feed(ch)] + parser.finish()
+        assert not any(isinstance(e, TextEvent) for e in events), tail
+    if fmt is HERMES:  # no call before: the cut-off markup stays the content it was
+        assert parse_tool_calls('<tool_call>\n{"name": "f', fmt, ["f"]).content == '<tool_call>\n{"name": "f'
+        assert parse_tool_calls("x <tool", fmt, ["f"]).content == "x <tool"
