@@ -251,9 +251,21 @@ def _plan(model: ServedModel, body: CountTokensRequest) -> tuple[TurnPlan, bool]
     kwargs = None
     if body.thinking is not None:  # templates with a thinking switch (Qwen3's enable_thinking)
         kwargs = {"enable_thinking": body.thinking.get("type") == "enabled"}
-    plan = plan_turn(model, chat_messages(body), functions, choice, parallel=parallel,
-                     template_kwargs=kwargs)
+    msgs = chat_messages(body)
+    prefilled = _continues_assistant(body, msgs)
+    plan = plan_turn(model, msgs, functions, choice, parallel=parallel, template_kwargs=kwargs,
+                     add_generation_prompt=not prefilled, continue_final_message=prefilled)
     return plan, parallel
+
+
+def _continues_assistant(body: CountTokensRequest, msgs: list[dict[str, Any]]) -> bool:
+    """A conversation that ends with an assistant message of text is a prefill: the answer
+    continues that text (the response holds only what follows it), as Anthropic's API does."""
+    return (
+        bool(body.messages) and body.messages[-1].role == "assistant"
+        and bool(msgs) and msgs[-1]["role"] == "assistant"
+        and not msgs[-1].get("tool_calls") and bool(msgs[-1]["content"])
+    )
 
 
 def sampling_request(body: MessagesRequest, plan: TurnPlan) -> SamplingRequest:

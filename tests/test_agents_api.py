@@ -266,6 +266,25 @@ def test_messages_tools_round_trip(fake, claude):
     assert fake.submits[-1].params.constraint["type"] == "tool_calls"
 
 
+def test_messages_continue_a_final_assistant_message(fake, claude):
+    """A conversation ending with assistant text is a prefill: the prompt ends with that text (no
+    closing of the assistant turn, no new one) and the answer holds only what follows."""
+    fake.reset(script=scripted(fake, " sort(arr):"))
+    convo = [{"role": "user", "content": "write code"}, {"role": "assistant", "content": "def quick"}]
+    msg = claude.messages.create(model=MODEL, max_tokens=20, messages=convo)
+    assert msg.content[0].text == " sort(arr):"
+    prompt = fake.tokenizer.decode(fake.submits[-1].prompt_ids)
+    assert prompt.endswith("<|im_start|>assistant\ndef quick"), prompt[-60:]
+    blocks = [convo[0], {"role": "assistant", "content": [{"type": "text", "text": "def quick"}]}]
+    claude.messages.create(model=MODEL, max_tokens=20, messages=blocks)
+    assert fake.tokenizer.decode(fake.submits[-1].prompt_ids) == prompt
+    n = claude.messages.count_tokens(model=MODEL, messages=convo)
+    assert n.input_tokens == len(fake.submits[-1].prompt_ids)
+    # ending with a user turn (or a tool call) still opens a new assistant turn
+    claude.messages.create(model=MODEL, max_tokens=20, messages=convo[:1])
+    assert fake.tokenizer.decode(fake.submits[-1].prompt_ids).endswith("<|im_start|>assistant\n")
+
+
 def test_messages_count_tokens_and_errors(fake, claude, server):
     n = claude.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hello there"}])
     assert n.input_tokens > 3
