@@ -120,6 +120,9 @@ def format_for_template(template: str | None) -> ToolFormat:
 # -- request side ---------------------------------------------------------------------------
 
 
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
 def function_specs(tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """OpenAI `tools` ([{"type": "function", "function": {...}}]) → [{"name", "description",
     "parameters"}]. Raises ValueError with a reason for a malformed entry."""
@@ -142,9 +145,8 @@ def function_specs(tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any
             {
                 "name": name,
                 "description": fn.get("description") or "",
-                "parameters": params
-                if params is not None
-                else {"type": "object", "properties": {}},
+                # OpenAI: "omitting parameters defines a function with an empty parameter list"
+                "parameters": params if params is not None else dict(NO_PARAMETERS),
             }
         )
     names = [t["name"] for t in out]

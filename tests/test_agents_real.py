@@ -110,6 +110,18 @@ def test_forced_tool_calls_validate_over_20_seeds(server):
     assert len(distinct) > 10  # sampled at temperature 1, not one canned answer
 
 
+def test_a_function_without_parameters_is_called_with_none(server):
+    """OpenAI: omitting `parameters` defines a function with an empty parameter list, so a
+    forced call of it carries `{}` (a model left free writes keys of its own there)."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300)
+    now = {"type": "function", "function": {"name": "now", "description": "The current time"}}
+    for seed in range(4):
+        r = client.chat.completions.create(model="tinycoder-16m", messages=MSGS, tools=[now], temperature=1.0,
+                                           seed=seed, max_tokens=60, tool_choice="required")
+        calls = r.choices[0].message.tool_calls
+        assert calls and all(c.function.name == "now" and json.loads(c.function.arguments) == {} for c in calls)
+
+
 def test_strict_json_schema_validates_over_20_seeds(server):
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300)
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
