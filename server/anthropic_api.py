@@ -104,6 +104,7 @@ class MessageParam(_Model):
 
 
 class ToolParam(_Model):
+    type: str | None = None  # None or "custom": a client tool with its input_schema
     name: str = Field(min_length=1)
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
@@ -150,9 +151,38 @@ def _block_text(block: dict[str, Any], where: str) -> str:
         return text
     if kind == "image":
         raise bad_request(f"{where}: image input is not supported: this model has no vision")
-    if kind in ("document", "search_result", "container_upload"):
+    if kind == "document":
+        return _document_text(block, where)
+    if kind == "search_result":
+        parts = [block.get("title"), block.get("source")]
+        body = block.get("content")
+        if not isinstance(body, list):
+            raise bad_request(f"{where}: a search_result block needs a list of text blocks as 'content'")
+        parts.append("\n".join(_block_text(b, f"{where}.content[{i}]") for i, b in enumerate(body)))
+        return "\n".join(p for p in parts if isinstance(p, str) and p)
+    if kind == "container_upload":
         raise bad_request(f"{where}: '{kind}' blocks are not supported: text only")
     raise bad_request(f"{where}: unexpected content block type {kind!r}")
+
+
+def _document_text(block: dict[str, Any], where: str) -> str:
+    """A document of text (a `text` source, or a `content` source of text blocks) reads as its
+    title, context and text; PDF, image and URL sources are refused (text-only models, no network)."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        source = {}
+    kind = source.get("type")
+    if kind == "text" and isinstance(source.get("data"), str):
+        text = source["data"]
+    elif kind == "content" and isinstance(source.get("content"), (str, list)):
+        content = source["content"]
+        text = content if isinstance(content, str) else "\n".join(
+            _block_text(b, f"{where}.source.content[{i}]") for i, b in enumerate(content))
+    else:
+        raise bad_request(f"{where}: 'document' blocks are supported with a text source only "
+                          f"(this one: {kind!r}): this model reads text only")
+    parts = [block.get("title"), block.get("context"), text]
+    return "\n".join(p for p in parts if isinstance(p, str) and p)
 
 
 def _tool_result_text(content: Any, where: str) -> str:
@@ -223,6 +253,11 @@ def functions_of(body: CountTokensRequest) -> list[dict[str, Any]]:
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise bad_request("tools: tool names must be unique")
+    for i, t in enumerate(tools):
+        if t.type not in (None, "custom"):  # web_search_*, code_execution_*, bash_*, text_editor_*, ...
+            raise bad_request(f"tools[{i}]: {t.type!r} is one of Anthropic's own tools (run on its servers, "
+                              "or with a schema only its models know); mlxd takes custom tools with an "
+                              "input_schema")
     return [{"name": t.name, "description": t.description or "", "parameters": t.input_schema} for t in tools]
 
 

@@ -285,6 +285,46 @@ def test_messages_continue_a_final_assistant_message(fake, claude):
     assert fake.tokenizer.decode(fake.submits[-1].prompt_ids).endswith("<|im_start|>assistant\n")
 
 
+def test_messages_read_text_documents_and_search_results(fake, claude):
+    """Documents with a text source and search results are text: they reach the prompt; a PDF
+    document is a 400 that says why."""
+    fake.reset(script=scripted(fake, "ok"))
+    blocks = [
+        {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "The sky is green."},
+         "title": "Notes", "context": "from a test"},
+        {"type": "document", "source": {"type": "content", "content": [{"type": "text", "text": "Part two."}]}},
+        {"type": "search_result", "source": "https://example.org/a", "title": "A result",
+         "content": [{"type": "text", "text": "Water is wet."}]},
+        {"type": "text", "text": "Summarize."},
+    ]
+    claude.messages.create(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": blocks}])
+    prompt = fake.tokenizer.decode(fake.submits[-1].prompt_ids)
+    for text in ("Notes\nfrom a test\nThe sky is green.", "Part two.", "A result\nhttps://example.org/a\nWater is wet.",
+                 "Summarize."):
+        assert text in prompt, text
+    pdf = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}
+    with pytest.raises(anthropic.BadRequestError) as err:
+        claude.messages.create(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": [pdf]}])
+    assert "text source only" in str(err.value) and "'base64'" in str(err.value)
+
+
+def test_messages_refuse_anthropic_defined_tools(fake, claude):
+    """A server tool (web search) or an Anthropic-defined client tool has no schema here: a 400
+    naming it, never a made-up function; custom tools (typed or not) pass."""
+    custom = {"name": "get_weather", "input_schema": {"type": "object"}}
+    for tool in ({"type": "web_search_20250305", "name": "web_search", "max_uses": 5},
+                 {"type": "bash_20250124", "name": "bash"}):
+        with pytest.raises(anthropic.BadRequestError) as err:
+            claude.messages.create(model=MODEL, max_tokens=10, tools=[custom, tool],
+                                   messages=[{"role": "user", "content": "x"}])
+        assert "tools[1]" in str(err.value) and tool["type"] in str(err.value)
+    assert not fake.submits
+    fake.reset(script=scripted(fake, "ok"))
+    claude.messages.create(model=MODEL, max_tokens=10, tools=[custom, {**custom, "name": "f2", "type": "custom"}],
+                           messages=[{"role": "user", "content": "x"}])
+    assert "f2" in fake.tokenizer.decode(fake.submits[-1].prompt_ids)
+
+
 def test_messages_count_tokens_and_errors(fake, claude, server):
     n = claude.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hello there"}])
     assert n.input_tokens > 3
