@@ -10,7 +10,9 @@ calling `client.abort(req_id)` frees the row within one engine step.
 
 Embeddings: `await client.embed(EmbeddingRequest(req_id, inputs))` returns one unit-length
 float32 vector per input (`EmbeddingResult`); cancelling the await drops the request's rows that
-have not run yet.
+have not run yet. Prompt logprobs: `await client.score(ScoreRequest(req_id, token_ids, k))` returns
+the log-probability of every token after the first given the ones before it, with the k best
+alternatives (`ScoreResult`).
 
 Several models: `Request.model` names one of `client.list_models()` (None: the default model);
 `await client.model_info(name)` gives its tokenizer without loading its weights, and `submit`
@@ -114,6 +116,26 @@ class EmbeddingResult:
     req_id: str
     vectors: np.ndarray  # [len(inputs), dim] float32, each row of unit L2 norm
     num_prompt_tokens: int  # tokens of all inputs together
+
+
+@dataclass(slots=True)
+class ScoreRequest:
+    """A prompt to score (engine.score): each token's log-probability after the ones before it."""
+
+    req_id: str
+    token_ids: list[int]
+    top_logprobs: int = 0  # this many best alternatives per position (0..20)
+    arrival_time: float = 0.0
+    model: str | None = None  # the served model, by name (None: the default model)
+
+
+@dataclass(slots=True)
+class ScoreResult:
+    req_id: str
+    # positions 1 .. len(token_ids) - 1: log p(token_ids[i] | token_ids[:i]) of the model's raw
+    # logits (before any sampling setting), and the best alternatives (id, logprob), best first
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
 
 
 @dataclass(slots=True)
@@ -306,5 +328,11 @@ class EngineClient(Protocol):
         """The inputs' embeddings. Raises EngineError (an empty input or one longer than the
         context: 400 context_length_exceeded; `dimensions` the model does not declare: 400; a
         model with no backbone to pool: 501; more than the memory budget: 413) or
+        EngineOverloaded before anything is queued."""
+        ...
+
+    async def score(self, request: ScoreRequest) -> ScoreResult:
+        """The prompt's logprobs. Raises EngineError (an empty prompt or one longer than the
+        context: 400; more than the memory budget: 413; an engine that cannot: 501) or
         EngineOverloaded before anything is queued."""
         ...

@@ -44,6 +44,8 @@ from engine.api import (
     ModelInfo,
     ModelStatus,
     Request,
+    ScoreRequest,
+    ScoreResult,
     TokenEvent,
 )
 from engine.batch import EventSink, RowMeta
@@ -63,6 +65,8 @@ from engine.runner import (
     shapes_build_on_first_use,
 )
 from engine.scheduler import Plan, Scheduler, SchedulerConfig, StepResult, auto_prefill_budget
+from engine.score import CHUNK as SCORE_CHUNK
+from engine.score import ScoreDone, ScoreJob, Scorer
 from engine.spec import SpecConfig, build_speculation
 from engine.spec.decoder import Speculation
 from engine.steptrace import StepTrace
@@ -228,6 +232,9 @@ class Engine(EngineThread):
         # aborted (they stop counting when `abort` is called, not when the engine reaps them)
         self._queued: set[str] = set()
         self.embedder = Embedder.for_model(loaded, self.budget, cfg.embed_batch_tokens)
+        self.scorer = Scorer(self.runner.logits, lambda: self.runner.new_caches(1), kvb.eval_state,
+                             loaded.context_length, loaded.vocab_size, self.budget,
+                             min(SCORE_CHUNK, chunk))
         self._snapshot_lock = threading.Lock()
         self._snapshot = EngineStats()
         self._snapshot_at = 0.0
@@ -277,6 +284,20 @@ class Engine(EngineThread):
                 raise EngineOverloaded(f"the server is busy: {queued} embedding requests are "
                                        "already waiting; retry shortly", retry_after=1.0)
             self._inbox.append(("embed", job))
+            self._wake.notify()
+        return job
+
+    def add_scoring(self, request: ScoreRequest, done: ScoreDone) -> ScoreJob:
+        """Queue a prompt to score (checked first: EngineError); `done(result, error)` is called
+        once on the engine thread. Set the returned job's `cancelled` to drop it."""
+        self.scorer.check(request)
+        job = ScoreJob(request, done)
+        with self._wake:
+            queued = len(self.scorer.jobs) + sum(1 for k, _ in self._inbox if k == "score")
+            if queued >= self.config.scheduler.max_queue:
+                raise EngineOverloaded(f"the server is busy: {queued} prompts to score are "
+                                       "already waiting; retry shortly", retry_after=1.0)
+            self._inbox.append(("score", job))
             self._wake.notify()
         return job
 
@@ -510,6 +531,8 @@ class Engine(EngineThread):
                 self._step()
             if self.embedder.has_work():
                 self._embed_step()
+            if self.scorer.has_work() and self.scorer.step(self._held_bytes(), self._decoding()):
+                self._steps_since_release += 1
         except Exception as exc:  # a bug must not kill the server: fail the rows, go on
             log.exception("engine step failed")
             self._last_error = f"{type(exc).__name__}: {exc}"
@@ -520,7 +543,7 @@ class Engine(EngineThread):
     def shutdown(self) -> None:
         """Engine thread, at the end: every request still open ends (abort)."""
         self._fail_all("the engine is shutting down", reason=FINISH_ABORT)
-        self._fail_embeddings("the engine is shutting down")
+        self._fail_jobs("the engine is shutting down")
         self._publish()
         if self._trace is not None:
             self._trace.close()
@@ -531,20 +554,29 @@ class Engine(EngineThread):
         return MemoryBudget.for_model(model, budget, kv_kwargs)
 
     def _has_work(self) -> bool:
-        return self.runner.in_flight or self.scheduler.has_work() or self.embedder.has_work()
+        return (self.runner.in_flight or self.scheduler.has_work() or self.embedder.has_work()
+                or self.scorer.has_work())
 
-    def _fail_embeddings(self, message: str) -> None:
+    def _fail_jobs(self, message: str) -> None:
+        """Every queued embedding and scoring request fails with `message`."""
         with self._wake:
-            queued = [job for kind, job in self._inbox if kind == "embed"]
-            self._inbox = deque(item for item in self._inbox if item[0] != "embed")
-        for job in queued:
-            self.embedder.add(job)
+            queued = [(kind, job) for kind, job in self._inbox if kind in ("embed", "score")]
+            self._inbox = deque(item for item in self._inbox if item[0] not in ("embed", "score"))
+        for kind, job in queued:
+            (self.embedder if kind == "embed" else self.scorer).add(job)
         self.embedder.fail_all(message)
+        self.scorer.fail_all(message)
+
+    def _decoding(self) -> bool:
+        return bool(self.runner.in_flight or self.scheduler.has_work())
+
+    def _held_bytes(self) -> int:
+        """Memory the running rows hold, which embedding and scoring work must fit beside."""
+        return self.scheduler.reserved_bytes()
 
     def _embed_step(self) -> None:
         """One embedding batch, under the memory the running rows leave."""
-        decoding = bool(self.runner.in_flight or self.scheduler.has_work())
-        if self.embedder.step(self.scheduler.reserved_bytes(), decoding):
+        if self.embedder.step(self._held_bytes(), self._decoding()):
             self._steps_since_release += 1
 
     def _drain_inbox(self) -> None:
@@ -559,6 +591,8 @@ class Engine(EngineThread):
                 self.scheduler.add(row)
             elif kind == "embed":
                 self.embedder.add(payload)
+            elif kind == "score":
+                self.scorer.add(payload)
             else:
                 row = self.scheduler.abort(payload)
                 if row is not None:
@@ -763,31 +797,42 @@ class AsyncEngine:
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
         """Queue `request` on the engine thread and wait for its vectors; cancelling the wait
         drops its rows that have not run."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[EmbeddingResult] = loop.create_future()
+        return await _wait_for_job(request, lambda done: self.engine.add_embedding(request, done))
 
-        def settle(result: EmbeddingResult | None, error: EngineError | None) -> None:
-            if future.done():
-                return
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(result)  # type: ignore[arg-type]
+    async def score(self, request: ScoreRequest) -> ScoreResult:
+        """Queue the prompt on the engine thread and wait for its logprobs; cancelling the wait
+        drops the job before its next chunk."""
+        return await _wait_for_job(request, lambda done: self.engine.add_scoring(request, done))
 
-        def done(result: EmbeddingResult | None, error: EngineError | None) -> None:
-            try:  # runs on the engine thread
-                loop.call_soon_threadsafe(settle, result, error)
-            except RuntimeError:  # the event loop is gone: nobody waits for this result
-                pass
 
-        if not request.arrival_time:
-            request.arrival_time = time.time()
-        job = self.engine.add_embedding(request, done)  # raises EngineError / EngineOverloaded
-        try:
-            return await future
-        except asyncio.CancelledError:  # the caller left (this also cancels `future`)
-            job.cancelled = True
-            raise
+async def _wait_for_job(request: Any, add: Any) -> Any:
+    """`add(done)` queues a job whose `done(result, error)` runs on the engine thread; the
+    result (or the error, raised) comes back to this event loop."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: EngineError | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def done(result: Any, error: EngineError | None) -> None:
+        try:  # runs on the engine thread
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the event loop is gone: nobody waits for this result
+            pass
+
+    if not request.arrival_time:
+        request.arrival_time = time.time()
+    job = add(done)  # raises EngineError / EngineOverloaded
+    try:
+        return await future
+    except asyncio.CancelledError:  # the caller left (this also cancels `future`)
+        job.cancelled = True
+        raise
 
 
 def _put_all(queue: asyncio.Queue[TokenEvent], events: list[TokenEvent]) -> None:

@@ -347,6 +347,10 @@ class DistributedEngine(Engine):
         raise EngineError("embeddings are not served by a tensor- or pipeline-parallel group",
                           status=501, code="embeddings_unsupported")
 
+    def add_scoring(self, request: Any, done: Any) -> Any:
+        raise EngineError("prompt logprobs are not served by a tensor- or pipeline-parallel group",
+                          status=501, code="scoring_unsupported")
+
     def _step(self) -> None:
         self._busy_since = time.monotonic()
         try:

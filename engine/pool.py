@@ -84,13 +84,10 @@ class PoolConfig:
 class PooledEngine(Engine):
     """An `Engine` driven by the pool's thread, its memory admission counting what the other
     models hold (`MemoryBudget.others`, set by the pool before each turn; its embedding batches
-    too: they fit next to it)."""
+    and scoring chunks too: they fit next to it)."""
 
-    def _embed_step(self) -> None:
-        decoding = bool(self.runner.in_flight or self.scheduler.has_work())
-        held = self.scheduler.reserved_bytes() + self.budget.others
-        if self.embedder.step(held, decoding):
-            self._steps_since_release += 1
+    def _held_bytes(self) -> int:
+        return self.scheduler.reserved_bytes() + self.budget.others
 
 
 @dataclass(slots=True)

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any, cast
 
 from engine.api import (
     EmbeddingRequest,
@@ -21,6 +22,8 @@ from engine.api import (
     ModelInfo,
     ModelStatus,
     Request,
+    ScoreRequest,
+    ScoreResult,
     TokenEvent,
 )
 from engine.core import AsyncEngine
@@ -132,11 +135,17 @@ class AsyncPool:
 
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
         """The model stays pinned (never unloaded) until its vectors are back."""
-        slot = self.pool.slot(request.model)
+        return cast(EmbeddingResult, await self._pinned(request.model, lambda c: c.embed(request)))
+
+    async def score(self, request: ScoreRequest) -> ScoreResult:
+        """The model stays pinned (never unloaded) until the logprobs are back."""
+        return cast(ScoreResult, await self._pinned(request.model, lambda c: c.score(request)))
+
+    async def _pinned(self, model: str | None, call: Any) -> Any:
+        slot = self.pool.slot(model)
         self.pool.pin(slot, None)
         try:
-            client = await self._ready(slot)
-            return await client.embed(request)
+            return await call(await self._ready(slot))
         finally:
             self.pool.unpin(slot)
 

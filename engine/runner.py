@@ -205,6 +205,10 @@ class Runner:
             if self.adapters is not None:
                 self.adapters.select(None)
 
+    def logits(self, inputs: mx.array, caches: Any) -> mx.array:
+        """The base model's logits over `inputs` [B, C] into `caches` (no adapter): [B, C, V]."""
+        return self._forward(inputs, caches, None)
+
     def new_caches(self, num_rows: int) -> list[Any]:
         return kvb.new_batch(self.model, num_rows, self.kv)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -14,9 +15,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
-from engine.api import EngineClient, SamplingParams
+from engine.api import EngineClient, SamplingParams, ScoreRequest, ScoreResult
 from server.config import ServerConfig
-from server.errors import bad_request, error_body
+from server.detokenize import IncrementalDetokenizer
+from server.errors import APIError, bad_request, error_body
 from server.generation import (
     ChoiceSpec,
     Generation,
@@ -217,6 +219,58 @@ def completion_logprobs(
     }
 
 
+def prompt_logprobs(model: ServedModel, ids: Sequence[int], scored: ScoreResult, k: int) -> dict[str, Any]:
+    """The completions logprobs object of a prompt's tokens (`echo` with `logprobs`): the first
+    token has no logprob (null, as on OpenAI), the others the model's, with the k best
+    alternatives and the token itself; offsets are character offsets in the decoded prompt."""
+    vocab = model.vocab
+    assert vocab is not None
+    detok = IncrementalDetokenizer(model.tokenizer)
+    offsets: list[int] = []
+    pos, group_start = 0, None
+    for t in ids:  # a token whose text is pending (part of a character) starts where its group does
+        start = pos if group_start is None else group_start
+        offsets.append(start)
+        piece = detok.add(t)
+        if piece is None:
+            group_start = start
+        else:
+            group_start = None
+            pos += len(piece)
+    tokens = [vocab.token_str(t) for t in ids]
+    tops: list[dict[str, float] | None] = [None]
+    for s, lp, top in zip(tokens[1:], scored.logprobs, scored.top_logprobs, strict=True):
+        best = {vocab.token_str(t): v for t, v in top[:k]}
+        best.setdefault(s, lp)
+        tops.append(best)
+    return {"tokens": tokens, "token_logprobs": [None, *scored.logprobs], "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def joined_logprobs(first: dict[str, Any] | None, second: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two completions logprobs objects one after the other (the echoed prompt's, then the
+    generated tokens')."""
+    if first is None or second is None:
+        return first or second
+    return {key: first[key] + second[key] for key in first}
+
+
+async def score_prompts(
+    request: Request, client: EngineClient, model: ServedModel, prompts: list[list[int]], k: int
+) -> list[dict[str, Any]] | None:
+    """Each prompt's logprobs object (engine.score, the prompts at once); None when the client
+    left first."""
+    if model.adapter is not None:
+        raise APIError(400, f"'{model.name}' is a LoRA adapter; prompt logprobs (echo with "
+                            "logprobs) come from the base model only.", param="echo",
+                       code="unsupported_model")
+    reqs = [ScoreRequest(new_id("score"), ids, k, model=model.engine_name) for ids in prompts]
+    results = await run_until_disconnect(request, lambda: asyncio.gather(*map(client.score, reqs)))
+    if results is None:
+        return None
+    return [prompt_logprobs(model, ids, r, k) for ids, r in zip(prompts, results, strict=True)]
+
+
 # -- /v1/chat/completions -------------------------------------------------------------------
 
 
@@ -369,23 +423,32 @@ async def completions(request: Request) -> Response:
     k = body.logprobs or 0
     cid = new_id("cmpl")
     created = int(time.time())
-    if body.echo and body.max_tokens == 0:  # echo only, nothing to generate
+    echo_only = bool(body.echo) and body.max_tokens == 0  # nothing to generate
+    if echo_only:
         for ids, param in zip(prompts, params_of, strict=True):
             check_prompt_ids(model, ids, param)
-        return _echo_only(cid, created, model, prompts, _echoes(model, body, prompts), n, body)
-    params = [
-        sampling_params(body, st.config, model, ids, logprobs=want_lp, top_logprobs=k,
-                        prompt_param=param)
-        for ids, param in zip(prompts, params_of, strict=True)
-    ]
+    else:
+        params = [
+            sampling_params(body, st.config, model, ids, logprobs=want_lp, top_logprobs=k,
+                            prompt_param=param)
+            for ids, param in zip(prompts, params_of, strict=True)
+        ]
+    scored: list[dict[str, Any]] | None = None
+    if body.echo and want_lp:
+        scored = await score_prompts(request, st.client, model, prompts, k)
+        if scored is None:  # the client left
+            return Response(status_code=499)
+    if echo_only:
+        return _echo_only(cid, created, model, prompts, _echoes(model, body, prompts), n, body, scored)
     echoes = _echoes(model, body, prompts)
     specs = make_specs(cid, prompts, params, n, body)
     echo_of = {s.index: (echoes[s.prompt_index] if body.echo else "") for s in specs}
+    echo_lp_of = {s.index: scored[s.prompt_index] if scored else None for s in specs}
     gens = await start_all(st.client, specs, model, keep_alive)
     _log_start(request, cid, specs)
     if body.stream:
         return SSEResponse(
-            _completion_stream(gens, model, cid, created, body, echo_of, k),
+            _completion_stream(gens, model, cid, created, body, echo_of, k, echo_lp_of),
             on_close=lambda: abort_all(gens),
         )
     results = await _collect(request, gens)
@@ -398,7 +461,8 @@ async def completions(request: Request) -> Response:
             {
                 "index": r.index,
                 "text": echo + r.text,
-                "logprobs": completion_logprobs(model, r.logprobs, k, len(echo))
+                "logprobs": joined_logprobs(echo_lp_of[r.index],
+                                            completion_logprobs(model, r.logprobs, k, len(echo)))
                 if want_lp
                 else None,
                 "finish_reason": r.finish_reason,
@@ -449,9 +513,11 @@ def _echo_only(
     echoes: list[str],
     n: int,
     body: CompletionRequest,
+    scored: list[dict[str, Any]] | None,
 ) -> Response:
     choices = [
-        {"index": p * n + i, "text": echoes[p], "logprobs": None, "finish_reason": "length"}
+        {"index": p * n + i, "text": echoes[p], "logprobs": scored[p] if scored else None,
+         "finish_reason": "length"}
         for p in range(len(prompts))
         for i in range(n)
     ]
@@ -493,6 +559,7 @@ def _completion_stream(
     body: CompletionRequest,
     echo_of: dict[int, str],
     k: int,
+    echo_lp_of: dict[int, dict[str, Any] | None],
 ) -> AsyncIterator[bytes]:
     want_lp = body.logprobs is not None
     chunk = chunk_writer(gens, body, cid, created, model, "text_completion")
@@ -500,7 +567,8 @@ def _completion_stream(
     async def choices() -> AsyncGenerator[bytes, None]:
         for index, echo in echo_of.items():
             if echo:
-                yield chunk([{"index": index, "text": echo, "logprobs": None, "finish_reason": None}])
+                yield chunk([{"index": index, "text": echo, "logprobs": echo_lp_of[index],
+                              "finish_reason": None}])
         async for d in stream_all(gens):
             if d.text or d.logprobs or d.finish_reason:
                 lp = completion_logprobs(model, d.logprobs, k, len(echo_of[d.index])) if want_lp else None

@@ -255,8 +255,3 @@ class CompletionRequest(_SamplingRequest):
             raise unsupported("suffix", "fill-in-the-middle is not implemented")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise unsupported("best_of", "only best_of == n")
-        if self.echo and self.logprobs is not None:
-            raise unsupported(
-                "echo",
-                "echo with logprobs needs prompt logprobs, which the engine does not provide",
-            )

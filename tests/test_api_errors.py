@@ -178,7 +178,6 @@ UNSUPPORTED = [
     (CHAT, chat(prediction={"type": "content", "content": "x"}), "prediction"),
     (COMP, comp(suffix="pass"), "suffix"),
     (COMP, comp(best_of=3), "best_of"),
-    (COMP, comp(echo=True, logprobs=1), "echo"),
 ]
 
 

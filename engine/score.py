@@ -1,0 +1,172 @@
+"""Prompt logprobs: the model's log-probability of each prompt token given the tokens before it.
+
+    scorer.check(request)                      # any thread: EngineError before anything is queued
+    scorer.add(ScoreJob(request, done))
+    scorer.step(reserved_bytes, decoding)      # engine thread: one chunk of the oldest job
+
+What a value is: for positions i = 1 .. L-1 of a prompt of L tokens, ``log_softmax(z_i)[t_i]``
+where z_i are the model's raw logits after tokens t_0 .. t_{i-1} (float32, before penalties,
+bias or temperature: the model's distribution, as the generated tokens' logprobs are), and the
+k best tokens of that distribution (ties: the lower id first is not promised). Position 0 has no
+value (nothing precedes it), which OpenAI's completions `echo` shows as null.
+
+How: the prompt runs through the model in chunks of at most `chunk` tokens over a fresh one-row
+KV of mlxd's layouts (the runner's forward, so the kernels and attention are the serving ones),
+one chunk per engine turn, so decoding rows keep stepping between chunks. The head runs over a
+chunk's positions only ([chunk, V] logits at a time, never [L, V]). Jobs run one at a time in
+arrival order; a job's KV is freed when it ends. The prefix cache is neither read nor written:
+a cached prefix has no logits to give.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from engine.api import EngineError, ScoreRequest, ScoreResult
+from engine.kv.memory import MemoryBudget
+
+log = logging.getLogger("mlxd.engine")
+
+MAX_TOP = 20  # alternatives per position (OpenAI's chat limit; completions asks for at most 5)
+CHUNK = 256  # positions a forward scores at most (the [CHUNK, V] float32 logits live at once)
+
+ScoreDone = Callable[[ScoreResult | None, EngineError | None], None]
+
+
+@dataclass(slots=True)
+class ScoreJob:
+    request: ScoreRequest
+    done: ScoreDone
+    cancelled: bool = False  # set from any thread; the job stops before its next chunk
+    pos: int = 0  # prompt tokens run so far
+    caches: Any = None
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+
+
+class Scorer:
+    """The queue of scoring jobs and their chunked forwards (engine thread, except `check`)."""
+
+    def __init__(self, forward: Callable[[mx.array, Any], mx.array], new_caches: Callable[[], Any],
+                 eval_state: Callable[[Any], None], context_length: int, vocab_size: int,
+                 budget: MemoryBudget, chunk: int = CHUNK):
+        self.forward = forward  # (inputs [1, C], caches) -> logits [1, C, V]
+        self.new_caches = new_caches  # a fresh one-row KV
+        self.eval_state = eval_state  # evaluates the KV a forward wrote
+        self.context_length = context_length
+        self.vocab_size = vocab_size
+        self.budget = budget
+        self.chunk = max(1, chunk)
+        self.jobs: deque[ScoreJob] = deque()
+        self.num_jobs = 0
+
+    # -- any thread ------------------------------------------------------------------------
+    def check(self, request: ScoreRequest) -> None:
+        """Refuse what can never run: EngineError with the HTTP status and an OpenAI code."""
+        ids = request.token_ids
+        if not ids:
+            raise EngineError("the prompt is empty", code="empty_input")
+        if len(ids) > self.context_length:
+            raise EngineError(f"this model's maximum context length is {self.context_length} "
+                              f"tokens; the prompt has {len(ids)} tokens",
+                              code="context_length_exceeded")
+        if not 0 <= request.top_logprobs <= MAX_TOP:
+            raise EngineError(f"top logprobs must be from 0 to {MAX_TOP}")
+        for t in ids:
+            if not 0 <= t < self.vocab_size:
+                raise EngineError(f"token id {t} is outside the vocabulary (0..{self.vocab_size - 1})")
+        need = self.budget.weights + self.job_bytes(len(ids))
+        if need > self.budget.budget:
+            raise EngineError(
+                f"scoring a prompt of {len(ids)} tokens needs about {need / 2**20:.0f} MiB "
+                f"(weights + KV + activations), more than the memory budget of "
+                f"{self.budget.budget / 2**20:.0f} MiB", status=413, code="memory_budget_exceeded")
+
+    def job_bytes(self, num_tokens: int) -> int:
+        """A job's KV at its longest, a chunk's activations and its float32 logits (x3: the
+        logits, their log-softmax and the sort of the alternatives)."""
+        cols = min(num_tokens, self.chunk)
+        return (self.budget.kv_bytes([num_tokens]) + self.budget.transient(cols, num_tokens)
+                + 3 * 4 * cols * self.vocab_size)
+
+    # -- engine thread ---------------------------------------------------------------------
+    def add(self, job: ScoreJob) -> None:
+        self.jobs.append(job)
+
+    def has_work(self) -> bool:
+        return any(not job.cancelled for job in self.jobs)
+
+    def fail_all(self, message: str) -> None:
+        while self.jobs:
+            job = self.jobs.popleft()
+            if not job.cancelled:
+                job.done(None, EngineError(message, status=500, code="scoring_failed"))
+
+    def step(self, reserved_bytes: int, decoding: bool) -> bool:
+        """One chunk of the oldest job; True when a chunk ran. With `decoding` (running rows
+        hold `reserved_bytes` of KV) a job that does not fit next to them waits to start;
+        alone it always runs (`check` made sure it fits the budget)."""
+        while self.jobs and self.jobs[0].cancelled:
+            self.jobs.popleft()
+        if not self.jobs:
+            return False
+        job = self.jobs[0]
+        ids = job.request.token_ids
+        if job.caches is None:
+            room = self.budget.budget - self.budget.weights - reserved_bytes
+            if decoding and self.job_bytes(len(ids)) > room:
+                return False  # wait for running rows to give their KV back
+            job.caches = self.new_caches()
+        try:
+            self._chunk(job)
+        except Exception as exc:  # this request fails; decoding rows go on
+            self.jobs.popleft()
+            if not isinstance(exc, EngineError):
+                log.exception("scoring forward failed")
+                exc = EngineError(f"the scoring forward failed: {type(exc).__name__}",
+                                  status=500, code="scoring_failed")
+            job.done(None, exc)
+            return True
+        if job.pos >= len(ids) - 1:
+            self.jobs.popleft()
+            self.num_jobs += 1
+            job.caches = None
+            job.done(ScoreResult(job.request.req_id, job.logprobs, job.top), None)
+        return True
+
+    def _chunk(self, job: ScoreJob) -> None:
+        """Run positions pos .. pos + chunk - 1 (of the first L - 1: the last token predicts
+        nothing); position j's logits score token j + 1."""
+        ids = job.request.token_ids
+        start = job.pos
+        end = min(len(ids) - 1, start + self.chunk)
+        job.pos = end
+        if end <= start:  # a one-token prompt: nothing to score
+            return
+        z = self.forward(mx.array([ids[start:end]], dtype=mx.int32), job.caches)[0]
+        z = z.astype(mx.float32)
+        lp = z - mx.logsumexp(z, axis=-1, keepdims=True)
+        target = mx.array(ids[start + 1 : end + 1], dtype=mx.int32)
+        chosen = mx.take_along_axis(lp, target[:, None], axis=-1)[:, 0]
+        k = job.request.top_logprobs
+        if k:
+            best = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
+            best_lp = mx.take_along_axis(lp, best, axis=-1)
+            order = mx.argsort(-best_lp, axis=-1)
+            best = mx.take_along_axis(best, order, axis=-1)
+            best_lp = mx.take_along_axis(best_lp, order, axis=-1)
+            mx.eval(chosen, best, best_lp)
+            ids_k, lps_k = np.array(best).tolist(), np.array(best_lp).tolist()
+            job.top.extend([list(zip(i, v, strict=True)) for i, v in zip(ids_k, lps_k, strict=True)])
+        else:
+            mx.eval(chosen)
+            job.top.extend([] for _ in range(end - start))
+        self.eval_state(job.caches)
+        job.logprobs.extend(np.array(chosen).tolist())

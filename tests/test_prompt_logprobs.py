@@ -1,0 +1,188 @@
+"""Prompt logprobs (engine.score) and completions' `echo` with `logprobs` over real HTTP.
+
+The engine's values equal the log-softmax of mlx-lm's own full forward (tiny random models of
+three architectures, sliding windows passed; the bundled model past its 256-token window), rows
+decoding beside a scoring job keep their tokens, and over HTTP the echoed prompt's logprobs agree
+with the logprobs the same tokens get when they are generated.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import mlx.core as mx
+import numpy as np
+import openai
+import pytest
+
+from engine.api import EngineError, Request, SamplingParams, ScoreRequest, ScoreResult
+from engine.core import Engine, EngineConfig
+from engine.loader import load_model
+from engine.scheduler import SchedulerConfig
+from server.app import create_app
+from server.config import ServerConfig
+from tests.fake_engine import ServerThread
+from tests.tiny_models import VOCAB, loaded, tiny_model
+
+MODEL = "tinycoder-16m"
+
+
+def _reference(model, ids: list[int]) -> np.ndarray:
+    """log p(ids[i] | ids[:i]) for i >= 1 from one full forward of mlx-lm's model (no cache)."""
+    z = model(mx.array([ids]))[0].astype(mx.float32)
+    lp = z - mx.logsumexp(z, axis=-1, keepdims=True)
+    return np.array(mx.take_along_axis(lp[:-1], mx.array(ids[1:])[:, None], axis=-1)[:, 0])
+
+
+def _score(engine: Engine, ids: list[int], k: int = 0) -> ScoreResult:
+    got: dict = {}
+    done = threading.Event()
+
+    def finish(result, error):
+        got["result"], got["error"] = result, error
+        done.set()
+
+    engine.add_scoring(ScoreRequest("s", ids, k), finish)
+    assert done.wait(120)
+    assert got["error"] is None, got["error"]
+    return got["result"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
+def test_scores_equal_the_full_forward(arch):
+    """Chunks of 16 positions over mlxd's layouts (rings of the sliding windows wrap) give the
+    full forward's log-probabilities; the k best are sorted and include the best token."""
+    model, cfg = tiny_model(arch)
+    engine = Engine(loaded(model, cfg), EngineConfig(SchedulerConfig(prefill_chunk=16), warmup=False))
+    engine.scorer.chunk = 16
+    engine.start()
+    try:
+        ids = np.random.default_rng(3).integers(1, VOCAB, 70).tolist()
+        result = _score(engine, ids, k=4)
+        assert len(result.logprobs) == len(result.top_logprobs) == len(ids) - 1
+        np.testing.assert_allclose(result.logprobs, _reference(model, ids), rtol=0, atol=2e-4)
+        for lp, top in zip(result.logprobs, result.top_logprobs, strict=True):
+            values = [v for _, v in top]
+            assert len(top) == 4 and values == sorted(values, reverse=True) and values[0] >= lp - 1e-6
+        assert _score(engine, ids[:1]).logprobs == []  # nothing precedes the only token
+        assert len(_score(engine, ids[:2]).logprobs) == 1
+    finally:
+        engine.stop()
+
+
+def test_refusals_before_anything_is_queued():
+    model, cfg = tiny_model("llama")
+    engine = Engine(loaded(model, cfg), EngineConfig(SchedulerConfig(), warmup=False))
+    for ids, k, code in (([], 0, "empty_input"), ([1] * (cfg["max_position_embeddings"] + 1), 0,
+                                                    "context_length_exceeded"),
+                         ([VOCAB], 0, None), ([1, 2], 21, None)):
+        with pytest.raises(EngineError) as err:
+            engine.add_scoring(ScoreRequest("s", ids, k), lambda r, e: None)
+        assert err.value.status == 400 and (code is None or err.value.code == code)
+    assert not engine.scorer.jobs and not engine._inbox
+
+
+def test_rows_decoding_beside_a_scoring_job_keep_their_tokens():
+    """A long prompt scored chunk by chunk while two rows decode: their greedy tokens are the
+    ones they get alone, and the scores are the full forward's."""
+    lm = load_model(f"mlxd/models/{MODEL}")
+    engine = Engine(lm, EngineConfig(SchedulerConfig(), warmup=False))
+    engine.start()
+    try:
+        prompts = [lm.tokenizer.encode("def add(a, b):"), lm.tokenizer.encode("class Stack:")]
+
+        def generate(tag: str) -> tuple[list[list[int]], threading.Event]:
+            outs: list[list[int]] = [[], []]
+            done = threading.Event()
+            left = [2]
+
+            def sink_for(i):
+                def sink(events):
+                    for ev in events:
+                        outs[i].extend(ev.token_ids)
+                        if ev.finish_reason is not None:
+                            left[0] -= 1
+                            if not left[0]:
+                                done.set()
+                return sink
+
+            for i, p in enumerate(prompts):
+                engine.add(Request(f"{tag}{i}", p,
+                                   SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)),
+                           sink_for(i))
+            return outs, done
+
+        alone, done = generate("alone")
+        assert done.wait(120)
+        text = "".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(60))
+        ids = lm.tokenizer.encode(text)[:700]
+        beside, done = generate("beside")
+        scored = _score(engine, ids)
+        assert done.wait(120)
+        assert beside == alone
+        np.testing.assert_allclose(scored.logprobs, _reference(lm.model, ids), rtol=0, atol=1e-4)
+        assert engine.scorer.num_jobs >= 1 and not engine.scorer.jobs
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def server():
+    from mlxd.runtime import build_client
+
+    client = build_client(model=None)
+    client.start()
+    try:
+        with ServerThread(create_app(client, ServerConfig())) as s:
+            yield s
+    finally:
+        client.stop()
+
+
+def test_echo_with_logprobs_over_http(server):
+    """lm-eval's loglikelihood request (echo, max_tokens 0, logprobs 1) and echo before a
+    generation: the prompt's tokens come back with null first, their logprobs, offsets into the
+    echoed text; a prompt of a generation's own tokens scores them as the generation did."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    prompt = "def add(a, b):\n    return a + b\n"
+    gen = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=2,
+                                    echo=True)
+    lp = gen.choices[0].logprobs
+    n_prompt = gen.usage.prompt_tokens
+    assert gen.choices[0].text.startswith(prompt)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == n_prompt + 8
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(v, float) for v in lp.token_logprobs[1:])
+    text = gen.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert lp.text_offset[n_prompt - 1] < len(prompt) <= lp.text_offset[n_prompt]
+    assert text[lp.text_offset[1]:].startswith(" add")  # "def" | " add" | ...
+    for tok, v, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert top[tok] == v and len(top) <= 3
+    # the generated tokens, scored as a prompt, get the logprobs the generation reported
+    scored = client.completions.create(model=MODEL, prompt=text, echo=True, max_tokens=0, logprobs=0)
+    slp = scored.choices[0].logprobs
+    assert scored.choices[0].text == text and scored.choices[0].finish_reason == "length"
+    assert slp.tokens == lp.tokens
+    np.testing.assert_allclose(slp.token_logprobs[n_prompt:], lp.token_logprobs[n_prompt:], rtol=0, atol=1e-3)
+    np.testing.assert_allclose(slp.token_logprobs[1:n_prompt], lp.token_logprobs[1:n_prompt], rtol=0, atol=1e-5)
+    # token-id prompts, several at once, streamed: the echo chunk carries its logprobs
+    body = {"model": MODEL, "prompt": [[5, 6, 7], [8, 9]], "echo": True, "max_tokens": 1, "logprobs": 1,
+            "temperature": 0, "stream": True}
+    first = {}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    first.setdefault(c["index"], c["logprobs"])
+    assert [len(first[i]["token_logprobs"]) for i in (0, 1)] == [3, 2]
+    assert first[0]["token_logprobs"][0] is None
+
+
+def test_echo_logprobs_refusals(server):
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x " * 5000, "echo": True,
+                                                         "max_tokens": 0, "logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
