@@ -101,7 +101,10 @@ class Scorer:
         self.jobs.append(job)
 
     def has_work(self) -> bool:
-        return any(not job.cancelled for job in self.jobs)
+        """Whether a job waits; cancelled jobs are dropped here (their KV with them)."""
+        if any(job.cancelled for job in self.jobs):
+            self.jobs = deque(job for job in self.jobs if not job.cancelled)
+        return bool(self.jobs)
 
     def fail_all(self, message: str) -> None:
         while self.jobs:
@@ -113,9 +116,7 @@ class Scorer:
         """One chunk of the oldest job; True when a chunk ran. With `decoding` (running rows
         hold `reserved_bytes` of KV) a job that does not fit next to them waits to start;
         alone it always runs (`check` made sure it fits the budget)."""
-        while self.jobs and self.jobs[0].cancelled:
-            self.jobs.popleft()
-        if not self.jobs:
+        if not self.has_work():
             return False
         job = self.jobs[0]
         ids = job.request.token_ids

@@ -72,6 +72,28 @@ def test_scores_equal_the_full_forward(arch):
         engine.stop()
 
 
+def test_a_cancelled_job_stops_and_frees_its_kv():
+    """A job cancelled mid-way (the client left) runs no further chunk, never answers, and
+    leaves nothing queued; the next job scores as usual."""
+    model, cfg = tiny_model("llama")
+    engine = Engine(loaded(model, cfg), EngineConfig(SchedulerConfig(prefill_chunk=8), warmup=False))
+    engine.scorer.chunk = 8
+    answers = []
+    ids = np.random.default_rng(5).integers(1, VOCAB, 60).tolist()
+    job = engine.add_scoring(ScoreRequest("c", ids, 0), lambda r, e: answers.append((r, e)))
+    engine.turn()  # the first chunk (engine thread, driven by hand)
+    assert job.pos == 8 and job.caches is not None and not answers
+    job.cancelled = True
+    engine.turn()
+    assert job.pos == 8 and not engine.scorer.jobs and not engine.scorer.has_work() and not answers
+    engine.start()
+    try:
+        np.testing.assert_allclose(_score(engine, ids).logprobs, _reference(model, ids), rtol=0, atol=2e-4)
+    finally:
+        engine.stop()
+    assert not answers
+
+
 def test_refusals_before_anything_is_queued():
     model, cfg = tiny_model("llama")
     engine = Engine(loaded(model, cfg), EngineConfig(SchedulerConfig(), warmup=False))
