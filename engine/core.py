@@ -277,27 +277,25 @@ class Engine(EngineThread):
         """Queue an embedding request (checked first: EngineError); `done(result, error)` is
         called once on the engine thread. Set the returned job's `cancelled` to drop it."""
         self.embedder.check(request)
-        job = EmbedJob(request, done)
-        with self._wake:
-            queued = len(self.embedder.jobs) + sum(1 for k, _ in self._inbox if k == "embed")
-            if queued >= self.config.scheduler.max_queue:
-                raise EngineOverloaded(f"the server is busy: {queued} embedding requests are "
-                                       "already waiting; retry shortly", retry_after=1.0)
-            self._inbox.append(("embed", job))
-            self._wake.notify()
-        return job
+        return self._queue_job("embed", EmbedJob(request, done), len(self.embedder.jobs),
+                               "embedding requests")
 
     def add_scoring(self, request: ScoreRequest, done: ScoreDone) -> ScoreJob:
         """Queue a prompt to score (checked first: EngineError); `done(result, error)` is called
         once on the engine thread. Set the returned job's `cancelled` to drop it."""
         self.scorer.check(request)
-        job = ScoreJob(request, done)
+        return self._queue_job("score", ScoreJob(request, done), len(self.scorer.jobs),
+                               "prompts to score")
+
+    def _queue_job(self, kind: str, job: Any, held: int, what: str) -> Any:
+        """Into the inbox, unless `max_queue` jobs of this kind wait (`held` of them already
+        with the engine thread): EngineOverloaded."""
         with self._wake:
-            queued = len(self.scorer.jobs) + sum(1 for k, _ in self._inbox if k == "score")
+            queued = held + sum(1 for k, _ in self._inbox if k == kind)
             if queued >= self.config.scheduler.max_queue:
-                raise EngineOverloaded(f"the server is busy: {queued} prompts to score are "
-                                       "already waiting; retry shortly", retry_after=1.0)
-            self._inbox.append(("score", job))
+                raise EngineOverloaded(f"the server is busy: {queued} {what} are already "
+                                       "waiting; retry shortly", retry_after=1.0)
+            self._inbox.append((kind, job))
             self._wake.notify()
         return job
 

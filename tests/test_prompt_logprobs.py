@@ -21,9 +21,6 @@ from engine.api import EngineError, Request, SamplingParams, ScoreRequest, Score
 from engine.core import Engine, EngineConfig
 from engine.loader import load_model
 from engine.scheduler import SchedulerConfig
-from server.app import create_app
-from server.config import ServerConfig
-from tests.fake_engine import ServerThread
 from tests.tiny_models import VOCAB, loaded, tiny_model
 
 MODEL = "tinycoder-16m"
@@ -150,24 +147,11 @@ def test_rows_decoding_beside_a_scoring_job_keep_their_tokens():
         engine.stop()
 
 
-@pytest.fixture(scope="module")
-def server():
-    from mlxd.runtime import build_client
-
-    client = build_client(model=None)
-    client.start()
-    try:
-        with ServerThread(create_app(client, ServerConfig())) as s:
-            yield s
-    finally:
-        client.stop()
-
-
-def test_echo_with_logprobs_over_http(server):
+def test_echo_with_logprobs_over_http(real_server):
     """lm-eval's loglikelihood request (echo, max_tokens 0, logprobs 1) and echo before a
     generation: the prompt's tokens come back with null first, their logprobs, offsets into the
     echoed text; a prompt of a generation's own tokens scores them as the generation did."""
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    client = openai.OpenAI(base_url=real_server.url + "/v1", api_key="x", max_retries=0)
     prompt = "def add(a, b):\n    return a + b\n"
     gen = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=2,
                                     echo=True)
@@ -194,7 +178,7 @@ def test_echo_with_logprobs_over_http(server):
     body = {"model": MODEL, "prompt": [[5, 6, 7], [8, 9]], "echo": True, "max_tokens": 1, "logprobs": 1,
             "temperature": 0, "stream": True}
     first = {}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", real_server.url + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -204,7 +188,7 @@ def test_echo_with_logprobs_over_http(server):
     assert first[0]["token_logprobs"][0] is None
 
 
-def test_echo_logprobs_refusals(server):
-    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x " * 5000, "echo": True,
+def test_echo_logprobs_refusals(real_server):
+    r = httpx.post(real_server.url + "/v1/completions", json={"model": MODEL, "prompt": "x " * 5000, "echo": True,
                                                          "max_tokens": 0, "logprobs": 1})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
