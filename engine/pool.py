@@ -377,7 +377,8 @@ class EnginePool(EngineThread):
             if slot is exclude:
                 continue
             if slot.engine is not None:
-                total += slot.engine.budget.weights + slot.engine.scheduler.reserved_bytes()
+                budget = slot.engine.budget
+                total += budget.weights + budget.side + slot.engine.scheduler.reserved_bytes()
             elif slot.load is not None and not slot.load.waiting_for_room:
                 total += slot.load.total_bytes
         return total

@@ -380,7 +380,7 @@ class Scheduler:
         if chunk is None:
             chunk = self.step_chunk()
         tokens = admitted + self._row_tokens(list(group))
-        held = self.budget.weights + self.budget.others + self._kv_held(tokens)
+        held = self.budget.weights + self.budget.others + self.budget.side + self._kv_held(tokens)
         return self.budget.budget - held - self._step_transient(group, tokens, chunk)
 
     def _admits(self, picked: list[RowMeta], row: RowMeta, admitted: list[int], chunk: int) -> int:

@@ -14,8 +14,9 @@ How: the prompt runs through the model in chunks of at most `chunk` tokens over 
 KV of mlxd's layouts (the runner's forward, so the kernels and attention are the serving ones),
 one chunk per engine turn, so decoding rows keep stepping between chunks. The head runs over a
 chunk's positions only ([chunk, V] logits at a time, never [L, V]). Jobs run one at a time in
-arrival order; a job's KV is freed when it ends. The prefix cache is neither read nor written:
-a cached prefix has no logits to give.
+arrival order; while one runs, its KV at its longest and a chunk's activations are held in
+`MemoryBudget.side`, which the scheduler's admission counts, and freed when it ends or is
+cancelled. The prefix cache is neither read nor written: a cached prefix has no logits to give.
 """
 
 from __future__ import annotations
@@ -103,12 +104,21 @@ class Scorer:
     def has_work(self) -> bool:
         """Whether a job waits; cancelled jobs are dropped here (their KV with them)."""
         if any(job.cancelled for job in self.jobs):
+            for job in self.jobs:
+                if job.cancelled:
+                    self._release(job)
             self.jobs = deque(job for job in self.jobs if not job.cancelled)
         return bool(self.jobs)
+
+    def _release(self, job: ScoreJob) -> None:
+        if job.caches is not None:
+            job.caches = None
+            self.budget.side = 0
 
     def fail_all(self, message: str) -> None:
         while self.jobs:
             job = self.jobs.popleft()
+            self._release(job)
             if not job.cancelled:
                 job.done(None, EngineError(message, status=500, code="scoring_failed"))
 
@@ -125,10 +135,12 @@ class Scorer:
             if decoding and self.job_bytes(len(ids)) > room:
                 return False  # wait for running rows to give their KV back
             job.caches = self.new_caches()
+            self.budget.side = self.job_bytes(len(ids))  # admission counts it while the job runs
         try:
             self._chunk(job)
         except Exception as exc:  # this request fails; decoding rows go on
             self.jobs.popleft()
+            self._release(job)
             if not isinstance(exc, EngineError):
                 log.exception("scoring forward failed")
                 exc = EngineError(f"the scoring forward failed: {type(exc).__name__}",
@@ -138,7 +150,7 @@ class Scorer:
         if job.pos >= len(ids) - 1:
             self.jobs.popleft()
             self.num_jobs += 1
-            job.caches = None
+            self._release(job)
             job.done(ScoreResult(job.request.req_id, job.logprobs, job.top), None)
         return True
 

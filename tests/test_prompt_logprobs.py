@@ -78,11 +78,15 @@ def test_a_cancelled_job_stops_and_frees_its_kv():
     answers = []
     ids = np.random.default_rng(5).integers(1, VOCAB, 60).tolist()
     job = engine.add_scoring(ScoreRequest("c", ids, 0), lambda r, e: answers.append((r, e)))
+    free = engine.scheduler._free()  # what admission leaves for rows and the prefix cache
     engine.turn()  # the first chunk (engine thread, driven by hand)
     assert job.pos == 8 and job.caches is not None and not answers
+    assert engine.budget.side == engine.scorer.job_bytes(60) > 0  # what admission counts meanwhile
+    assert engine.scheduler._free() == free - engine.budget.side
     job.cancelled = True
     engine.turn()
     assert job.pos == 8 and not engine.scorer.jobs and not engine.scorer.has_work() and not answers
+    assert job.caches is None and engine.budget.side == 0
     engine.start()
     try:
         np.testing.assert_allclose(_score(engine, ids).logprobs, _reference(model, ids), rtol=0, atol=2e-4)

@@ -169,6 +169,9 @@ class MemoryBudget:
     # what other engines sharing `budget` hold (engine.pool: the other models' weights and KV);
     # admission counts it, a request's `fits_alone` does not (it may wait for them, never 413)
     others: int = 0
+    # what this engine's side work holds between its turns (engine.score: a prompt being scored
+    # keeps its one-row KV from chunk to chunk); admission counts it as it counts `others`
+    side: int = 0
 
     @classmethod
     def for_model(cls, model: Any, budget: int | None, kv_kwargs: dict[str, Any]) -> MemoryBudget:
