@@ -112,7 +112,11 @@ class SSEResponse(StreamingResponse):
 
 async def run_until_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> T | None:
     """Await `work()`; if the client disconnects first, cancel it and return None."""
-    task = asyncio.ensure_future(work())
+
+    async def run() -> T:  # a Task of its own, whatever `work()` returns (a gather, a future)
+        return await work()
+
+    task = asyncio.ensure_future(run())
 
     async def wait_disconnect() -> None:
         while True:

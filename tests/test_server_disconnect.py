@@ -134,3 +134,32 @@ def test_many_concurrent_streams_some_leaving(server, fake):
     assert fake.wait_until(lambda: fake.stats().num_running == 0, 3)
     leavers = [s.req_id for s in fake.submits if s.params.seed >= 100]
     assert len(leavers) == 6 and all(fake.aborted(r) for r in leavers)
+
+
+def test_a_gathered_work_cut_by_a_disconnect_returns_none():
+    """`run_until_disconnect` around a gather of several awaits (prompt logprobs of several
+    prompts): a client that leaves gets None (a 499), not the CancelledError the cancelled
+    gather carries as its exception (which reached the client as a 500)."""
+    import asyncio
+
+    from server.sse import run_until_disconnect
+
+    class Leaving:
+        async def receive(self):
+            await asyncio.sleep(0.05)
+            return {"type": "http.disconnect"}
+
+    async def main():
+        left = []
+
+        async def slow(i):
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                left.append(i)
+                raise
+
+        got = await run_until_disconnect(Leaving(), lambda: asyncio.gather(slow(0), slow(1)))
+        return got, sorted(left)
+
+    assert asyncio.run(main()) == (None, [0, 1])
