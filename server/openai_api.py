@@ -219,13 +219,16 @@ def completion_logprobs(
     }
 
 
-def prompt_logprobs(model: ServedModel, ids: Sequence[int], scored: ScoreResult, k: int) -> dict[str, Any]:
+def prompt_logprobs(model: ServedModel, ids: Sequence[int], scored: ScoreResult, k: int,
+                    special_text: bool = False) -> dict[str, Any]:
     """The completions logprobs object of a prompt's tokens (`echo` with `logprobs`): the first
     token has no logprob (null, as on OpenAI), the others the model's, with the k best
-    alternatives and the token itself; offsets are character offsets in the decoded prompt."""
+    alternatives and the token itself; offsets are character offsets in the echoed text, which
+    holds special tokens' text when the prompt came as ids (`special_text`), not when it came
+    as a string (a BOS the tokenizer added is not in it)."""
     vocab = model.vocab
     assert vocab is not None
-    detok = IncrementalDetokenizer(model.tokenizer)
+    detok = IncrementalDetokenizer(model.tokenizer, skip_special_tokens=not special_text)
     offsets: list[int] = []
     pos, group_start = 0, None
     for t in ids:  # a token whose text is pending (part of a character) starts where its group does
@@ -256,10 +259,11 @@ def joined_logprobs(first: dict[str, Any] | None, second: dict[str, Any] | None)
 
 
 async def score_prompts(
-    request: Request, client: EngineClient, model: ServedModel, prompts: list[list[int]], k: int
+    request: Request, client: EngineClient, model: ServedModel, prompts: list[list[int]], k: int,
+    as_ids: Sequence[bool],
 ) -> list[dict[str, Any]] | None:
-    """Each prompt's logprobs object (engine.score, the prompts at once); None when the client
-    left first."""
+    """Each prompt's logprobs object (engine.score, the prompts at once; `as_ids`: which prompts
+    came as token ids); None when the client left first."""
     if model.adapter is not None:
         raise APIError(400, f"'{model.name}' is a LoRA adapter; prompt logprobs (echo with "
                             "logprobs) come from the base model only.", param="echo",
@@ -268,7 +272,8 @@ async def score_prompts(
     results = await run_until_disconnect(request, lambda: asyncio.gather(*map(client.score, reqs)))
     if results is None:
         return None
-    return [prompt_logprobs(model, ids, r, k) for ids, r in zip(prompts, results, strict=True)]
+    return [prompt_logprobs(model, ids, r, k, special)
+            for ids, r, special in zip(prompts, results, as_ids, strict=True)]
 
 
 # -- /v1/chat/completions -------------------------------------------------------------------
@@ -435,7 +440,8 @@ async def completions(request: Request) -> Response:
         ]
     scored: list[dict[str, Any]] | None = None
     if body.echo and want_lp:
-        scored = await score_prompts(request, st.client, model, prompts, k)
+        as_ids = [not isinstance(p, str) for p in body.prompt]
+        scored = await score_prompts(request, st.client, model, prompts, k, as_ids)
         if scored is None:  # the client left
             return Response(status_code=499)
     if echo_only:

@@ -192,6 +192,16 @@ def test_echo_with_logprobs_over_http(real_server):
     assert first[0]["token_logprobs"][0] is None
 
 
+def test_offsets_of_an_id_prompt_count_its_special_tokens(real_server):
+    """A prompt sent as ids echoes its special tokens' text; the offsets count it."""
+    ids = httpx.post(real_server.url + "/tokenize", json={"model": MODEL, "prompt": "<|im_start|>user\nhi"}).json()["tokens"]
+    r = httpx.post(real_server.url + "/v1/completions", json={"model": MODEL, "prompt": ids, "echo": True,
+                                                              "max_tokens": 0, "logprobs": 0}).json()
+    text, lp = r["choices"][0]["text"], r["choices"][0]["logprobs"]
+    assert text == "<|im_start|>user\nhi" and len(lp["tokens"]) == len(ids)
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][1] == len("<|im_start|>")
+
+
 def test_echo_logprobs_refusals(real_server):
     r = httpx.post(real_server.url + "/v1/completions", json={"model": MODEL, "prompt": "x " * 5000, "echo": True,
                                                          "max_tokens": 0, "logprobs": 1})
