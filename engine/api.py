@@ -136,6 +136,7 @@ class ScoreResult:
     # logits (before any sampling setting), and the best alternatives (id, logprob), best first
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]]
+    ranks: list[int]  # each token's rank in its distribution (1: the most likely)
 
 
 @dataclass(slots=True)

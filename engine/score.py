@@ -50,6 +50,7 @@ class ScoreJob:
     caches: Any = None
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
 
 
 class Scorer:
@@ -151,7 +152,7 @@ class Scorer:
             self.jobs.popleft()
             self.num_jobs += 1
             self._release(job)
-            job.done(ScoreResult(job.request.req_id, job.logprobs, job.top), None)
+            job.done(ScoreResult(job.request.req_id, job.logprobs, job.top, job.ranks), None)
         return True
 
     def _chunk(self, job: ScoreJob) -> None:
@@ -168,6 +169,7 @@ class Scorer:
         lp = z - mx.logsumexp(z, axis=-1, keepdims=True)
         target = mx.array(ids[start + 1 : end + 1], dtype=mx.int32)
         chosen = mx.take_along_axis(lp, target[:, None], axis=-1)[:, 0]
+        rank = (lp > chosen[:, None]).sum(axis=-1) + 1
         k = job.request.top_logprobs
         if k:
             best = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
@@ -175,11 +177,12 @@ class Scorer:
             order = mx.argsort(-best_lp, axis=-1)
             best = mx.take_along_axis(best, order, axis=-1)
             best_lp = mx.take_along_axis(best_lp, order, axis=-1)
-            mx.eval(chosen, best, best_lp)
+            mx.eval(chosen, rank, best, best_lp)
             ids_k, lps_k = np.array(best).tolist(), np.array(best_lp).tolist()
             job.top.extend([list(zip(i, v, strict=True)) for i, v in zip(ids_k, lps_k, strict=True)])
         else:
-            mx.eval(chosen)
+            mx.eval(chosen, rank)
             job.top.extend([] for _ in range(end - start))
         self.eval_state(job.caches)
         job.logprobs.extend(np.array(chosen).tolist())
+        job.ranks.extend(np.array(rank).tolist())

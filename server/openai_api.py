@@ -258,22 +258,32 @@ def joined_logprobs(first: dict[str, Any] | None, second: dict[str, Any] | None)
     return {key: first[key] + second[key] for key in first}
 
 
+def vllm_prompt_logprobs(model: ServedModel, ids: Sequence[int], scored: ScoreResult,
+                         k: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` of a choice: null for the first token, then per token a map from
+    token id to its logprob, rank and text, for the token itself and the k most likely."""
+    tok = model.tokenizer
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for t, lp, rank, top in zip(ids[1:], scored.logprobs, scored.ranks, scored.top_logprobs,
+                                strict=True):
+        entry = {str(i): {"logprob": v, "rank": r, "decoded_token": tok.decode([i])}
+                 for r, (i, v) in enumerate(top[:k], start=1)}
+        entry[str(t)] = {"logprob": lp, "rank": rank, "decoded_token": tok.decode([t])}
+        out.append(entry)
+    return out
+
+
 async def score_prompts(
-    request: Request, client: EngineClient, model: ServedModel, prompts: list[list[int]], k: int,
-    as_ids: Sequence[bool],
-) -> list[dict[str, Any]] | None:
-    """Each prompt's logprobs object (engine.score, the prompts at once; `as_ids`: which prompts
-    came as token ids); None when the client left first."""
+    request: Request, client: EngineClient, model: ServedModel, prompts: list[list[int]], k: int
+) -> list[ScoreResult] | None:
+    """Each prompt's logprobs (engine.score, the prompts at once); None when the client left
+    first."""
     if model.adapter is not None:
         raise APIError(400, f"'{model.name}' is a LoRA adapter; prompt logprobs (echo with "
                             "logprobs) come from the base model only.", param="echo",
                        code="unsupported_model")
     reqs = [ScoreRequest(new_id("score"), ids, k, model=model.engine_name) for ids in prompts]
-    results = await run_until_disconnect(request, lambda: asyncio.gather(*map(client.score, reqs)))
-    if results is None:
-        return None
-    return [prompt_logprobs(model, ids, r, k, special)
-            for ids, r, special in zip(prompts, results, as_ids, strict=True)]
+    return await run_until_disconnect(request, lambda: asyncio.gather(*map(client.score, reqs)))
 
 
 # -- /v1/chat/completions -------------------------------------------------------------------
@@ -438,23 +448,33 @@ async def completions(request: Request) -> Response:
                             prompt_param=param)
             for ids, param in zip(prompts, params_of, strict=True)
         ]
-    scored: list[dict[str, Any]] | None = None
-    if body.echo and want_lp:
-        as_ids = [not isinstance(p, str) for p in body.prompt]
-        scored = await score_prompts(request, st.client, model, prompts, k, as_ids)
-        if scored is None:  # the client left
+    scored: list[dict[str, Any]] | None = None  # the echoed prompts' logprobs objects
+    vllm_lp: list[Any] | None = None  # vLLM's prompt_logprobs, per prompt
+    echo_lp = bool(body.echo) and want_lp
+    if echo_lp or body.prompt_logprobs is not None:
+        scores = await score_prompts(request, st.client, model, prompts,
+                                     max(k if echo_lp else 0, body.prompt_logprobs or 0))
+        if scores is None:  # the client left
             return Response(status_code=499)
+        if echo_lp:
+            scored = [prompt_logprobs(model, ids, r, k, not isinstance(p, str))
+                      for ids, r, p in zip(prompts, scores, body.prompt, strict=True)]
+        if body.prompt_logprobs is not None:
+            vllm_lp = [vllm_prompt_logprobs(model, ids, r, body.prompt_logprobs)
+                       for ids, r in zip(prompts, scores, strict=True)]
     if echo_only:
-        return _echo_only(cid, created, model, prompts, _echoes(model, body, prompts), n, body, scored)
+        return _echo_only(cid, created, model, prompts, _echoes(model, body, prompts), n, body, scored,
+                          vllm_lp)
     echoes = _echoes(model, body, prompts)
     specs = make_specs(cid, prompts, params, n, body)
     echo_of = {s.index: (echoes[s.prompt_index] if body.echo else "") for s in specs}
     echo_lp_of = {s.index: scored[s.prompt_index] if scored else None for s in specs}
+    extra_of = {s.index: {"prompt_logprobs": vllm_lp[s.prompt_index]} if vllm_lp else {} for s in specs}
     gens = await start_all(st.client, specs, model, keep_alive)
     _log_start(request, cid, specs)
     if body.stream:
         return SSEResponse(
-            _completion_stream(gens, model, cid, created, body, echo_of, k, echo_lp_of),
+            _completion_stream(gens, model, cid, created, body, echo_of, k, echo_lp_of, extra_of),
             on_close=lambda: abort_all(gens),
         )
     results = await _collect(request, gens)
@@ -472,6 +492,7 @@ async def completions(request: Request) -> Response:
                 if want_lp
                 else None,
                 "finish_reason": r.finish_reason,
+                **extra_of[r.index],
             }
         )
     return JSONResponse(
@@ -520,10 +541,11 @@ def _echo_only(
     n: int,
     body: CompletionRequest,
     scored: list[dict[str, Any]] | None,
+    vllm_lp: list[Any] | None,
 ) -> Response:
     choices = [
         {"index": p * n + i, "text": echoes[p], "logprobs": scored[p] if scored else None,
-         "finish_reason": "length"}
+         "finish_reason": "length", **({"prompt_logprobs": vllm_lp[p]} if vllm_lp else {})}
         for p in range(len(prompts))
         for i in range(n)
     ]
@@ -566,15 +588,16 @@ def _completion_stream(
     echo_of: dict[int, str],
     k: int,
     echo_lp_of: dict[int, dict[str, Any] | None],
+    extra_of: dict[int, dict[str, Any]],
 ) -> AsyncIterator[bytes]:
     want_lp = body.logprobs is not None
     chunk = chunk_writer(gens, body, cid, created, model, "text_completion")
 
     async def choices() -> AsyncGenerator[bytes, None]:
-        for index, echo in echo_of.items():
-            if echo:
+        for index, echo in echo_of.items():  # the prompt's part of each choice first
+            if echo or extra_of[index]:
                 yield chunk([{"index": index, "text": echo, "logprobs": echo_lp_of[index],
-                              "finish_reason": None}])
+                              "finish_reason": None, **extra_of[index]}])
         async for d in stream_all(gens):
             if d.text or d.logprobs or d.finish_reason:
                 lp = completion_logprobs(model, d.logprobs, k, len(echo_of[d.index])) if want_lp else None

@@ -194,6 +194,7 @@ class ChatCompletionRequest(_SamplingRequest):
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None  # vLLM's extension: served on /v1/completions only
     # accepted and ignored: they change nothing about the tokens
     parallel_tool_calls: bool | None = None
     metadata: dict[str, Any] | None = None
@@ -215,6 +216,8 @@ class ChatCompletionRequest(_SamplingRequest):
             raise unsupported("prediction")
         if self.web_search_options is not None:
             raise unsupported("web_search_options")
+        if self.prompt_logprobs is not None:
+            raise unsupported("prompt_logprobs", "prompt logprobs are served on /v1/completions")
         if self.top_logprobs and not self.logprobs:
             raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:
@@ -249,6 +252,8 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=5)
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
+    # vLLM's extension: each prompt token's logprob, rank and this many alternatives (per choice)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
     def check_supported(self) -> None:
         if self.suffix:

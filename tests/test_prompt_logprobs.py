@@ -60,9 +60,14 @@ def test_scores_equal_the_full_forward(arch):
         result = _score(engine, ids, k=4)
         assert len(result.logprobs) == len(result.top_logprobs) == len(ids) - 1
         np.testing.assert_allclose(result.logprobs, _reference(model, ids), rtol=0, atol=2e-4)
-        for lp, top in zip(result.logprobs, result.top_logprobs, strict=True):
+        z = model(mx.array([ids]))[0].astype(mx.float32)
+        full = np.array(z - mx.logsumexp(z, axis=-1, keepdims=True))
+        for i, (lp, top, rank) in enumerate(zip(result.logprobs, result.top_logprobs, result.ranks, strict=True)):
             values = [v for _, v in top]
             assert len(top) == 4 and values == sorted(values, reverse=True) and values[0] >= lp - 1e-6
+            assert [t for t, _ in top] == np.argsort(-full[i], kind="stable")[:4].tolist()
+            chosen = full[i, ids[i + 1]]  # the rank counts the tokens above it (float noise: 1e-4)
+            assert 1 + (full[i] > chosen + 1e-4).sum() <= rank <= 1 + (full[i] > chosen - 1e-4).sum()
         assert _score(engine, ids[:1]).logprobs == []  # nothing precedes the only token
         assert len(_score(engine, ids[:2]).logprobs) == 1
     finally:
@@ -200,6 +205,39 @@ def test_offsets_of_an_id_prompt_count_its_special_tokens(real_server):
     text, lp = r["choices"][0]["text"], r["choices"][0]["logprobs"]
     assert text == "<|im_start|>user\nhi" and len(lp["tokens"]) == len(ids)
     assert lp["text_offset"][0] == 0 and lp["text_offset"][1] == len("<|im_start|>")
+
+
+def test_vllm_prompt_logprobs(real_server):
+    """vLLM's `prompt_logprobs` on /v1/completions: per choice, null first, then per token a map
+    from token id to logprob, rank and text holding the token itself and the k best; the same
+    values as echo's; streamed in the choice's first chunk; a 400 on chat completions."""
+    url = real_server.url + "/v1/completions"
+    body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2,
+            "echo": True, "logprobs": 0, "n": 2}
+    r = httpx.post(url, json=body).json()
+    c0, c1 = r["choices"]
+    plp, echo = c0["prompt_logprobs"], c0["logprobs"]
+    n_prompt = r["usage"]["prompt_tokens"]
+    assert c1["prompt_logprobs"] == plp and len(plp) == n_prompt and plp[0] is None
+    for entry, lp in zip(plp[1:], echo["token_logprobs"][1:n_prompt], strict=True):
+        ranks = sorted(v["rank"] for v in entry.values())
+        assert 2 <= len(entry) <= 3 and ranks[:2] == [1, 2]
+        assert any(abs(v["logprob"] - lp) < 1e-6 for v in entry.values())  # the token itself
+        assert all(isinstance(v["decoded_token"], str) for v in entry.values())
+    best = [max(e.values(), key=lambda v: v["logprob"]) for e in plp[1:]]
+    assert all(b["rank"] == 1 for b in best)
+    only = httpx.post(url, json={**body, "echo": False, "logprobs": None, "max_tokens": 1, "n": 1}).json()
+    assert only["choices"][0]["prompt_logprobs"] == plp and only["choices"][0]["logprobs"] is None
+    first = {}
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    first.setdefault(c["index"], c.get("prompt_logprobs"))
+    assert first == {0: plp, 1: plp}
+    chat = httpx.post(real_server.url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 1})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "prompt_logprobs"
 
 
 def test_echo_logprobs_refusals(real_server):
