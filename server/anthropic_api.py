@@ -34,11 +34,19 @@ from starlette.responses import JSONResponse, Response
 
 from engine.api import EngineError
 from server.errors import APIError, bad_request, from_engine_error, from_validation_error
-from server.generation import ChoiceSpec, Generation, GenerationError, start_all, usage_numbers
+from server.generation import (
+    ChoiceSpec,
+    Generation,
+    GenerationError,
+    ThinkBudget,
+    start_all,
+    usage_numbers,
+)
 from server.openai_api import app_state
 from server.params import SamplingRequest, build_params
 from server.prepare import off_loop
 from server.prompts import ServedModel
+from server.reasoning import THINK_CLOSE
 from server.sse import SSEResponse, run_until_disconnect
 from server.tools import CallArgs, CallEnd, CallStart, TextEvent
 from server.turn import (
@@ -303,6 +311,19 @@ def _continues_assistant(body: CountTokensRequest, msgs: list[dict[str, Any]]) -
     )
 
 
+def _think_budget(body: MessagesRequest, plan: TurnPlan, model: ServedModel) -> ThinkBudget | None:
+    """`thinking: {type: enabled, budget_tokens: N}` on a model that writes <think> reasoning:
+    after N output tokens an unclosed reasoning is closed and the answer follows."""
+    thinking = body.thinking or {}
+    budget = thinking.get("budget_tokens")
+    if thinking.get("type") != "enabled" or not plan.thinks:
+        return None
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise bad_request("thinking.budget_tokens must be a positive integer")
+    close = model.tokenizer.encode("\n" + THINK_CLOSE + "\n\n", add_special_tokens=False)
+    return ThinkBudget(budget, list(close), plan.starts_in_reasoning)
+
+
 def sampling_request(body: MessagesRequest, plan: TurnPlan) -> SamplingRequest:
     """Anthropic's field names → the shared conversion's input (server.params)."""
     return SamplingRequest(max_tokens=body.max_tokens, temperature=body.temperature,
@@ -331,7 +352,8 @@ async def messages(request: Request) -> Response:
     mid = "msg_" + secrets.token_hex(12)
     stops = [s for s in (body.stop_sequences or []) if s]
     spec = ChoiceSpec(index=0, req_id=mid, prompt_ids=plan.prompt_ids, params=params, stop=stops,
-                      skip_special_tokens=plan.skip_special_tokens)
+                      skip_special_tokens=plan.skip_special_tokens,
+                      think_budget=_think_budget(body, plan, model))
     gens = await start_all(st.client, [spec], model)
     if body.stream:
         return SSEResponse(_stream(gens[0], plan, parallel, model, mid), on_close=gens[0].abort)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 from collections import deque
@@ -31,14 +32,17 @@ import anyio
 from engine.api import (
     FINISH_ABORT,
     FINISH_ERROR,
+    FINISH_LENGTH,
     FINISH_STOP,
     EngineClient,
+    EngineError,
     Request,
     SamplingParams,
     TokenEvent,
 )
 from server.detokenize import IncrementalDetokenizer
 from server.prompts import ServedModel
+from server.reasoning import THINK_CLOSE, THINK_OPEN
 from server.stops import StopMatcher
 
 log = logging.getLogger("mlxd.server")
@@ -60,6 +64,16 @@ class ChoiceSpec:
     include_stop_str: bool = False
     skip_special_tokens: bool = True
     prompt_index: int = 0  # which prompt (completions with a list of prompts), for usage
+    # a reasoning budget: after this many output tokens with the reasoning still open, the
+    # closing tokens are forced and the answer continues (`Generation.deltas`)
+    think_budget: ThinkBudget | None = None
+
+
+@dataclass(slots=True)
+class ThinkBudget:
+    tokens: int  # output tokens the reasoning may take
+    close_ids: list[int]  # the closing tag's tokens ("\n</think>\n\n")
+    starts_in_reasoning: bool  # the prompt opened the reasoning (else "<think>" must come first)
 
 
 @dataclass(slots=True)
@@ -107,6 +121,7 @@ class TextPipeline:
         if not params.ignore_eos:
             self.end_ids.update(eos_token_ids)
         self.num_tokens = 0  # tokens that count as completion tokens
+        self.token_ids: list[int] = []  # those tokens
         self._detok_len = 0  # characters the detokenizer committed
         self._emitted_len = 0  # characters that passed the stop matcher
         self._group: list[TokenLogprob] = []  # tokens not yet committed by the detokenizer
@@ -128,6 +143,7 @@ class TextPipeline:
         if finish_reason == FINISH_STOP and ids and ids[-1] in self.end_ids:
             ids.pop()
         self.num_tokens += len(ids)
+        self.token_ids.extend(ids)
         text_parts: list[str] = []
         released: list[TokenLogprob] = []
         for i, token in enumerate(ids):
@@ -190,11 +206,17 @@ class Generation:
         stream: AsyncIterator[TokenEvent],
         eos_token_ids: Iterable[int],
         tokenizer: Any = None,  # None: the default model's
+        request: Request | None = None,  # what was submitted (a reasoning budget resubmits it)
     ):
         self.client = client
         self.spec = spec
         self.pipeline = TextPipeline(tokenizer or client.model.tokenizer, spec, eos_token_ids)
         self._stream = stream
+        self._request = request
+        self._req_id = spec.req_id  # the engine row now running this choice
+        self._seen = ""  # text a reasoning budget still watches: the start, then a tail
+        self._opened = bool(spec.think_budget and spec.think_budget.starts_in_reasoning)
+        self._budget_spent = False
         self.finished = False  # the engine row is done (finished, failed, or aborted by us)
         self.finish_reason: str | None = None
         self.num_prompt_tokens = len(spec.prompt_ids)
@@ -207,32 +229,44 @@ class Generation:
     def abort(self) -> None:
         if not self.finished:
             self.finished = True
-            self.client.abort(self.spec.req_id)
+            self.client.abort(self._req_id)
 
     async def deltas(self) -> AsyncGenerator[Delta, None]:
         index = self.spec.index
         try:
-            async for ev in self._stream:
-                if ev.num_prompt_tokens:
-                    self.num_prompt_tokens = ev.num_prompt_tokens
-                self.num_cached_tokens = max(self.num_cached_tokens, ev.num_cached_tokens)
-                if ev.finish_reason == FINISH_ERROR:
-                    self.finished = True
-                    raise GenerationError(ev.error or "the engine failed this request")
-                text, lps = self.pipeline.feed(
-                    ev.token_ids, ev.logprobs, ev.top_logprobs, ev.finish_reason
-                )
-                finish = ev.finish_reason
-                if self.pipeline.stopped:
-                    self.abort()  # the stop string matched: free the row now
-                    finish = FINISH_STOP
-                elif finish is not None:
-                    self.finished = True
-                if text or lps or finish:
+            while True:
+                over_budget = False
+                async for ev in self._stream:
+                    if ev.num_prompt_tokens and self._req_id == self.spec.req_id:
+                        self.num_prompt_tokens = ev.num_prompt_tokens
+                    if self._req_id == self.spec.req_id:
+                        self.num_cached_tokens = max(self.num_cached_tokens, ev.num_cached_tokens)
+                    if ev.finish_reason == FINISH_ERROR:
+                        self.finished = True
+                        raise GenerationError(ev.error or "the engine failed this request")
+                    text, lps = self.pipeline.feed(
+                        ev.token_ids, ev.logprobs, ev.top_logprobs, ev.finish_reason
+                    )
+                    finish = ev.finish_reason
+                    if self.pipeline.stopped:
+                        self.abort()  # the stop string matched: free the row now
+                        finish = FINISH_STOP
+                    elif finish is not None:
+                        self.finished = True
+                    if text or lps or finish:
+                        if finish:
+                            self.finish_reason = finish
+                        yield Delta(index, text, lps, finish)
                     if finish:
-                        self.finish_reason = finish
-                    yield Delta(index, text, lps, finish)
-                if finish:
+                        return
+                    if self._over_budget(text):
+                        over_budget = True
+                        break
+                if not over_budget:
+                    break
+                delta = await self._close_reasoning()
+                yield delta
+                if delta.finish_reason:
                     return
             # the stream ended without a finish reason: the engine dropped the row
             self.finished = True
@@ -244,6 +278,59 @@ class Generation:
             if aclose is not None:
                 with anyio.move_on_after(2.0, shield=True):
                     await aclose()
+
+
+    def _over_budget(self, text: str) -> bool:
+        """The reasoning is still open after the budget's tokens (checked once per event)."""
+        budget = self.spec.think_budget
+        if budget is None or self._budget_spent or self._request is None:
+            return False
+        seen = self._seen + text
+        if not self._opened:  # the answer must start with the tag
+            head = seen.lstrip()
+            if head.startswith(THINK_OPEN):
+                self._opened, seen = True, head[len(THINK_OPEN):]
+            elif THINK_OPEN.startswith(head):  # "", "<", "<th": not decided yet
+                self._seen = seen
+                return False
+            else:
+                self._budget_spent = True  # no reasoning: nothing to watch
+                return False
+        if THINK_CLOSE in seen:
+            self._budget_spent = True  # the model closed it itself
+            return False
+        self._seen = seen[-(len(THINK_CLOSE) - 1):]  # a tag cut between two events
+        return self.pipeline.num_tokens >= budget.tokens
+
+    async def _close_reasoning(self) -> Delta:
+        """End the running row, write the closing tag as if the model had, and go on from the
+        prompt, the tokens so far and the tag in a new row (with the rest of max_tokens)."""
+        budget, request = self.spec.think_budget, self._request
+        assert budget is not None and request is not None
+        self._budget_spent = True
+        self.client.abort(self._req_id)
+        aclose = getattr(self._stream, "aclose", None)
+        if aclose is not None:
+            with anyio.move_on_after(2.0, shield=True):
+                await aclose()
+        text, lps = self.pipeline.feed(budget.close_ids)
+        limit = request.params.max_tokens
+        left = None if limit is None else limit - self.pipeline.num_tokens
+        if left is not None and left <= 0:
+            self.finished = True
+            self.finish_reason = FINISH_LENGTH
+            return Delta(self.spec.index, text, lps, FINISH_LENGTH)
+        self._req_id = f"{self.spec.req_id}-answer"
+        try:
+            self._stream = await self.client.submit(dataclasses.replace(
+                request, req_id=self._req_id, prompt_ids=list(self.spec.prompt_ids) + self.pipeline.token_ids,
+                params=dataclasses.replace(request.params, max_tokens=left)))
+        except EngineError as exc:  # the context is full, or the queue: the answer ends here
+            log.info("%s: the answer after the reasoning budget was refused: %s", self.spec.req_id, exc)
+            self.finished = True
+            self.finish_reason = FINISH_LENGTH
+            return Delta(self.spec.index, text, lps, FINISH_LENGTH)
+        return Delta(self.spec.index, text, lps)
 
 
 async def start_all(
@@ -261,7 +348,7 @@ async def start_all(
                               adapter=model.adapter, model=model.engine_name,
                               keep_alive=keep_alive)
             stream = await client.submit(request)
-            gens.append(Generation(client, spec, stream, eos, model.tokenizer))
+            gens.append(Generation(client, spec, stream, eos, model.tokenizer, request))
     except BaseException:
         for g in gens:
             g.abort()

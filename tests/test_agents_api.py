@@ -325,6 +325,75 @@ def test_messages_refuse_anthropic_defined_tools(fake, claude):
     assert "f2" in fake.tokenizer.decode(fake.submits[-1].prompt_ids)
 
 
+def test_messages_thinking_budget_closes_the_reasoning():
+    """`thinking.budget_tokens` on a model that thinks: once the reasoning has taken the budget
+    without closing, the closing tag is written as if the model had, and the answer continues
+    from prompt + tokens so far + tag in a new row with the rest of max_tokens; whole and
+    streamed alike. A model that closes its reasoning in time is left alone."""
+    tmpl = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+    fake2 = FakeEngine()
+    fake2.model.chat_template = tmpl
+    tok = fake2.tokenizer
+    close = tok.encode("\n</think>\n\n", add_special_tokens=False)
+    rambling = tok.encode(" and then" * 40 + "</think>\n\nToo late.", add_special_tokens=False)
+    answer = tok.encode("Hello there!", add_special_tokens=False)
+
+    def script(request):
+        cut = request.prompt_ids[-len(close):] == close
+        return (answer if cut else rambling) + [fake2.eos_id]
+
+    fake2.reset(script=script)
+    thinking = {"type": "enabled", "budget_tokens": 12}
+    convo = [{"role": "user", "content": "hi"}]
+    with ServerThread(create_app(fake2, ServerConfig())) as s:
+        client = anthropic.Anthropic(base_url=s.url, api_key="x", max_retries=0)
+        msg = client.messages.create(model=MODEL, max_tokens=100, thinking=thinking, messages=convo)
+        assert [b.type for b in msg.content] == ["thinking", "text"]
+        assert msg.content[0].thinking.strip() == tok.decode(rambling[:12]).strip()
+        assert msg.content[1].text == "Hello there!" and msg.stop_reason == "end_turn"
+        first, second = fake2.submits[-2:]
+        assert second.prompt_ids == first.prompt_ids + rambling[:12] + close
+        assert second.params.max_tokens == 100 - 12 - len(close) and fake2.aborted(first.req_id)
+        assert msg.usage.output_tokens == 12 + len(close) + len(answer)
+        with client.messages.stream(model=MODEL, max_tokens=100, thinking=thinking, messages=convo) as st:
+            for _ in st:
+                pass
+            streamed = st.get_final_message()
+        assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in streamed.content] == [
+            (b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in msg.content]
+        # the budget reaches into max_tokens: nothing left after the tag
+        short = client.messages.create(model=MODEL, max_tokens=12 + len(close), thinking=thinking, messages=convo)
+        assert short.stop_reason == "max_tokens" and [b.type for b in short.content] == ["thinking"]
+        # the continued prompt does not fit the context: the answer ends at the tag (max_tokens)
+        fake2.context_length = len(fake2.submits[-1].prompt_ids) + 12 + len(close)
+        full = client.messages.create(model=MODEL, max_tokens=100, thinking=thinking, messages=convo)
+        assert full.stop_reason == "max_tokens" and [b.type for b in full.content] == ["thinking"]
+        fake2.context_length = 2048
+        # closed in time: one row, the model's own answer
+        n = len(fake2.submits)
+        fake2.reset(script=lambda r: tok.encode("Short.</think>\n\nFine.", add_special_tokens=False) + [fake2.eos_id])
+        ok = client.messages.create(model=MODEL, max_tokens=100, thinking=thinking, messages=convo)
+        assert ok.content[-1].text == "Fine." and len(fake2.submits) == 1 and n >= 3
+        with pytest.raises(anthropic.BadRequestError):
+            client.messages.create(model=MODEL, max_tokens=100, thinking={"type": "enabled", "budget_tokens": 0},
+                                   messages=convo)
+    # a template that leaves the tag to the model: the budget counts from the answer's start
+    fake2.model.chat_template = tmpl.replace("assistant\n<think>\n", "assistant\n") + "{# <think> #}"
+    opened = tok.encode("<think>", add_special_tokens=False)
+    fake2.reset(script=lambda r: (answer if r.prompt_ids[-len(close):] == close else opened + rambling)
+                + [fake2.eos_id])
+    with ServerThread(create_app(fake2, ServerConfig())) as s:
+        client = anthropic.Anthropic(base_url=s.url, api_key="x", max_retries=0)
+        msg = client.messages.create(model=MODEL, max_tokens=100, thinking=thinking, messages=convo)
+        assert not tok.decode(fake2.submits[0].prompt_ids).endswith("<think>\n")
+        assert [b.type for b in msg.content] == ["thinking", "text"] and msg.content[1].text == "Hello there!"
+        assert fake2.submits[1].prompt_ids == fake2.submits[0].prompt_ids + (opened + rambling)[:12] + close
+        fake2.reset(script=lambda r: answer + [fake2.eos_id])  # no reasoning at all: left alone
+        plain = client.messages.create(model=MODEL, max_tokens=100, thinking=thinking, messages=convo)
+        assert plain.content[-1].text == "Hello there!" and len(fake2.submits) == 1
+
+
 def test_messages_count_tokens_and_errors(fake, claude, server):
     n = claude.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hello there"}])
     assert n.input_tokens > 3
