@@ -232,7 +232,7 @@ class Engine(EngineThread):
         # aborted (they stop counting when `abort` is called, not when the engine reaps them)
         self._queued: set[str] = set()
         self.embedder = Embedder.for_model(loaded, self.budget, cfg.embed_batch_tokens)
-        self.scorer = Scorer(self.runner.logits, lambda: self.runner.new_caches(1), kvb.eval_state,
+        self.scorer = Scorer(self.runner.logits, lambda: self.runner.new_caches(1), kvb.state_arrays,
                              loaded.context_length, loaded.vocab_size, self.budget,
                              min(SCORE_CHUNK, chunk))
         self._snapshot_lock = threading.Lock()

@@ -32,6 +32,7 @@ import numpy as np
 
 from engine.api import EngineError, ScoreRequest, ScoreResult
 from engine.kv.memory import MemoryBudget
+from engine.sampling import token_logprobs
 
 log = logging.getLogger("mlxd.engine")
 
@@ -57,11 +58,11 @@ class Scorer:
     """The queue of scoring jobs and their chunked forwards (engine thread, except `check`)."""
 
     def __init__(self, forward: Callable[[mx.array, Any], mx.array], new_caches: Callable[[], Any],
-                 eval_state: Callable[[Any], None], context_length: int, vocab_size: int,
+                 state_arrays: Callable[[Any], list[Any]], context_length: int, vocab_size: int,
                  budget: MemoryBudget, chunk: int = CHUNK):
         self.forward = forward  # (inputs [1, C], caches) -> logits [1, C, V]
         self.new_caches = new_caches  # a fresh one-row KV
-        self.eval_state = eval_state  # evaluates the KV a forward wrote
+        self.state_arrays = state_arrays  # the arrays of the KV a forward wrote
         self.context_length = context_length
         self.vocab_size = vocab_size
         self.budget = budget
@@ -93,7 +94,7 @@ class Scorer:
 
     def job_bytes(self, num_tokens: int) -> int:
         """A job's KV at its longest, a chunk's activations and its float32 logits (x3: the
-        logits, their log-softmax and the sort of the alternatives)."""
+        logits, the float32 copy and the partition of the alternatives)."""
         cols = min(num_tokens, self.chunk)
         return (self.budget.kv_bytes([num_tokens]) + self.budget.transient(cols, num_tokens)
                 + 3 * 4 * cols * self.vocab_size)
@@ -165,24 +166,17 @@ class Scorer:
         if end <= start:  # a one-token prompt: nothing to score
             return
         z = self.forward(mx.array([ids[start:end]], dtype=mx.int32), job.caches)[0]
-        z = z.astype(mx.float32)
-        lp = z - mx.logsumexp(z, axis=-1, keepdims=True)
         target = mx.array(ids[start + 1 : end + 1], dtype=mx.int32)
-        chosen = mx.take_along_axis(lp, target[:, None], axis=-1)[:, 0]
-        rank = (lp > chosen[:, None]).sum(axis=-1) + 1
-        k = job.request.top_logprobs
-        if k:
-            best = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
-            best_lp = mx.take_along_axis(lp, best, axis=-1)
-            order = mx.argsort(-best_lp, axis=-1)
-            best = mx.take_along_axis(best, order, axis=-1)
-            best_lp = mx.take_along_axis(best_lp, order, axis=-1)
-            mx.eval(chosen, rank, best, best_lp)
+        # the generated tokens' logprobs come from the same function (engine.sampling)
+        chosen, best, best_lp = token_logprobs(z, target, job.request.top_logprobs)
+        raw = z.astype(mx.float32)
+        rank = (raw > mx.take_along_axis(raw, target[:, None], axis=-1)).sum(axis=-1) + 1
+        outs = [a for a in (chosen, rank, best, best_lp) if a is not None]
+        mx.eval(*outs, *self.state_arrays(job.caches))  # the chunk's KV with its scores
+        if best is not None and best_lp is not None:
             ids_k, lps_k = np.array(best).tolist(), np.array(best_lp).tolist()
             job.top.extend([list(zip(i, v, strict=True)) for i, v in zip(ids_k, lps_k, strict=True)])
         else:
-            mx.eval(chosen, rank)
             job.top.extend([] for _ in range(end - start))
-        self.eval_state(job.caches)
         job.logprobs.extend(np.array(chosen).tolist())
         job.ranks.extend(np.array(rank).tolist())
