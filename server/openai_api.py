@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
@@ -240,14 +241,11 @@ def prompt_logprobs(model: ServedModel, ids: Sequence[int], scored: ScoreResult,
         else:
             group_start = None
             pos += len(piece)
-    tokens = [vocab.token_str(t) for t in ids]
-    tops: list[dict[str, float] | None] = [None]
-    for s, lp, top in zip(tokens[1:], scored.logprobs, scored.top_logprobs, strict=True):
-        best = {vocab.token_str(t): v for t, v in top[:k]}
-        best.setdefault(s, lp)
-        tops.append(best)
-    return {"tokens": tokens, "token_logprobs": [None, *scored.logprobs], "top_logprobs": tops,
-            "text_offset": offsets}
+    first = {"tokens": [vocab.token_str(ids[0])], "token_logprobs": [None], "top_logprobs": [None],
+             "text_offset": offsets[:1]}
+    rest = [TokenLogprob(t, lp, top, off) for t, lp, top, off in
+            zip(ids[1:], scored.logprobs, scored.top_logprobs, offsets[1:], strict=True)]
+    return cast(dict[str, Any], joined_logprobs(first, completion_logprobs(model, rest, k, 0)))
 
 
 def joined_logprobs(first: dict[str, Any] | None, second: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -262,13 +260,13 @@ def vllm_prompt_logprobs(model: ServedModel, ids: Sequence[int], scored: ScoreRe
                          k: int) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's `prompt_logprobs` of a choice: null for the first token, then per token a map from
     token id to its logprob, rank and text, for the token itself and the k most likely."""
-    tok = model.tokenizer
+    decoded = functools.cache(lambda i: model.tokenizer.decode([i]))  # ids recur across positions
     out: list[dict[str, dict[str, Any]] | None] = [None]
     for t, lp, rank, top in zip(ids[1:], scored.logprobs, scored.ranks, scored.top_logprobs,
                                 strict=True):
-        entry = {str(i): {"logprob": v, "rank": r, "decoded_token": tok.decode([i])}
+        entry = {str(i): {"logprob": v, "rank": r, "decoded_token": decoded(i)}
                  for r, (i, v) in enumerate(top[:k], start=1)}
-        entry[str(t)] = {"logprob": lp, "rank": rank, "decoded_token": tok.decode([t])}
+        entry[str(t)] = {"logprob": lp, "rank": rank, "decoded_token": decoded(t)}
         out.append(entry)
     return out
 
