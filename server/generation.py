@@ -237,9 +237,9 @@ class Generation:
             while True:
                 over_budget = False
                 async for ev in self._stream:
-                    if ev.num_prompt_tokens and self._req_id == self.spec.req_id:
-                        self.num_prompt_tokens = ev.num_prompt_tokens
-                    if self._req_id == self.spec.req_id:
+                    if self._req_id == self.spec.req_id:  # a continued row's prompt is not the request's
+                        if ev.num_prompt_tokens:
+                            self.num_prompt_tokens = ev.num_prompt_tokens
                         self.num_cached_tokens = max(self.num_cached_tokens, ev.num_cached_tokens)
                     if ev.finish_reason == FINISH_ERROR:
                         self.finished = True
