@@ -159,6 +159,37 @@ def test_a_probe_stops_at_the_budget_once_it_has_a_sample():
     assert cell.count == 1 and cell.samples[-1] == pytest.approx(0.15)
 
 
+def test_a_probe_the_budget_cannot_cover_is_not_started():
+    """Sixteen rows of tinycoder-16m on this CPU with its draft model (a plain step 17 ms, a
+    verify 17 + 18 (W - 1) ms: compute-bound): once width 2 is measured, a width-17 sample is
+    predicted at ~16 plain steps, beyond what the budget holds in a short run, so the widest
+    probe never starts (one such sample cost ~5 % of an 8-s run). Where the verify is cheap
+    (memory-bound) the same probe runs at once."""
+
+    def drive(cost_of, steps):
+        ctl = Controller(ControllerConfig(max_draft=16))
+        rng = np.random.default_rng(0)
+        widths = []
+        for _ in range(steps):
+            d = ctl.decide(ctl.caps(np.full(16, 1000)), priced=True)
+            a = np.zeros(16, np.int64)
+            if d.width > 1:
+                k = np.minimum(d.caps, d.width - 1)
+                a = np.minimum((rng.random((16, 16)) < 0.65).cumprod(axis=1).sum(axis=1), k)
+                ctl.learn(k, a)
+            ctl.record(16, d.width, cost_of(d.width), True, float((a + 1).mean()))
+            widths.append(d.width)
+        return ctl, widths
+
+    ctl, widths = drive(lambda w: 0.017 + 0.018 * (w - 1), 470)  # ~8 s of steps
+    assert 2 in widths and 17 not in widths, widths
+    # within the budget, bar the last sample of a probe under way (rule 5)
+    last = 0.018 * (max(widths) - 1)
+    assert ctl.explore_excess <= ctl.config.budget * ctl.busy + ALLOWANCE * 0.017 + last
+    _, cheap = drive(lambda w: 0.017 * (1 + 0.05 * (w - 1)), 60)
+    assert 17 in cheap, cheap
+
+
 def test_probes_stay_within_the_budget_and_never_stop_for_good():
     """Launch-bound costs over a long run: what probes cost beyond plain decoding stays within
     the budget (plus the start allowance), and probes still come in the last stretch."""

@@ -227,7 +227,7 @@ class Controller:
         b = bucket_of(max(num_rows, 1))
         plain = self.costs.estimate(b, 1)
         due = self.step >= self._next_probe.get(b, self.step)
-        return due and plain is not None and self._may_explore(plain)
+        return due and plain is not None and self._left(b, plain) >= 0
 
     def decide(self, caps: np.ndarray, priced: bool = False) -> Decision:
         """The verify width for rows with draft ceilings `caps` (which already hold what the
@@ -291,8 +291,11 @@ class Controller:
         if not candidates and not climb:
             return chosen
         width = climb or min(candidates, key=lambda w: (self.costs.last_step(b, w), w))
-        if width > 1 and not self._may_explore(plain):
-            return chosen
+        if width > 1:
+            width = self._affordable(b, width, caps, plain)
+            if not width:  # asked again a gap later, not at every step until the budget grows
+                self._next_probe[b] = self.step + self._gap[b]
+                return chosen
         gap = self._gap[b]
         self._next_probe[b] = self.step + gap
         self._gap[b] = min(2 * gap, self.config.max_gap)
@@ -335,15 +338,38 @@ class Controller:
     def _spent(self, b: int, width: int, plain: float) -> bool:
         """The probe under way has a measured sample and the budget is spent (rule 5): an
         expensive width's probe stops at one sample instead of running past the budget."""
-        return self._probe_sample(b, width) is not None and not self._may_explore(plain)
+        return self._probe_sample(b, width) is not None and self._left(b, plain) < 0
 
     def _probe_sample(self, b: int, width: int) -> _Cell | None:
         """The probed width's cost cell if the probe under way has measured it, else None."""
         cell = self.costs.cells.get((b, width))
         return cell if cell is not None and cell.last_step >= self._probe_start else None
 
-    def _may_explore(self, plain: float) -> bool:
-        return self.explore_excess <= self.config.budget * self.busy + ALLOWANCE * plain
+    def _left(self, b: int, plain: float) -> float:
+        """Seconds of probing excess the budget has left (rule 5): its share of busy time,
+        plus the start allowance of `ALLOWANCE` one-row tokens at this bucket's plain cost
+        per row, less what probes have spent."""
+        allowance = ALLOWANCE * plain / b
+        return self.config.budget * self.busy + allowance - self.explore_excess
+
+    def _affordable(self, b: int, width: int, caps: np.ndarray, plain: float) -> int:
+        """The width to probe for `width` (rule 5): itself if one sample's predicted excess
+        fits what the budget has left, else the climb toward it (`2 W + 1` from the widest
+        measured width W) if that fits, else 0 (no probe). A sample is predicted at the cost
+        line's extrapolation, or at `width` plain steps before two widths are measured (a
+        verify costing more cannot pay), less plain decoding of the tokens it would emit."""
+        left = self._left(b, plain)
+        known = max((w for (cb, w), c in self.costs.cells.items()
+                     if cb == b and c.count >= MIN_SAMPLES), default=1)
+        for w in dict.fromkeys((width, min(width, 2 * known + 1))):
+            if w <= 1:
+                continue
+            cost = self.costs.extrapolate(b, w)
+            cost = w * plain if cost is None else cost
+            emitted = float(self.acceptance.expected(np.minimum(caps, w - 1)).mean())
+            if cost - plain * emitted <= left:
+                return w
+        return 0
 
     # -- measuring -------------------------------------------------------------------------
     def record(
