@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from engine.api import Request, SamplingParams
 from engine.core import Engine, EngineConfig
+from engine.kv import batch as kvb
 from engine.scheduler import SchedulerConfig
 from engine.spec import SpecConfig
 from tests.tiny_models import Collected, assert_same_greedy, greedy, loaded, submit, tiny_model
@@ -435,9 +436,9 @@ def test_idle_draft_model_does_no_work_then_catches_up_past_the_window():
     decisions = [0]  # counted here: stats() is a snapshot the engine publishes now and then
 
     def forced(batch):  # plain for `plain_steps` decisions, then speculation (3 drafts) each step
-        decide(batch)  # the controller's own bookkeeping still runs
         decisions[0] += 1
         if decisions[0] <= plain_steps:
+            decide(batch)  # the controller's own bookkeeping still runs
             return 1
         seen.setdefault("calls_while_idle", counter.calls)
         seen.setdefault("fed_while_idle", drafter.num_fed_tokens)
@@ -454,6 +455,46 @@ def test_idle_draft_model_does_no_work_then_catches_up_past_the_window():
     assert st.spec_steps > 0 and st.drafter["catch_up_seconds"] > 0, st
     # one catch-up: the prompt and the ~90 plainly decoded tokens, fed once
     assert len(prompt) + plain_steps - 4 <= st.drafter["fed_tokens"] <= len(prompt) + plain_steps + 4, st
+
+
+def test_draft_kv_is_dropped_while_speculation_is_off_and_rebuilt_exactly():
+    """Speculation for 12 steps (the rows' draft KV filled), then the controller's own choice
+    at a batch size where it does not speculate: the draft KV is dropped (rows that finish then
+    move none of it), and when rounds are forced again the rows catch up from their prompts,
+    with every row's output still plain greedy decoding's."""
+    model, cfg = tiny_model("llama")
+    lm = loaded(model, cfg)
+    prompts = _repetitive_prompts(cfg["vocab_size"], 3, seed=5)
+    reqs = [greedy(f"r{i}", p, max_tokens=60 + 10 * i) for i, p in enumerate(prompts)]
+    want, _ = _outputs(lm, None, reqs, stagger=False)
+    eng = _engine(lm, SpecConfig("draft", draft_model=_perturbed(model, cfg, 0.01, seed=3),
+                                 num_draft_tokens=3))
+    spec = eng.spec
+    decide = spec.decide
+    steps, held = [0], []
+
+    def forced(batch):  # rounds, then the controller's choice (plain here), then rounds again
+        steps[0] += 1
+        if 12 < steps[0] <= 30:
+            before = max(kvb.num_tokens(batch.spec.drafter_state.layouts))
+            width = decide(batch)
+            held.append((before, width, spec.controller.warm(len(batch.rows)),
+                         max(kvb.num_tokens(batch.spec.drafter_state.layouts))))
+            return 1
+        return 4
+
+    spec.decide = forced
+    try:
+        got = {k: v.tokens for k, v in _run(eng, reqs, stagger=False).items()}
+        st = eng.stats().spec
+    finally:
+        eng.stop()
+    assert held[0][0] > 0, held  # the rounds before had filled it
+    plain = [after for _, w, warm, after in held if w == 1 and not warm]
+    assert plain and plain[-1] == 0, held  # dropped once the choice held plain
+    for r in reqs:
+        assert_same_greedy(lm, r, got[r.req_id], want[r.req_id])
+    assert st.spec_steps > 12 and st.drafter["catch_up_seconds"] > 0, st
 
 
 def test_flat_costs_take_the_lookup_offer_in_the_engine(tinycoder, monkeypatch):

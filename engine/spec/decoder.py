@@ -176,6 +176,9 @@ class Speculation:
         found = not self.drafter.point_mass or caps.max(initial=0) > 0
         hold = decision.width == 1 and not decision.probe and ctl.config.adaptive and found
         self._plain_hold = PLAIN_HOLD if hold else 0
+        release = getattr(self.drafter, "release", None)
+        if hold and release is not None and not ctl.warm(len(rows)):
+            release(batch.spec.drafter_state)  # its KV would only follow the rows around
         self._plain_rows = rows
         # a lookup that found nothing while speculation pays here: the next plain step is read
         # before the next lookup, so that a copied stretch starting at the token now in flight
