@@ -26,8 +26,10 @@ The rule (docs/speculative.md, "The controller"):
    than `W` plain steps cannot pay and ends the probe (for a priced drafter, rule 6, more than
    the `E(W - 1)` tokens a round is expected to yield: its rounds would be priced anyway).
 5. Budget. Probes at widths above 1 may cost at most `budget` of the engine's busy time (plus
-   `ALLOWANCE` plain steps at the start) beyond what plain decoding of their tokens would take:
-   none starts past it, and one under way stops there once it has a measured sample.
+   `ALLOWANCE` one-row tokens at the bucket's plain cost per row, at the start) beyond what
+   plain decoding of their tokens would take. A probe starts only where one sample's predicted
+   excess fits what is left (else the climb toward its width, else none); one under way stops
+   at the budget once it has a measured sample.
 6. Prices. A drafter that can tell its drafts' chances (a draft model on greedy rows) gets the
    widest width the rows fill, with a price per draft past the first: the choice's expected
    rate times what one more column costs (costs past the widest measured width continue its
@@ -57,7 +59,7 @@ PROBE_STEPS = 4  # a probe's measured samples + 1 (a step after a mode switch is
 SWITCH_DECAY = 0.995  # the switching cost's decay per plain step (speculation is retried)
 WINDOW = 8  # samples per cost cell
 MIN_SAMPLES = 2  # samples before a cell is used
-ALLOWANCE = 8.0  # plain steps of probing excess allowed before any busy time has accrued
+ALLOWANCE = 8.0  # one-row tokens of probing excess allowed before any busy time has accrued
 
 
 class Acceptance:
