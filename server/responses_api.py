@@ -30,17 +30,24 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse, Response
 
 from server.errors import APIError, bad_request, error_body, from_validation_error
-from server.generation import ChoiceSpec, Generation, GenerationError, start_all, usage_numbers
-from server.openai_api import app_state
+from server.generation import (
+    ChoiceSpec,
+    Generation,
+    GenerationError,
+    TokenLogprob,
+    start_all,
+    usage_numbers,
+)
+from server.openai_api import app_state, chat_logprobs
 from server.params import SamplingRequest, build_params
 from server.prepare import off_loop
 from server.prompts import ServedModel, message_text
@@ -76,6 +83,8 @@ class ResponsesRequest(BaseModel):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    include: list[str] | None = None
     stream: bool = False
     store: bool = True
     background: bool = False
@@ -84,6 +93,14 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     user: str | None = None
     truncation: str | None = None
+
+    @property
+    def want_logprobs(self) -> bool:
+        """The output text's token logprobs were asked for (`include`)."""
+        return LOGPROBS_INCLUDE in (self.include or [])
+
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 @dataclass(slots=True)
@@ -306,6 +323,7 @@ def _skeleton(rid: str, body: ResponsesRequest, model: ServedModel, status: str)
         "previous_response_id": body.previous_response_id,
         "temperature": body.temperature if body.temperature is not None else 1.0,
         "top_p": body.top_p if body.top_p is not None else 1.0,
+        "top_logprobs": body.top_logprobs or 0,
         "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "text": body.text or {"format": {"type": "text"}}, "reasoning": body.reasoning,
@@ -341,6 +359,7 @@ def sampling_request(body: ResponsesRequest, plan: TurnPlan) -> SamplingRequest:
     """The Responses API's field names → the shared conversion's input (server.params)."""
     return SamplingRequest(max_tokens=body.max_output_tokens, temperature=body.temperature,
                            top_p=body.top_p, constraint=plan.constraint,
+                           logprobs=body.want_logprobs, top_logprobs=body.top_logprobs or 0,
                            max_tokens_param="max_output_tokens")
 
 
@@ -428,7 +447,7 @@ async def create_response(request: Request) -> Response:
 async def _collect(p: _Prepared) -> _ItemWriter:
     """The whole answer: the same item writer a stream uses, its events not sent, so a whole
     response and a streamed one have the same output items."""
-    items = _ItemWriter(_Events(send=False), p.tools)
+    items = _ItemWriter(_Events(send=False), p.tools, _logprobs_of(p))
     async for step in turn_steps(p.gens, p.plan, p.parallel):
         items.feed(step)
     items.end()
@@ -521,7 +540,7 @@ async def _stream_events(p: _Prepared, resp: dict[str, Any], stored: Stored) -> 
     ev = _Events()
     yield ev("response.created", response=dict(resp))
     yield ev("response.in_progress", response=dict(resp))
-    items = _ItemWriter(ev, p.tools)
+    items = _ItemWriter(ev, p.tools, _logprobs_of(p))
     try:
         async for step in turn_steps(p.gens, p.plan, p.parallel):
             for b in items.feed(step):
@@ -539,16 +558,30 @@ async def _stream_events(p: _Prepared, resp: dict[str, Any], stored: Stored) -> 
     yield ev(kind, response=resp)
 
 
+def _logprobs_of(p: _Prepared) -> Callable[[list[TokenLogprob]], list[dict[str, Any]]] | None:
+    """Token entries → the output text's logprob objects (chat's shape: token, logprob, bytes,
+    top_logprobs), or None when the request did not include them."""
+    if not p.body.want_logprobs:
+        return None
+    model, k = p.model, p.body.top_logprobs or 0
+    return lambda entries: cast(list[dict[str, Any]], chat_logprobs(model, entries, k)["content"])
+
+
 class _ItemWriter:
     """Turn events → output item events; one item open at a time. A message's
     output_item.added carries no content yet (its part follows in content_part.added), as
     OpenAI's does. Whitespace-only text between tool calls is held and dropped if no real text
     follows; a message's trailing whitespace is held until more text comes, dropped when another
-    item follows."""
+    item follows. With `logprobs`, a step's token entries go with the message text it emitted
+    (its delta event's `logprobs` and the part's); entries of tokens that opened a reasoning or
+    function-call item are not the output text's and are dropped."""
 
-    def __init__(self, ev: _Events, tools: ToolSet):
+    def __init__(self, ev: _Events, tools: ToolSet,
+                 logprobs: Callable[[list[TokenLogprob]], list[dict[str, Any]]] | None = None):
         self.ev = ev
         self.tools = tools
+        self.logprobs = logprobs
+        self.pending_lps: list[TokenLogprob] = []  # entries whose text has not gone out yet
         self.out_index = -1
         self.open_item: dict[str, Any] | None = None
         self.result = TurnResult()
@@ -557,6 +590,8 @@ class _ItemWriter:
         self.items: list[dict[str, Any]] = []  # the closed items: the response's output
 
     def feed(self, step: Step) -> list[bytes]:
+        if self.logprobs is not None:
+            self.pending_lps.extend(step.logprobs)
         out = [b for e in step.events for b in self.write(e)]
         if step.finish_reason:
             self.result.finish_reason = step.finish_reason
@@ -598,8 +633,13 @@ class _ItemWriter:
         shown = {**item, "content": []} if item["type"] == "message" else item
         out.append(self.ev("response.output_item.added", output_index=self.out_index, item=shown))
         if item["type"] == "message":
+            part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": []}
+            if self.logprobs is not None:
+                part["logprobs"] = item["content"][0]["logprobs"] = []
             out.append(self.ev("response.content_part.added", item_id=item["id"], output_index=self.out_index,
-                               content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+                               content_index=0, part=part))
+        else:
+            self.pending_lps = []  # the item's own tokens: not output text
         return out
 
     def write(self, e: Any) -> list[bytes]:
@@ -654,9 +694,15 @@ class _ItemWriter:
     def _text_delta(self, text: str) -> bytes:
         item = self.open_item
         assert item is not None
-        item["content"][0]["text"] += text
+        part = item["content"][0]
+        part["text"] += text
+        extra: dict[str, Any] = {}
+        if self.logprobs is not None:
+            extra["logprobs"] = self.logprobs(self.pending_lps)
+            self.pending_lps = []
+            part["logprobs"].extend(extra["logprobs"])
         return self.ev("response.output_text.delta", item_id=item["id"], output_index=self.out_index,
-                       content_index=0, delta=text)
+                       content_index=0, delta=text, **extra)
 
     def _args(self, e: CallArgs) -> list[bytes]:
         self.result.calls[e.index].arguments += e.fragment
