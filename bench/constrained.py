@@ -152,8 +152,7 @@ def cmd_constrained(args: argparse.Namespace) -> int:
 
     out = common.out_dir(args, "constrained")
     lm = load_model(str(args.model or common.default_model()), dtype=args.dtype)
-    eng = Engine(lm, EngineConfig(SchedulerConfig()))
-    eng.start()
+    eng = Engine.spawn(lm, EngineConfig(SchedulerConfig()))  # built on its loop's thread
     prompt = lm.tokenizer.encode(PROMPT, add_special_tokens=False)
     try:
         with timed_grammar():

@@ -447,8 +447,7 @@ class _Harness:
             prefix_cache_bytes=(1 << 24) if prefix else 0, prefix_block_size=4, spec=spec,
         )
         cfg.kv = dataclasses.replace(cfg.kv, kv_bits=kv_bits, kv_group_size=KV_GROUP)
-        eng = Engine(self.lm, cfg)
-        eng.start()
+        eng = Engine.spawn(self.lm, cfg)  # built on its loop's thread (MLX keeps state per thread)
         return eng
 
     def serve(self, eng: Any, reqs: Sequence[Any], join_after: int | None = None) -> list[_Out]:

@@ -142,8 +142,10 @@ def run_workload(
     from engine.scheduler import SchedulerConfig
 
     sched = SchedulerConfig(max_num_seqs=max(concurrency, 1), prefill_chunk=512)
-    eng = Engine(lm, EngineConfig(sched, prefix_cache_bytes=0, spec=spec))
-    eng.start()
+    # built on the thread that runs it, as `mlxd serve` does: MLX-CUDA keeps cuDNN graphs and
+    # command encoders per thread, so a warm-up (speculation's verify widths) on another thread
+    # would be built again in front of the first requests
+    eng = Engine.spawn(lm, EngineConfig(sched, prefix_cache_bytes=0, spec=spec))
     lock = threading.Condition()
     state = {"next": 0, "done": 0, "tokens": 0}
     outputs: dict[str, list[int]] = {}  # request id -> its tokens (the lookup replay's input)
