@@ -23,7 +23,8 @@ Rows with neutral settings come out bit-for-bit equal to their input logits.
 Work is skipped by Python-level flags computed once per batch composition (`from_params`,
 `take`, `concat`), never per step: no sort unless some row samples with top-p or top-k, and then
 only those rows: rows with top-k take a partition and sort just their max_top_k candidates (top-p
-within the top k needs nothing else); only rows with top-p alone sort all V. No noise when
+within the top k needs nothing else); rows with top-p alone sort all V, except on the CPU, where
+the largest `TOP_P_CANDIDATES` are sorted first and all V only when top-p reaches past them. No noise when
 every row is greedy, no [B, V] penalty arrays (`counts`, `seen`) unless some row needs them.
 
 Random numbers: a counter-based hash, so a row's noise depends only on (seed, step, token index)
@@ -66,6 +67,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.api import SamplingParams
+from kernels.common import gpu_backend
 
 _NEG_INF = float("-inf")
 _MIN_TEMPERATURE = 1e-5  # below this a row is greedy (dividing would overflow)
@@ -423,15 +425,47 @@ def _top_k_top_p_threshold(x: mx.array, top_k: mx.array, top_p: mx.array, num: i
     return mx.where(top_p < 1, mx.maximum(t_k[:, 0], t_p), t_k[:, 0])
 
 
+TOP_P_CANDIDATES = 1024  # top-p alone on the CPU: the candidates sorted first (module docstring)
+
+
+def _top_p_threshold(x: mx.array, top_p: mx.array) -> mx.array:
+    """[n] the top-p threshold of rows `x` [n, V] without top-k; on the CPU, where MLX's sort
+    costs ~60 ns an element, by the `TOP_P_CANDIDATES` largest logits first.
+
+    Their share of the whole softmax (normalised over all V) says whether top-p ends inside
+    them: if it does for every row, the threshold found among the sorted candidates is the one
+    a sort of all V gives (the first candidates of a full descending sort are these, in the
+    same order, with the same normaliser), else every row is sorted in full. The check reads
+    the rows' shares on the host: the CPU's step is synchronous at this point anyway (its
+    attention and SwiGLU evaluate as they go, kernels/cpu.py); on a GPU, where that read would
+    stall the pipelined step, every row is sorted."""
+    V = x.shape[-1]
+    if gpu_backend() is not None or V <= 4 * TOP_P_CANDIDATES:
+        return _top_k_top_p_threshold(x, mx.zeros(top_p.shape, mx.int32), top_p, V)
+    desc = -mx.sort(mx.partition(-x, TOP_P_CANDIDATES - 1, axis=-1)[:, :TOP_P_CANDIDATES], axis=-1)
+    top = desc[:, :1]
+    probs = mx.exp(desc - top) / mx.exp(x - top).sum(axis=-1, keepdims=True)
+    mass_before = mx.cumsum(probs, axis=-1) - probs
+    covered = mass_before[:, -1] + probs[:, -1] >= top_p  # top-p stops within the candidates
+    if not bool(mx.all(covered | (top_p >= 1)).item()):
+        return _top_k_top_p_threshold(x, mx.zeros(top_p.shape, mx.int32), top_p, V)
+    num_kept = mx.maximum((mass_before < top_p[:, None]).sum(axis=-1).astype(mx.int32), 1)
+    t_p = mx.take_along_axis(desc, (num_kept - 1)[:, None], axis=-1)[:, 0]
+    return mx.where(top_p < 1, t_p, _NEG_INF)
+
+
 def _filter_threshold(x: mx.array, state: SamplerState) -> mx.array | None:
     """[B] keep-threshold combining top-k, top-p and min-p (None: nothing to filter)."""
     if not (state.needs_sort or state.needs_min_p):
         return None
     thresh = mx.full((x.shape[0],), _NEG_INF, mx.float32)
-    for rows, num in ((state.top_k_rows, state.max_top_k), (state.top_p_only_rows, x.shape[-1])):
-        if rows is not None:
-            t = _top_k_top_p_threshold(x[rows], state.top_k[rows], state.top_p[rows], num)
-            thresh = thresh.at[rows].maximum(t)
+    if state.top_k_rows is not None:
+        rows = state.top_k_rows
+        t = _top_k_top_p_threshold(x[rows], state.top_k[rows], state.top_p[rows], state.max_top_k)
+        thresh = thresh.at[rows].maximum(t)
+    if state.top_p_only_rows is not None:
+        rows = state.top_p_only_rows
+        thresh = thresh.at[rows].maximum(_top_p_threshold(x[rows], state.top_p[rows]))
     if state.needs_min_p:
         sampled = state.temperature > 0
         t_min = x.max(axis=-1) + mx.log(state.min_p)  # log(0) = -inf: off

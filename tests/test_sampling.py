@@ -232,6 +232,46 @@ def test_top_k_keeps_ties_and_top_p_sees_their_mass(top_p, num_kept):
     assert_matches_ref(processed, process_row_ref(logits[0], params, [], []))
 
 
+def _nucleus_f64(row: np.ndarray, top_p: float) -> int:
+    """How many tokens top-p keeps, in float64 (the reference for float32 rounding)."""
+    xs = np.sort(row.astype(np.float64))[::-1]
+    probs = np.exp(xs - xs[0])
+    probs /= probs.sum()
+    return max(int((np.cumsum(probs) - probs < top_p).sum()), 1)
+
+
+@pytest.mark.parametrize("scale, flat_row", [(8.0, False), (4.0, False), (8.0, True)])
+def test_top_p_on_the_cpu_sorts_only_its_candidates_when_they_hold_the_nucleus(
+        monkeypatch, scale, flat_row):
+    """Top-p without top-k over a 32,000-token vocabulary: where every row's nucleus lies within
+    the `TOP_P_CANDIDATES` largest logits, only those are sorted, and the kept set is what a
+    float64 sort of the whole vocabulary keeps (within one token where float32 rounding meets
+    the boundary; the full float32 sort is no closer); one flat row among them (a nucleus of
+    thousands) sends every row to the full sort."""
+    import engine.sampling as sampling
+
+    rng = np.random.default_rng(int(scale))
+    logits = (rng.standard_normal((8, 32000)) * scale).astype(np.float32)
+    if flat_row:
+        logits[3] *= 0.05
+    top_p = np.array([0.5, 0.8, 0.9, 0.95] * 2, np.float32)
+    full_sorts = []
+    real = sampling._top_k_top_p_threshold
+    monkeypatch.setattr(sampling, "_top_k_top_p_threshold",
+                        lambda *a: full_sorts.append(a[-1]) or real(*a))
+    thresh = np.array(sampling._top_p_threshold(mx.array(logits), mx.array(top_p)))
+    kept = (logits >= thresh[:, None]).sum(axis=1)
+    assert full_sorts == ([32000] if flat_row else [])
+    want = [_nucleus_f64(logits[i], float(top_p[i])) for i in range(8)]
+    assert max(want) > (sampling.TOP_P_CANDIDATES if flat_row else 10)
+    if flat_row:
+        full = np.array(real(mx.array(logits), mx.zeros((8,), mx.int32), mx.array(top_p), 32000))
+        np.testing.assert_array_equal(thresh, full)
+    else:
+        assert np.abs(kept - want).max() <= 1, (kept, want)
+        assert (kept == want).mean() >= 0.5, (kept, want)
+
+
 def test_neutral_rows_are_bit_identical_in_a_busy_batch():
     V = 64
     rng = np.random.default_rng(1)
