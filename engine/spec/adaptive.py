@@ -219,7 +219,9 @@ class Controller:
     # -- the width -------------------------------------------------------------------------
     def warm(self, num_rows: int) -> bool:
         """Whether this batch size's current choice is to speculate (a draft model then
-        prefills admitted rows at once)."""
+        prefills admitted rows at once); always, when not adaptive."""
+        if not self.config.adaptive:
+            return True
         return self._choice.get(bucket_of(max(num_rows, 1)), False)
 
     def probe_due(self, num_rows: int) -> bool:
