@@ -146,6 +146,38 @@ def test_spec_loads_the_draft_model_only_for_modes_it_runs():
     assert not _uses_draft(Namespace(**{**edits, "edit_modes": "plain,draft", "edit_concurrency": ""}))
 
 
+def test_spec_runs_every_engine_on_one_thread(monkeypatch):
+    """`bench spec`'s engines are built and run one after another on one host thread (what MLX
+    builds per thread on a GPU is then built once per process, as in a server), each stopping
+    cleanly for the next."""
+    import threading
+
+    from bench import spec
+    from engine.core import Engine
+    from tests.tiny_models import loaded, tiny_model
+
+    model, cfg = tiny_model("llama")
+    lm = loaded(model, cfg)
+    threads: list[tuple[int, int]] = []  # (building thread, loop thread) per engine
+    init, loop = Engine.__init__, Engine._loop
+
+    def record_init(self, *args, **kwargs):
+        self._built_on = threading.get_ident()
+        init(self, *args, **kwargs)
+
+    def record_loop(self):
+        threads.append((self._built_on, threading.get_ident()))
+        loop(self)
+
+    monkeypatch.setattr(Engine, "__init__", record_init)
+    monkeypatch.setattr(Engine, "_loop", record_loop)
+    prompts = [([1, 2, 3, 4, 5], 6), ([7, 8, 9], 4)]
+    outs = [spec.run_workload(lm, None, prompts, 2, 0.0) for _ in range(3)]
+    assert [o["tokens"] for o in outs] == [10, 10, 10]
+    assert len(threads) == 3 and len({t for pair in threads for t in pair}) == 1
+    assert threads[0][0] != threading.get_ident()
+
+
 def test_spec_toy_plain_against_ngram(tmp_path: Path, dev_jsonl: Path):
     out = tmp_path / "spec"
     rc = main(["spec", "--data", str(dev_jsonl), "--workloads", "code", "--concurrency", "1",
