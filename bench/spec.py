@@ -401,7 +401,9 @@ def compare(
                 prompts, runs["plain"][0]["outputs"], _ceiling("ngram", args), cells)
             print(f"[{label} c={concurrency}] {mode} lookup replay: {replay['plain_steps']} "
                   f"plain steps, {replay['rounds']} rounds of {replay['tokens_per_round']} tokens"
-                  f", always speculating {replay.get('decode_bound_ratio')}x", flush=True)
+                  + (f", always speculating {bound}x" if (bound := replay.get("decode_bound_ratio"))
+                     else " (too few measured widths for the always-speculating bound)"),
+                  flush=True)
     return {
         "workload": label,
         "concurrency": concurrency,
