@@ -274,11 +274,14 @@ class Generation:
             yield Delta(index, "", [], FINISH_ABORT)
         finally:
             self.abort()  # no-op when finished; on cancellation this runs before any await
-            aclose = getattr(self._stream, "aclose", None)
-            if aclose is not None:
-                with anyio.move_on_after(2.0, shield=True):
-                    await aclose()
+            await self._close_stream()
 
+    async def _close_stream(self) -> None:
+        """Close the engine stream being read (at most 2 s, even when cancelled)."""
+        aclose = getattr(self._stream, "aclose", None)
+        if aclose is not None:
+            with anyio.move_on_after(2.0, shield=True):
+                await aclose()
 
     def _over_budget(self, text: str) -> bool:
         """The reasoning is still open after the budget's tokens (checked once per event)."""
@@ -309,28 +312,24 @@ class Generation:
         assert budget is not None and request is not None
         self._budget_spent = True
         self.client.abort(self._req_id)
-        aclose = getattr(self._stream, "aclose", None)
-        if aclose is not None:
-            with anyio.move_on_after(2.0, shield=True):
-                await aclose()
+        await self._close_stream()
         text, lps = self.pipeline.feed(budget.close_ids)
         limit = request.params.max_tokens
         left = None if limit is None else limit - self.pipeline.num_tokens
-        if left is not None and left <= 0:
-            self.finished = True
-            self.finish_reason = FINISH_LENGTH
-            return Delta(self.spec.index, text, lps, FINISH_LENGTH)
-        self._req_id = f"{self.spec.req_id}-answer"
-        try:
-            self._stream = await self.client.submit(dataclasses.replace(
-                request, req_id=self._req_id, prompt_ids=list(self.spec.prompt_ids) + self.pipeline.token_ids,
-                params=dataclasses.replace(request.params, max_tokens=left)))
-        except EngineError as exc:  # the context is full, or the queue: the answer ends here
-            log.info("%s: the answer after the reasoning budget was refused: %s", self.spec.req_id, exc)
-            self.finished = True
-            self.finish_reason = FINISH_LENGTH
-            return Delta(self.spec.index, text, lps, FINISH_LENGTH)
-        return Delta(self.spec.index, text, lps)
+        if left is None or left > 0:
+            self._req_id = f"{self.spec.req_id}-answer"
+            try:
+                self._stream = await self.client.submit(dataclasses.replace(
+                    request, req_id=self._req_id,
+                    prompt_ids=list(self.spec.prompt_ids) + self.pipeline.token_ids,
+                    params=dataclasses.replace(request.params, max_tokens=left)))
+                return Delta(self.spec.index, text, lps)
+            except EngineError as exc:  # the context is full, or the queue: the answer ends here
+                log.info("%s: the answer after the reasoning budget was refused: %s",
+                         self.spec.req_id, exc)
+        self.finished = True  # max_tokens spent at the tag, or the continuation refused
+        self.finish_reason = FINISH_LENGTH
+        return Delta(self.spec.index, text, lps, FINISH_LENGTH)
 
 
 async def start_all(
