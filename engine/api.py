@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -228,6 +228,14 @@ class EngineError(Exception):
         self.message = message
         self.status = status
         self.code = code
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, where: str = "") -> None:
+    """EngineError (400) for the first id outside the vocabulary; `where` names the input
+    (" in input[2]")."""
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise EngineError(f"token id {t}{where} is outside the vocabulary (0..{vocab_size - 1})")
 
 
 class EngineOverloaded(EngineError):

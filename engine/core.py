@@ -47,6 +47,7 @@ from engine.api import (
     ScoreRequest,
     ScoreResult,
     TokenEvent,
+    check_token_ids,
 )
 from engine.batch import EventSink, RowMeta
 from engine.embed import Done, Embedder, EmbedJob
@@ -380,10 +381,7 @@ class Engine(EngineThread):
                 status=400,
                 code="context_length_exceeded",
             )
-        vocab = self.loaded.vocab_size
-        bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise EngineError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        check_token_ids(request.prompt_ids, self.loaded.vocab_size)
         params = request.params
         # no limit (None): the room left in the context
         max_new = ctx - n if params.max_tokens is None else max(1, min(params.max_tokens, ctx - n))

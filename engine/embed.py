@@ -35,7 +35,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from engine.api import EmbeddingRequest, EmbeddingResult, EngineError
+from engine.api import EmbeddingRequest, EmbeddingResult, EngineError, check_token_ids
 from engine.kv.memory import MemoryBudget
 from engine.loader import LoadedModel
 
@@ -171,10 +171,7 @@ class Embedder:
             raise EngineError(f"this model's maximum context length is {self.context_length} "
                               f"tokens; input[{i}] has {len(ids)} tokens",
                               code="context_length_exceeded")
-        for t in ids:
-            if not 0 <= t < self.vocab_size:
-                raise EngineError(f"token id {t} in input[{i}] is outside the vocabulary "
-                                  f"(0..{self.vocab_size - 1})")
+        check_token_ids(ids, self.vocab_size, f" in input[{i}]")
 
     def _check_dimensions(self, dimensions: int | None) -> None:
         if dimensions is None or dimensions == self.dimension:

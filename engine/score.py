@@ -30,7 +30,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from engine.api import EngineError, ScoreRequest, ScoreResult
+from engine.api import EngineError, ScoreRequest, ScoreResult, check_token_ids
 from engine.kv.memory import MemoryBudget
 from engine.sampling import token_logprobs
 
@@ -82,9 +82,7 @@ class Scorer:
                               code="context_length_exceeded")
         if not 0 <= request.top_logprobs <= MAX_TOP:
             raise EngineError(f"top logprobs must be from 0 to {MAX_TOP}")
-        for t in ids:
-            if not 0 <= t < self.vocab_size:
-                raise EngineError(f"token id {t} is outside the vocabulary (0..{self.vocab_size - 1})")
+        check_token_ids(ids, self.vocab_size)
         need = self.budget.weights + self.job_bytes(len(ids))
         if need > self.budget.budget:
             raise EngineError(
