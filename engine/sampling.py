@@ -394,6 +394,15 @@ def _apply_penalties(x: mx.array, state: SamplerState) -> mx.array:
     return x
 
 
+def _nucleus(desc: mx.array, probs: mx.array, top_p: mx.array) -> tuple[mx.array, mx.array]:
+    """The top-p threshold [n] over sorted logits `desc` [n, m] with probabilities `probs`
+    (the smallest value of the fewest most likely tokens whose mass reaches top_p, at least
+    one), and the mass before each position [n, m]."""
+    mass_before = mx.cumsum(probs, axis=-1) - probs
+    num_kept = mx.maximum((mass_before < top_p[:, None]).sum(axis=-1).astype(mx.int32), 1)
+    return mx.take_along_axis(desc, (num_kept - 1)[:, None], axis=-1)[:, 0], mass_before
+
+
 def _top_k_top_p_threshold(x: mx.array, top_k: mx.array, top_p: mx.array, num: int) -> mx.array:
     """[n] the smallest logit that top-k then top-p keep, for rows `x` [n, V].
 
@@ -416,10 +425,7 @@ def _top_k_top_p_threshold(x: mx.array, top_k: mx.array, top_p: mx.array, num: i
     if num < V:  # ties with t_k outside the candidates
         num_left_out = (x >= t_k).sum(axis=-1) - kept.sum(axis=-1)
         norm = norm + num_left_out.astype(mx.float32) * mx.exp(t_k - top)[:, 0]
-    probs = weights / norm[:, None]
-    mass_before = mx.cumsum(probs, axis=-1) - probs
-    num_kept = mx.maximum((mass_before < top_p[:, None]).sum(axis=-1).astype(mx.int32), 1)
-    t_p = mx.take_along_axis(desc, (num_kept - 1)[:, None], axis=-1)[:, 0]
+    t_p, _ = _nucleus(desc, weights / norm[:, None], top_p)
     # top_p == 1 is off exactly (a float32 cumsum can reach 1 before the last token);
     # a t_p below t_k means top-p reached past the candidates, into the ties
     return mx.where(top_p < 1, mx.maximum(t_k[:, 0], t_p), t_k[:, 0])
@@ -440,18 +446,16 @@ def _top_p_threshold(x: mx.array, top_p: mx.array) -> mx.array:
     attention and SwiGLU evaluate as they go, kernels/cpu.py); on a GPU, where that read would
     stall the pipelined step, every row is sorted."""
     V = x.shape[-1]
-    if gpu_backend() is not None or V <= 4 * TOP_P_CANDIDATES:
-        return _top_k_top_p_threshold(x, mx.zeros(top_p.shape, mx.int32), top_p, V)
-    desc = -mx.sort(mx.partition(-x, TOP_P_CANDIDATES - 1, axis=-1)[:, :TOP_P_CANDIDATES], axis=-1)
-    top = desc[:, :1]
-    probs = mx.exp(desc - top) / mx.exp(x - top).sum(axis=-1, keepdims=True)
-    mass_before = mx.cumsum(probs, axis=-1) - probs
-    covered = mass_before[:, -1] + probs[:, -1] >= top_p  # top-p stops within the candidates
-    if not bool(mx.all(covered | (top_p >= 1)).item()):
-        return _top_k_top_p_threshold(x, mx.zeros(top_p.shape, mx.int32), top_p, V)
-    num_kept = mx.maximum((mass_before < top_p[:, None]).sum(axis=-1).astype(mx.int32), 1)
-    t_p = mx.take_along_axis(desc, (num_kept - 1)[:, None], axis=-1)[:, 0]
-    return mx.where(top_p < 1, t_p, _NEG_INF)
+    if gpu_backend() is None and V > 4 * TOP_P_CANDIDATES:
+        cand = mx.partition(-x, TOP_P_CANDIDATES - 1, axis=-1)[:, :TOP_P_CANDIDATES]
+        desc = -mx.sort(cand, axis=-1)
+        top = desc[:, :1]
+        probs = mx.exp(desc - top) / mx.exp(x - top).sum(axis=-1, keepdims=True)
+        t_p, mass_before = _nucleus(desc, probs, top_p)
+        covered = mass_before[:, -1] + probs[:, -1] >= top_p  # top-p stops within the candidates
+        if bool(mx.all(covered | (top_p >= 1)).item()):
+            return mx.where(top_p < 1, t_p, _NEG_INF)
+    return _top_k_top_p_threshold(x, mx.zeros(top_p.shape, mx.int32), top_p, V)
 
 
 def _filter_threshold(x: mx.array, state: SamplerState) -> mx.array | None:
