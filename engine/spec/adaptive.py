@@ -131,7 +131,7 @@ class StepCosts:
         cell = self.cells.get((bucket, width))
         return -1 if cell is None else cell.last_step
 
-    def _known(self, bucket: int) -> list[tuple[int, float]]:
+    def known(self, bucket: int) -> list[tuple[int, float]]:
         """(width, seconds) of this bucket's measured widths, narrowest first."""
         return sorted((w, c.seconds) for (b, w), c in self.cells.items()
                       if b == bucket and c.count >= MIN_SAMPLES)
@@ -142,7 +142,7 @@ class StepCosts:
         cell = self.measured(bucket, width)
         if cell is not None:
             return cell.seconds
-        known = self._known(bucket)
+        known = self.known(bucket)
         lo = max((k for k in known if k[0] < width), default=None)
         hi = min((k for k in known if k[0] > width), default=None)
         if lo is None or hi is None:
@@ -153,7 +153,7 @@ class StepCosts:
         """`estimate`, and beyond the widest measured width, that width's cost plus the slope
         (at least 0) from the next narrower measured one; None with fewer than two measured."""
         cost = self.estimate(bucket, width)
-        known = self._known(bucket)
+        known = self.known(bucket)
         if cost is not None or len(known) < 2 or width < known[-1][0]:
             return cost
         (w0, c0), (w1, c1) = known[-2:]
@@ -363,8 +363,7 @@ class Controller:
         line's extrapolation, or at `width` plain steps before two widths are measured (a
         verify costing more cannot pay), less plain decoding of the tokens it would emit."""
         left = self._left(b, plain)
-        known = max((w for (cb, w), c in self.costs.cells.items()
-                     if cb == b and c.count >= MIN_SAMPLES), default=1)
+        known = max((w for w, _ in self.costs.known(b)), default=1)
         for w in dict.fromkeys((width, min(width, 2 * known + 1))):
             if w <= 1:
                 continue

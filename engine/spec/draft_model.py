@@ -104,8 +104,9 @@ class DraftModelDrafter:
         the batch would otherwise move their draft KV too (at 64 rows on the CPU the moves cost
         0.57 s in a 10-s run). A row asked for drafts again is caught up from its prompt (the
         KV holds a prefix of each context, the empty one included)."""
-        if any(n > 0 for n in kvb.num_tokens(state.layouts)):
-            state.layouts = self._layouts(len(kvb.num_tokens(state.layouts)))
+        held = kvb.num_tokens(state.layouts)
+        if any(n > 0 for n in held):
+            state.layouts = self._layouts(len(held))
 
     # -- rows ------------------------------------------------------------------------------
     def admit(self, contexts: Sequence[Sequence[int]], warm: bool) -> DraftKV:
