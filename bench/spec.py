@@ -46,6 +46,7 @@ import statistics
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -81,46 +82,32 @@ class _Host:
     builds on a shape's first use (cuDNN attention graphs, command encoders, compiled
     functions): a fresh thread per run would build them again inside every timed run (a short
     prompt of a new length waited 92-120 ms for its first token on an H100 beside 16 decoding
-    rows), and modes that meet more shapes would pay more of it."""
+    rows), and modes that meet more shapes would pay more of it. `run` is what
+    `EngineThread.spawn_on` takes."""
 
     def __init__(self) -> None:
-        self._jobs: list[tuple[Any, tuple[Any, ...], threading.Event, dict[str, Any]]] = []
+        self._jobs: list[Callable[[threading.Thread], None]] = []
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
 
-    def spawn(self, cls: Any, *args: Any) -> Any:
-        """`cls(*args)` built on the host thread, which then runs its loop until it stops."""
+    def run(self, main: Callable[[threading.Thread], None]) -> None:
+        """Queue `main` (an engine's build and loop) on the host thread."""
         with self._wake:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._main, name="mlxd-engine", daemon=True)
                 self._thread.start()
-            done: threading.Event = threading.Event()
-            box: dict[str, Any] = {}
-            self._jobs.append((cls, args, done, box))
+            self._jobs.append(main)
             self._wake.notify()
-        done.wait()
-        if "error" in box:
-            raise box["error"]
-        return box["engine"]
 
     def _main(self) -> None:
         while True:
             with self._wake:
                 while not self._jobs:
                     self._wake.wait()
-                cls, args, done, box = self._jobs.pop(0)
-            try:
-                eng = cls(*args)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                box["error"] = exc
-                done.set()
-                continue
+                main = self._jobs.pop(0)
             ended = threading.Event()
-            eng._thread = _Loop(ended)
-            box["engine"] = eng
-            done.set()
             try:
-                eng._loop()
+                main(_Loop(ended))
             except Exception:  # noqa: BLE001 - the run reports its failed requests; go on
                 traceback.print_exc()
             finally:
@@ -211,7 +198,7 @@ def run_workload(
     from engine.scheduler import SchedulerConfig
 
     sched = SchedulerConfig(max_num_seqs=max(concurrency, 1), prefill_chunk=512)
-    eng = _HOST.spawn(Engine, lm, EngineConfig(sched, prefix_cache_bytes=0, spec=spec))
+    eng = Engine.spawn_on(_HOST.run, lm, EngineConfig(sched, prefix_cache_bytes=0, spec=spec))
     lock = threading.Condition()
     state = {"next": 0, "done": 0, "tokens": 0}
     outputs: dict[str, list[int]] = {}  # request id -> its tokens (the lookup replay's input)

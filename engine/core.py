@@ -25,9 +25,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import Any, Self, cast
 
 import mlx.core as mx
 
@@ -115,6 +115,12 @@ SNAPSHOT_EVERY_S = 0.05  # while busy, stats() sees the engine's state at most t
 WARM_DECODE_ROWS = 16  # the warm-up runs the decode batch at 1..this many rows
 
 
+def _on_new_thread(main: Callable[[threading.Thread], None]) -> None:
+    """`main(thread)` on a new daemon thread."""
+    thread = threading.Thread(target=lambda: main(thread), name="mlxd-engine", daemon=True)
+    thread.start()
+
+
 class EngineThread:
     """The one thread that owns MLX: `start` runs the subclass's `_loop` on it, `stop` sets
     `_stopping`, wakes it through `_wake` and joins it (the engine, the pool of engines).
@@ -136,26 +142,34 @@ class EngineThread:
     def spawn(cls, *args: Any, **kwargs: Any) -> Self:
         """`cls(*args, **kwargs)` built on a new thread, which then runs its loop (`start` is
         then a no-op); this thread waits for the build and raises what it raised."""
+        return cls.spawn_on(_on_new_thread, *args, **kwargs)
+
+    @classmethod
+    def spawn_on(cls, run: Callable[[Callable[[threading.Thread], None]], None], *args: Any,
+                 **kwargs: Any) -> Self:
+        """`spawn` on the thread where `run(main)` calls `main(handle)`: it builds the object
+        there and runs its loop, `handle` being what `stop` joins (a benchmark runs engines
+        one after another on one thread this way)."""
         built: dict[str, Any] = {}
         done = threading.Event()
 
-        def main() -> None:
+        def main(handle: threading.Thread) -> None:
             try:
                 obj = cls(*args, **kwargs)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 built["error"] = exc
                 done.set()
                 return
-            obj._thread = threading.current_thread()
+            obj._thread = handle
             built["obj"] = obj
             done.set()
             obj._loop()
 
-        threading.Thread(target=main, name="mlxd-engine", daemon=True).start()
+        run(main)
         done.wait()
         if "error" in built:
             raise built["error"]
-        return built["obj"]
+        return cast(Self, built["obj"])
 
     def start(self) -> None:
         if self._thread is None:
