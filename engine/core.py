@@ -247,9 +247,12 @@ class Engine(EngineThread):
         # aborted (they stop counting when `abort` is called, not when the engine reaps them)
         self._queued: set[str] = set()
         self.embedder = Embedder.for_model(loaded, self.budget, cfg.embed_batch_tokens)
+        # a scoring chunk ends on a block boundary and fits a prefill chunk (prefix_cache)
+        bs = self.prefix.block_size
         self.scorer = Scorer(self.runner.logits, lambda: self.runner.new_caches(1), kvb.state_arrays,
                              loaded.context_length, loaded.vocab_size, self.budget,
-                             min(SCORE_CHUNK, chunk))
+                             max(bs, min(SCORE_CHUNK, self.prefix.chunk) // bs * bs),
+                             store=self.prefix.store_scored)
         self._snapshot_lock = threading.Lock()
         self._snapshot = EngineStats()
         self._snapshot_at = 0.0

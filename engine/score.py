@@ -16,7 +16,12 @@ one chunk per engine turn, so decoding rows keep stepping between chunks. The he
 chunk's positions only ([chunk, V] logits at a time, never [L, V]). Jobs run one at a time in
 arrival order; while one runs, its KV at its longest and a chunk's activations are held in
 `MemoryBudget.side`, which the scheduler's admission counts, and freed when it ends or is
-cancelled. The prefix cache is neither read nor written: a cached prefix has no logits to give.
+cancelled. The prefix cache is written, never read: each chunk's complete blocks are stored
+(`store`), so a generation from the same prompt (completions' `echo` with `logprobs` and
+`max_tokens` > 0: lm-eval's loglikelihood requests) restores the KV instead of prefilling the
+prompt again, but a cached prefix has no logits to give a score. Chunks end on the prefix
+cache's block boundaries and are no longer than its prefill chunk (a ring must still hold
+every block of a chunk when it is stored).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ MAX_TOP = 20  # alternatives per position (OpenAI's chat limit; completions asks
 CHUNK = 256  # positions a forward scores at most (the [CHUNK, V] float32 logits live at once)
 
 ScoreDone = Callable[[ScoreResult | None, EngineError | None], None]
+# (ids the one-row KV holds, the KV, what the job's previous call returned) -> the next `after`
+StoreBlocks = Callable[[list[int], Any, Any], Any]
 
 
 @dataclass(slots=True)
@@ -49,6 +56,7 @@ class ScoreJob:
     cancelled: bool = False  # set from any thread; the job stops before its next chunk
     pos: int = 0  # prompt tokens run so far
     caches: Any = None
+    stored: Any = None  # where the prefix cache's walk for this prompt resumes
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     ranks: list[int] = field(default_factory=list)
@@ -59,7 +67,7 @@ class Scorer:
 
     def __init__(self, forward: Callable[[mx.array, Any], mx.array], new_caches: Callable[[], Any],
                  state_arrays: Callable[[Any], list[Any]], context_length: int, vocab_size: int,
-                 budget: MemoryBudget, chunk: int = CHUNK):
+                 budget: MemoryBudget, chunk: int = CHUNK, store: StoreBlocks | None = None):
         self.forward = forward  # (inputs [1, C], caches) -> logits [1, C, V]
         self.new_caches = new_caches  # a fresh one-row KV
         self.state_arrays = state_arrays  # the arrays of the KV a forward wrote
@@ -67,6 +75,7 @@ class Scorer:
         self.vocab_size = vocab_size
         self.budget = budget
         self.chunk = max(1, chunk)
+        self.store = store  # the prefix cache's insert of a chunk's complete blocks
         self.jobs: deque[ScoreJob] = deque()
         self.num_jobs = 0
 
@@ -178,3 +187,5 @@ class Scorer:
             job.top.extend([] for _ in range(end - start))
         job.logprobs.extend(np.array(chosen).tolist())
         job.ranks.extend(np.array(rank).tolist())
+        if self.store is not None:
+            job.stored = self.store(ids[:end], job.caches, job.stored)

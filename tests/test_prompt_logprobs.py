@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from engine.api import EngineError, Request, SamplingParams, ScoreRequest, ScoreResult
-from engine.core import Engine, EngineConfig
+from engine.core import PREFIX_BLOCK_SIZE, Engine, EngineConfig
 from engine.loader import load_model
 from engine.scheduler import SchedulerConfig
 from tests.tiny_models import VOCAB, loaded, tiny_model
@@ -244,3 +244,65 @@ def test_echo_logprobs_refusals(real_server):
     r = httpx.post(real_server.url + "/v1/completions", json={"model": MODEL, "prompt": "x " * 5000, "echo": True,
                                                          "max_tokens": 0, "logprobs": 1})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def _generate(engine: Engine, ids: list[int], tag: str, max_tokens: int = 24) -> tuple[list[int], int]:
+    """Greedy tokens for `ids` and the prompt tokens the prefix cache served."""
+    out: list[int] = []
+    cached = [0]
+    done = threading.Event()
+
+    def sink(events):
+        for ev in events:
+            out.extend(ev.token_ids)
+            cached[0] = max(cached[0], ev.num_cached_tokens)
+            if ev.finish_reason is not None:
+                done.set()
+
+    engine.add(Request(tag, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)), sink)
+    assert done.wait(120)
+    return out, cached[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_a_scored_prompt_is_not_prefilled_again(arch):
+    """Scoring stores the prompt's complete blocks in the prefix cache (chunks on block
+    boundaries, within a ring's reach: gemma3's sliding window wraps), so a generation from the
+    same prompt (echo + logprobs + max_tokens) restores them; its greedy tokens are those of an
+    engine without a prefix cache, and the scores do not change."""
+    model, cfg = tiny_model(arch)
+    lm = loaded(model, cfg)
+    ids = np.random.default_rng(7).integers(1, VOCAB, 75).tolist()
+    plain = Engine(lm, EngineConfig(SchedulerConfig(prefill_chunk=32), warmup=False, prefix_cache_bytes=0))
+    plain.start()
+    try:
+        want, cached = _generate(plain, ids, "plain")
+        assert cached == 0
+    finally:
+        plain.stop()
+    engine = Engine(lm, EngineConfig(SchedulerConfig(prefill_chunk=32), warmup=False, prefix_cache_bytes=1 << 26,
+                                     prefix_block_size=8))
+    assert engine.scorer.chunk % 8 == 0 and engine.scorer.chunk <= engine.prefix.chunk
+    engine.start()
+    try:
+        scored = _score(engine, ids, k=2)
+        np.testing.assert_allclose(scored.logprobs, _reference(model, ids), rtol=0, atol=2e-4)
+        assert engine.prefix.cache.num_blocks == (len(ids) - 1) // 8
+        got, cached = _generate(engine, ids, "after")
+        assert cached == (len(ids) - 1) // 8 * 8  # every complete block of the scored positions
+        assert got == want
+    finally:
+        engine.stop()
+
+
+def test_echo_logprobs_then_generation_restores_the_prompt_over_http(real_server):
+    """lm-eval's loglikelihood request with a token to generate (echo, logprobs, max_tokens 1):
+    the generation reports the scored prompt's blocks as cached tokens."""
+    prompt = "".join(f"def g{i}(y):\n    return y - {i}\n\n" for i in range(30))
+    body = {"model": MODEL, "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    r = httpx.post(real_server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    n = usage["prompt_tokens"]
+    assert n > 300  # past tinycoder's 256-token window
+    assert usage["prompt_tokens_details"]["cached_tokens"] == (n - 1) // PREFIX_BLOCK_SIZE * PREFIX_BLOCK_SIZE

@@ -750,6 +750,16 @@ class PrefixIndex:
                 views = [_row_view(layer, i) for layer in caches]
                 self._insert(row, row.request.prompt_ids[:n], views, wait=wait)
 
+    def store_scored(self, ids: Sequence[int], caches: list[Any], after: Any = None) -> Any:
+        """Insert the complete blocks of a scoring pass's one-row `caches`, which hold `ids`
+        (the base model's KV: no adapter), so that a generation from the same prompt restores
+        them. `after` is what the previous call for the same prompt returned (the walk resumes
+        below it); returns the next one. The copies are queued, not waited for."""
+        node = after() if after is not None else None
+        self.cache.insert(ids, [_row_view(layer, 0) for layer in caches], wait=False, after=node)
+        last = self.cache.last_node
+        return weakref.ref(last) if last is not None else None
+
     def advance(self, rows: Sequence[RowMeta], caches: list[Any] | None) -> None:
         """While decoding (ring or recurrent layers only): a row whose length has just passed
         a block boundary stores its blocks up to it, as prompt chunks do ("ring-safe
@@ -835,6 +845,10 @@ class NoPrefix:
 
     def store(self, rows: list[RowMeta], caches: list[Any], wait: bool = True) -> None:
         del rows, caches, wait
+
+    def store_scored(self, ids: Sequence[int], caches: list[Any], after: Any = None) -> Any:
+        del ids, caches, after
+        return None
 
     def advance(self, rows: Sequence[RowMeta], caches: list[Any] | None) -> None:
         del rows, caches
