@@ -30,7 +30,7 @@ from server.openai_api import (
     sampling_params,
 )
 from server.prepare import off_loop
-from server.prompts import ServedModel, template_messages
+from server.prompts import ServedModel, effort_template_kwargs, template_messages
 from server.protocol import ChatCompletionRequest
 from server.reasoning import model_thinks
 from server.sse import SSEResponse, run_until_disconnect
@@ -88,7 +88,7 @@ async def chat_completions_agent(request: Request, body: ChatCompletionRequest, 
         choice,
         parallel=parallel,
         constraint=response_format_constraint(body.response_format),
-        template_kwargs=body.chat_template_kwargs,
+        template_kwargs=effort_template_kwargs(body.reasoning_effort, body.chat_template_kwargs),
         add_generation_prompt=bool(body.add_generation_prompt),
         continue_final_message=bool(body.continue_final_message),
     )

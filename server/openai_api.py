@@ -36,6 +36,7 @@ from server.prepare import Preparer, off_loop
 from server.prompts import (
     ServedModel,
     check_prompt_ids,
+    effort_template_kwargs,
     encode,
     render_chat,
     template_messages,
@@ -294,7 +295,7 @@ def chat_prompt_ids(model: ServedModel, body: ChatCompletionRequest) -> list[int
         template_messages(body.messages),
         add_generation_prompt=bool(body.add_generation_prompt),
         continue_final_message=bool(body.continue_final_message),
-        template_kwargs=body.chat_template_kwargs,
+        template_kwargs=effort_template_kwargs(body.reasoning_effort, body.chat_template_kwargs),
         tools=body.tools if body.tools and body.tool_choice != "none" else None,
     )
     return encode(model, text, add_special_tokens=False, param="messages")

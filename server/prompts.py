@@ -113,6 +113,26 @@ def template_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     return out
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's values
+
+
+def effort_template_kwargs(effort: Any, template_kwargs: dict[str, Any] | None,
+                           param: str = "reasoning_effort") -> dict[str, Any] | None:
+    """The chat template variables OpenAI's reasoning effort sets: `reasoning_effort` itself
+    (gpt-oss's template reads it, "medium" when unset) and, for "none", `enable_thinking: false`
+    (Qwen3's switch). The request's own `chat_template_kwargs` win; templates without these
+    variables ignore them."""
+    if effort is None:
+        return template_kwargs
+    if effort not in REASONING_EFFORTS:
+        raise bad_request(f"{param} must be one of {', '.join(REASONING_EFFORTS)}, not {effort!r}", param)
+    kwargs: dict[str, Any] = {"reasoning_effort": effort}
+    if effort == "none":
+        kwargs["enable_thinking"] = False
+    kwargs.update(template_kwargs or {})
+    return kwargs
+
+
 def render_chat(
     model: ServedModel,
     messages: list[dict[str, Any]],

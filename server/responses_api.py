@@ -50,7 +50,7 @@ from server.generation import (
 from server.openai_api import app_state, chat_logprobs
 from server.params import SamplingRequest, build_params
 from server.prepare import off_loop
-from server.prompts import ServedModel, message_text
+from server.prompts import ServedModel, effort_template_kwargs, message_text
 from server.sse import SSEResponse, run_until_disconnect
 from server.structured import response_format_constraint
 from server.tools import CallArgs, CallEnd, CallStart, TextEvent, ToolCall, function_specs
@@ -404,8 +404,10 @@ async def _prepare(request: Request) -> _Prepared:
     choice = parse_tool_choice(_tool_choice(body.tool_choice), functions)
     parallel = body.parallel_tool_calls is not False
     fmt = (body.text or {}).get("format")
+    effort = (body.reasoning or {}).get("effort")
     plan = await off_loop(request, plan_turn, model, messages, functions, choice, parallel=parallel,
-                          constraint=response_format_constraint(fmt, "text.format"), param="input")
+                          constraint=response_format_constraint(fmt, "text.format"), param="input",
+                          template_kwargs=effort_template_kwargs(effort, None, "reasoning.effort"))
     params = build_params(sampling_request(body, plan), st.config, model, plan.prompt_ids, "input")
     rid = _new("resp")
     spec = ChoiceSpec(index=0, req_id=rid, prompt_ids=plan.prompt_ids, params=params,

@@ -195,6 +195,47 @@ def test_reasoning_split_when_the_template_thinks(fake):
         assert (reasoning, content) == ("The user wants a greeting.", "Hello there!")
 
 
+def test_reasoning_effort_reaches_the_chat_template():
+    """OpenAI's reasoning effort (chat's `reasoning_effort`, Responses' `reasoning.effort`) is
+    the template's `reasoning_effort` variable (gpt-oss reads it), "none" also turns Qwen3's
+    `enable_thinking` off, `chat_template_kwargs` win, and a value OpenAI does not define is a
+    400 naming the parameter."""
+    tmpl = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "[effort={{ reasoning_effort | default('unset') }}"
+            " thinking={{ enable_thinking | default('unset') }}]")
+    fake2 = FakeEngine()
+    fake2.model.chat_template = tmpl
+    hi = [{"role": "user", "content": "hi"}]
+    with ServerThread(create_app(fake2, ServerConfig())) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+
+        def rendered() -> str:
+            text = fake2.tokenizer.decode(fake2.submits[-1].prompt_ids)
+            return text[text.index("[effort="):]
+
+        client.chat.completions.create(model=MODEL, messages=hi, max_tokens=2)
+        assert rendered() == "[effort=unset thinking=unset]"
+        client.chat.completions.create(model=MODEL, messages=hi, max_tokens=2, reasoning_effort="high")
+        assert rendered() == "[effort=high thinking=unset]"
+        client.chat.completions.create(model=MODEL, messages=hi, max_tokens=2, reasoning_effort="none")
+        assert rendered() == "[effort=none thinking=False]"
+        client.chat.completions.create(model=MODEL, messages=hi, max_tokens=2, reasoning_effort="none",
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+        assert rendered() == "[effort=none thinking=True]"
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        client.chat.completions.create(model=MODEL, messages=hi, max_tokens=2, reasoning_effort="low",
+                                       tools=tools)  # the agent path
+        assert rendered() == "[effort=low thinking=unset]"
+        client.responses.create(model=MODEL, input="hi", max_output_tokens=2, reasoning={"effort": "minimal"})
+        assert rendered() == "[effort=minimal thinking=unset]"
+        for path, body, param in (
+            ("/v1/chat/completions", {"messages": hi, "reasoning_effort": "max"}, "reasoning_effort"),
+            ("/v1/responses", {"input": "hi", "reasoning": {"effort": 3}}, "reasoning.effort"),
+        ):
+            r = httpx.post(s.url + path, json={"model": MODEL, **body}, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 # -- Anthropic Messages ---------------------------------------------------------------------------
 
 
