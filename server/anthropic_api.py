@@ -116,6 +116,7 @@ class ToolParam(_Model):
     name: str = Field(min_length=1)
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+    strict: bool | None = None  # calls follow input_schema exactly (grammar-constrained)
 
 
 class CountTokensRequest(_Model):
@@ -266,7 +267,8 @@ def functions_of(body: CountTokensRequest) -> list[dict[str, Any]]:
             raise bad_request(f"tools[{i}]: {t.type!r} is one of Anthropic's own tools (run on its servers, "
                               "or with a schema only its models know); mlxd takes custom tools with an "
                               "input_schema")
-    return [{"name": t.name, "description": t.description or "", "parameters": t.input_schema} for t in tools]
+    return [{"name": t.name, "description": t.description or "", "parameters": t.input_schema,
+             "strict": t.strict is True} for t in tools]
 
 
 def tool_choice_of(body: CountTokensRequest, functions: list[dict[str, Any]]) -> tuple[ToolChoice, bool]:

@@ -223,7 +223,7 @@ def _not_run(kind: str) -> None:
 def _function_spec(t: dict[str, Any], where: str, name: Any) -> dict[str, Any]:
     if not isinstance(name, str) or not name:
         raise bad_request(f"{where}.name must be a non-empty string", "tools")
-    fn = {k: t[k] for k in ("description", "parameters") if t.get(k) is not None}
+    fn = {k: t[k] for k in ("description", "parameters", "strict") if t.get(k) is not None}
     try:
         return function_specs([{"type": "function", "function": {**fn, "name": name}}])[0]
     except ValueError as exc:

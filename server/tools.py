@@ -55,11 +55,19 @@ class ToolFormat:
     separator: str = ""
     list_close: str = ""
 
+    @property
+    def lazy_trigger(self) -> str | None:
+        """The marker that opens the first call, when the format has one (Hermes' `<tool_call>`,
+        Mistral's `[TOOL_CALLS]`): what a lazy constraint waits for. None for bare JSON."""
+        first = self.list_open + self.call_open
+        return next((m for m in self.start_markers if first.startswith(m)), None)
+
     def constraint(
-        self, tools: Sequence[dict[str, Any]], parallel: bool, max_calls: int = 4
+        self, tools: Sequence[dict[str, Any]], parallel: bool, max_calls: int = 4, lazy: bool = False
     ) -> dict[str, Any]:
-        """The engine's plain-data spec forcing one (or, if parallel, up to max_calls) valid calls."""
-        return {
+        """The engine's plain-data spec forcing one (or, if parallel, up to max_calls) valid calls;
+        `lazy`: free text unless the output opens calls (`lazy_trigger`), which are then valid."""
+        spec = {
             "type": "tool_calls",
             "tools": [{"name": t["name"], "parameters": t.get("parameters")} for t in tools],
             "format": {
@@ -74,6 +82,9 @@ class ToolFormat:
             "parallel": parallel,
             "max_calls": max_calls,
         }
+        if lazy:
+            spec.update(lazy=True, trigger=self.lazy_trigger)
+        return spec
 
 
 HERMES = ToolFormat(
@@ -147,6 +158,8 @@ def function_specs(tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any
                 "description": fn.get("description") or "",
                 # OpenAI: "omitting parameters defines a function with an empty parameter list"
                 "parameters": params if params is not None else dict(NO_PARAMETERS),
+                # calls to it must follow its schema, also where the model may answer in text
+                "strict": fn.get("strict") is True,
             }
         )
     names = [t["name"] for t in out]
@@ -155,11 +168,15 @@ def function_specs(tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any
     return out
 
 
+def template_tools(functions: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The function specs as OpenAI `tools` for a prompt (`strict` is ours, not the prompt's)."""
+    return [{"type": "function", "function": {k: v for k, v in f.items() if k != "strict"}}
+            for f in functions]
+
+
 def tools_system_prompt(functions: Sequence[dict[str, Any]], fmt: ToolFormat = HERMES) -> str:
     """Tools described in the system prompt, for templates that ignore `tools` (Hermes style)."""
-    sigs = "\n".join(
-        json.dumps({"type": "function", "function": f}, ensure_ascii=False) for f in functions
-    )
+    sigs = "\n".join(json.dumps(t, ensure_ascii=False) for t in template_tools(functions))
     example = json.dumps({"name": "<function-name>", fmt.args_keys[0]: {"<arg>": "<value>"}})
     return (
         "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"

@@ -40,6 +40,7 @@ from server.tools import (
     format_for_template,
     history_for_fallback,
     template_handles_tools,
+    template_tools,
     tools_system_prompt,
 )
 
@@ -84,10 +85,6 @@ class TurnPlan:
     thinks: bool  # split <think> reasoning out
     starts_in_reasoning: bool
     skip_special_tokens: bool = True
-
-
-def openai_tools(functions: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{"type": "function", "function": dict(f)} for f in functions]
 
 
 def _arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -211,12 +208,17 @@ def plan_turn(
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         template_kwargs=template_kwargs,
-        tools=openai_tools(functions) if use_tools and native else None,
+        tools=template_tools(functions) if use_tools and native else None,
     )
     ids = encode(model, text, add_special_tokens=False, param=param)  # checked in server.params
     if use_tools and choice.mode in ("required", "function"):
         forced = [f for f in functions if choice.mode == "required" or f["name"] == choice.name]
         constraint = fmt.constraint(forced, parallel=parallel and choice.mode == "required")
+    elif (use_tools and choice.mode == "auto" and constraint is None and fmt.lazy_trigger
+          and any(f.get("strict") for f in functions)):
+        # strict tools: text stays free, calls follow the schemas (grammar-constrained rows
+        # decode without the pipelined step and without speculation: only where asked)
+        constraint = fmt.constraint(functions, parallel=parallel, lazy=True)
     special = set(getattr(model.tokenizer, "all_special_tokens", []) or [])
     thinks = model_thinks(template, model.tokenizer)
     return TurnPlan(

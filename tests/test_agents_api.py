@@ -124,6 +124,40 @@ def test_chat_tool_choice_required_named_and_none_reach_the_engine(fake, oai):
     assert "<tools>" not in fake.tokenizer.decode(fake.submits[-1].prompt_ids)
 
 
+def test_strict_tools_get_a_lazy_grammar_on_every_api(fake, server, oai, claude):
+    """A tool with `strict: true` where the model may answer in text (tool_choice auto) asks for a
+    lazy tool-call grammar (free text; calls, once opened, follow the schemas) on chat
+    completions, Anthropic Messages and Responses; without strict nothing is constrained, and
+    the flag is not shown to the chat template."""
+    fake.reset(script=scripted(fake, "Plain text."))
+    msgs = [{"role": "user", "content": "hi"}]
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    oai.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, COUNT])
+    assert fake.submits[-1].params.constraint is None
+    oai.chat.completions.create(model=MODEL, messages=msgs, tools=[strict, COUNT])
+    spec = fake.submits[-1].params.constraint
+    assert spec["type"] == "tool_calls" and spec["lazy"] is True and spec["trigger"] == "<tool_call>"
+    assert [t["name"] for t in spec["tools"]] == ["get_weather", "count"] and spec["parallel"] is True
+    assert "strict" not in fake.tokenizer.decode(fake.submits[-1].prompt_ids)
+    oai.chat.completions.create(model=MODEL, messages=msgs, tools=[strict, COUNT], parallel_tool_calls=False)
+    assert fake.submits[-1].params.constraint["parallel"] is False
+    # a response format keeps its own constraint
+    oai.chat.completions.create(model=MODEL, messages=msgs, tools=[strict], response_format={"type": "json_object"})
+    assert fake.submits[-1].params.constraint == {"type": "json_object"}
+    tools = [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"], "strict": True}]
+    claude.messages.create(model=MODEL, max_tokens=20, tools=tools, messages=[{"role": "user", "content": "x"}])
+    assert fake.submits[-1].params.constraint["lazy"] is True
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 20,
+            "tools": [{"type": "function", "name": "get_weather", "strict": True,
+                       "parameters": WEATHER["function"]["parameters"]}]}
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert fake.submits[-1].params.constraint["lazy"] is True
+    body["tools"][0]["strict"] = False
+    assert httpx.post(server.url + "/v1/responses", json=body, timeout=30).status_code == 200
+    assert fake.submits[-1].params.constraint is None
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call(fake, oai):
     fake.reset(script=scripted(fake, CALL_TEXT))
     r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],

@@ -198,3 +198,37 @@ def test_grammar_engine_errors_are_cut_to_what_the_client_can_act_on():
     regex = "regex parse error:\n    [a-\n    ^\nerror: unclosed character class"
     assert reason(regex) == regex  # the caret under the client's own regex stays
     assert len(reason("x" * 5000)) == MAX_REASON
+
+
+def test_strict_tool_calls_in_text_on_the_bundled_model(tinycoder):
+    """The lazy tool-call grammar on real decoding. tinycoder-16m copying calls from its prompt
+    writes the opening marker again and again without the grammar; with it, the calls it writes
+    are whole and valid, and the output ends at the first repeat. Where the output never opens a
+    call, it is the unconstrained output token for token."""
+    from server.tools import HERMES
+
+    tools = [{"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+        "additionalProperties": False}}]
+    spec = HERMES.constraint(tools, parallel=True, lazy=True)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    copying = _prompt(tinycoder, "# calls\nlog = '''\n" + call * 3)
+    code = _prompt(tinycoder, "def add(a, b):")
+    eng = make_engine(tinycoder)
+    try:
+        def text(req_id: str, prompt: list[int], constraint: dict | None) -> str:
+            params = SamplingParams(temperature=0.0, max_tokens=80, constraint=constraint)
+            return tinycoder.tokenizer.decode(run_alone(eng, Request(req_id, prompt, params)).tokens)
+
+        free = text("free", copying, None)
+        assert free.startswith("<tool_call>\n<tool_call>")  # what the grammar prevents
+        calls = text("strict", copying, spec)
+        blocks = calls.split("<tool_call>\n")[1:]
+        assert calls.startswith("<tool_call>\n") and len(blocks) == 2, calls
+        for block in blocks:
+            body, _, rest = block.partition("\n</tool_call>")
+            assert json.loads(body) == {"name": "get_weather", "arguments": {"city": "Paris"}}
+            assert rest in ("", "\n")
+        assert text("prose", code, spec) == text("prose-free", code, None)
+    finally:
+        eng.stop()

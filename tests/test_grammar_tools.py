@@ -6,7 +6,9 @@
   otherwise copy its call into every slot);
 - parameters with root-level $defs/$ref (pydantic's nested models) compile and are enforced,
   also when two tools each define a $defs entry of the same name;
-- a bad tool schema is reported about the tool, without the generated grammar.
+- a bad tool schema is reported about the tool, without the generated grammar;
+- the lazy grammar (strict tools where text is allowed too): any text, or text then valid calls
+  once the format's trigger is written, repeats ending it as in the eager grammar.
 """
 
 from __future__ import annotations
@@ -81,8 +83,9 @@ def lm(tinycoder_path):
     return load_model(str(tinycoder_path), dtype="float32")
 
 
-def _compile(lm, fmt: ToolFormat, tools: list[dict[str, Any]], parallel: bool = True, max_calls: int = 4):
-    spec = fmt.constraint(tools, parallel=parallel, max_calls=max_calls)
+def _compile(lm, fmt: ToolFormat, tools: list[dict[str, Any]], parallel: bool = True, max_calls: int = 4,
+             lazy: bool = False):
+    spec = fmt.constraint(tools, parallel=parallel, max_calls=max_calls, lazy=lazy)
     return compile_constraint(spec, lm.tokenizer, lm.vocab_size, lm.eos_token_ids)
 
 
@@ -217,3 +220,48 @@ def test_a_bad_tool_schema_is_reported_about_the_tool(lm):
     assert "%json" not in message and "get_weather" not in message and len(message) < 200
     with pytest.raises(ConstraintError, match="max_calls"):
         _compile(lm, HERMES, [WEATHER], max_calls=0)
+
+
+LAZY_FORMATS = sorted(n for n, f in FORMATS.items() if f.lazy_trigger)
+
+
+def test_the_lazy_formats():
+    assert LAZY_FORMATS == ["hermes", "mistral"]  # llama3_json's calls are bare JSON: no trigger
+    assert HERMES.lazy_trigger == "<tool_call>" and MISTRAL.lazy_trigger == "[TOOL_CALLS]"
+
+
+@pytest.mark.parametrize("name", LAZY_FORMATS)
+def test_lazy_calls_follow_the_schemas_and_text_stays_free(lm, name):
+    fmt = FORMATS[name]
+    tools = [WEATHER, SEARCH]
+    prose = "Here is a function:\ndef f(x):\n    return {'a': [x, \"<tool\"]}  # not a call\n"
+    assert accepts(lm, fmt, tools, prose, lazy=True)
+    assert accepts(lm, fmt, tools, "", lazy=True)  # the answer may end at once
+    assert accepts(lm, fmt, tools, "Let me look that up. " + calls_text(fmt, [PARIS, QUERY]), lazy=True)
+    assert accepts(lm, fmt, tools, calls_text(fmt, [PARIS]), lazy=True)
+    bad_args = calls_text(fmt, [("get_weather", {"city": "Paris"})])  # no days
+    assert not accepts(lm, fmt, tools, "Sure. " + bad_args, lazy=True)
+    assert not accepts(lm, fmt, tools, "Sure. " + calls_text(fmt, [("get_time", {})]), lazy=True)
+    # after the calls only the end may follow (or more calls)
+    assert not accepts(lm, fmt, tools, calls_text(fmt, [PARIS]) + " and some text", lazy=True)
+    # at most max_calls calls
+    assert not accepts(lm, fmt, tools, calls_text(fmt, [PARIS, QUERY, LONDON]), lazy=True, max_calls=2)
+
+
+@pytest.mark.parametrize("name", LAZY_FORMATS)
+def test_a_repeated_call_ends_the_lazy_constraint(lm, name):
+    fmt = FORMATS[name]
+    c = _compile(lm, fmt, [WEATHER, SEARCH], lazy=True)
+    repeat = "I will check. " + _unclosed(fmt, [PARIS, QUERY, PARIS])
+    ids = lm.tokenizer.encode(repeat, add_special_tokens=False)
+    ends = [i for i, t in enumerate(ids) if c.consume(t) and c.is_done()]
+    assert ends == [len(ids) - 1], (ends, len(ids))
+
+
+def test_a_lazy_spec_needs_its_trigger_and_names_a_bad_tool(lm):
+    spec = HERMES.constraint([WEATHER], parallel=True, lazy=True)
+    with pytest.raises(ConstraintError, match="trigger"):
+        compile_constraint({**spec, "trigger": "<call>"}, lm.tokenizer, lm.vocab_size, lm.eos_token_ids)
+    with pytest.raises(ConstraintError) as err:
+        _compile(lm, HERMES, [WEATHER, {"name": "broken", "parameters": {"type": "objectx"}}], lazy=True)
+    assert str(err.value).startswith("tool 'broken' parameters:")

@@ -141,7 +141,8 @@ def test_template_families_and_function_specs():
     assert format_for_template(None) is HERMES
     specs = function_specs([{"type": "function", "function": {"name": "f"}}])
     assert specs == [{"name": "f", "description": "",
-                      "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}]
+                      "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+                      "strict": False}]
     for bad in ([{"type": "function", "function": {}}], [{"type": "web_search"}],
                 [{"type": "function", "function": {"name": "f"}}] * 2):
         try:

@@ -9,6 +9,12 @@ family, e.g. Hermes/Qwen::
 
 and Mistral: list_open "[TOOL_CALLS][", separator ", ", list_close "]". The name key comes first
 in the object so that a streaming parser sees the name before the arguments.
+
+A lazy tool-call spec (`"lazy": true`, `"trigger": "<tool_call>"`) leaves the output free until
+it writes the trigger (a prefix of list_open + call_open), which may never come: text, or text
+followed by calls that the grammar then holds to the tools' schemas (an llguidance lazy lexeme,
+so the trigger is found across token boundaries). It is what `strict` tools ask for when the
+model may also answer in text.
 """
 
 from __future__ import annotations
@@ -97,9 +103,11 @@ def _tool_calls_lark(spec: dict[str, Any]) -> str:
         schema = {**tool_call_schema(tool, name_key, args_key, i), "x-guidance": options}
         rules.append(f"tool_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
     body = " | ".join(f"tool_{i}" for i in range(len(tools)))
-    call = f"{_lark_str(parts['call_open'])} ({body}) {_lark_str(parts['call_close'])}"
     slots = _call_slots(spec)
+    if spec.get("lazy"):
+        return _lazy_tool_calls_lark(spec, parts, body, rules, slots)
     sep = _lark_str(parts["separator"])
+    call = f"{_lark_str(parts['call_open'])} ({body}) {_lark_str(parts['call_close'])}"
     more = ""
     for k in range(slots - 1, 0, -1):  # call_0 (sep call_1 (sep call_2)?)?: at most `slots` calls
         more = f" ({sep} {CALL_CAPTURE}_{k}{more})?"
@@ -110,6 +118,31 @@ def _tool_calls_lark(spec: dict[str, Any]) -> str:
         # one named capture per call slot: the engine compares each finished call with the earlier
         # ones (the grammar engine keeps one capture of a name repeated back to back)
         *(f'{CALL_CAPTURE}_{k}[capture="{CALL_CAPTURE}_{k}"]: call' for k in range(slots)),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _lazy_tool_calls_lark(spec: dict[str, Any], parts: dict[str, str], body: str, rules: list[str],
+                          slots: int) -> str:
+    """Free text, or free text, the trigger and calls (module docstring). The captures hold each
+    call's JSON only: the first call's opening is split by the trigger."""
+    trigger = spec.get("trigger")
+    first_open = parts["list_open"] + parts["call_open"]
+    if not isinstance(trigger, str) or not trigger or not first_open.startswith(trigger):
+        raise ConstraintError("a lazy tool_calls constraint needs a 'trigger' that opens its first call")
+    opened, closed = _lark_str(parts["call_open"]), _lark_str(parts["call_close"])
+    sep = _lark_str(parts["separator"])
+    more = ""
+    for k in range(slots - 1, 0, -1):
+        more = f" ({sep} {opened} {CALL_CAPTURE}_{k} {closed}{more})?"
+    first = f"trig {_lark_str(first_open[len(trigger):])} {CALL_CAPTURE}_0 {closed}"
+    lines = [
+        f"start: TEXT | {first}{more} {_lark_str(parts['list_close'])}",
+        f"body: {body}",
+        *rules,  # on line FIRST_TOOL_LINE + i, as in the eager grammar
+        f"trig[lazy]: TEXT {_lark_str(trigger)}",
+        "TEXT: /(.|\\n)*/",
+        *(f'{CALL_CAPTURE}_{k}[capture="{CALL_CAPTURE}_{k}"]: body' for k in range(slots)),
     ]
     return "\n".join(lines) + "\n"
 
