@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -182,7 +183,27 @@ class EngineThread:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+            if not self._thread.is_alive():
+                _wait_for_native_exit(getattr(self._thread, "native_id", None))
             self._thread = None
+
+
+def _wait_for_native_exit(native_id: int | None, timeout: float = 2.0) -> None:
+    """Wait until the OS thread `native_id` is gone (Linux: its /proc/self/task entry).
+
+    `Thread.join` returns once the thread's Python state is released, before the OS thread runs
+    its thread-local destructors. One of them is MLX's per-thread `mx.compile` cache, whose
+    entries hold Python objects (mlx-lm's compiled activations, called on the engine thread):
+    freeing them takes the GIL. If the interpreter is already finalizing by then (a script that
+    stops its engine and exits), taking the GIL ends the thread with a forced unwind through a
+    C++ destructor, and the process aborts ("terminate called without an active exception",
+    exit status 134). Waiting here lets the destructors run while the interpreter is alive."""
+    task = f"/proc/self/task/{native_id}"
+    if native_id is None or not os.path.isdir("/proc/self/task"):
+        return
+    deadline = time.monotonic() + timeout
+    while os.path.exists(task) and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 class Engine(EngineThread):
