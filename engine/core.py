@@ -197,10 +197,14 @@ def _wait_for_native_exit(native_id: int | None, timeout: float = 2.0) -> None:
     freeing them takes the GIL. If the interpreter is already finalizing by then (a script that
     stops its engine and exits), taking the GIL ends the thread with a forced unwind through a
     C++ destructor, and the process aborts ("terminate called without an active exception",
-    exit status 134). Waiting here lets the destructors run while the interpreter is alive."""
-    task = f"/proc/self/task/{native_id}"
-    if native_id is None or not os.path.isdir("/proc/self/task"):
+    exit status 134). Waiting here lets the destructors run while the interpreter is alive.
+    Without /proc (macOS) this thread sleeps 50 ms instead, giving up the GIL they wait for."""
+    if native_id is None:
         return
+    if not os.path.isdir("/proc/self/task"):
+        time.sleep(0.05)
+        return
+    task = f"/proc/self/task/{native_id}"
     deadline = time.monotonic() + timeout
     while os.path.exists(task) and time.monotonic() < deadline:
         time.sleep(0.001)
