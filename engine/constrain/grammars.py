@@ -35,7 +35,7 @@ JSON_OPTIONS: dict[str, Any] = {
 MAX_TOOLS = 128
 _FORMAT_KEYS = ("list_open", "call_open", "call_close", "separator", "list_close")
 MAX_CALLS = 32  # calls in one tool_calls constraint, and the bound when 'max_calls' is not given
-CALL_CAPTURE = "call"  # call slot k is captured (markers included) under the name f"call_{k}"
+CALL_CAPTURE = "call"  # call slot k's JSON is captured under the name f"call_{k}"
 
 
 def _schema(value: Any, where: str) -> dict[str, Any]:
@@ -104,44 +104,28 @@ def _tool_calls_lark(spec: dict[str, Any]) -> str:
         rules.append(f"tool_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
     body = " | ".join(f"tool_{i}" for i in range(len(tools)))
     slots = _call_slots(spec)
-    if spec.get("lazy"):
-        return _lazy_tool_calls_lark(spec, parts, body, rules, slots)
-    sep = _lark_str(parts["separator"])
-    call = f"{_lark_str(parts['call_open'])} ({body}) {_lark_str(parts['call_close'])}"
-    more = ""
-    for k in range(slots - 1, 0, -1):  # call_0 (sep call_1 (sep call_2)?)?: at most `slots` calls
-        more = f" ({sep} {CALL_CAPTURE}_{k}{more})?"
-    lines = [
-        f"start: {_lark_str(parts['list_open'])} {CALL_CAPTURE}_0{more} {_lark_str(parts['list_close'])}",
-        f"call: {call}",
-        *rules,  # tool i's rule is on line FIRST_TOOL_LINE + i (tool_error relies on it)
-        # one named capture per call slot: the engine compares each finished call with the earlier
-        # ones (the grammar engine keeps one capture of a name repeated back to back)
-        *(f'{CALL_CAPTURE}_{k}[capture="{CALL_CAPTURE}_{k}"]: call' for k in range(slots)),
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def _lazy_tool_calls_lark(spec: dict[str, Any], parts: dict[str, str], body: str, rules: list[str],
-                          slots: int) -> str:
-    """Free text, or free text, the trigger and calls (module docstring). The captures hold each
-    call's JSON only: the first call's opening is split by the trigger."""
-    trigger = spec.get("trigger")
     first_open = parts["list_open"] + parts["call_open"]
-    if not isinstance(trigger, str) or not trigger or not first_open.startswith(trigger):
-        raise ConstraintError("a lazy tool_calls constraint needs a 'trigger' that opens its first call")
+    if spec.get("lazy"):
+        # free text, or free text, the trigger, the rest of the first call's opening and calls
+        trigger = spec.get("trigger")
+        if not isinstance(trigger, str) or not trigger or not first_open.startswith(trigger):
+            raise ConstraintError("a lazy tool_calls constraint needs a 'trigger' that opens its first call")
+        head = f"TEXT | trig {_lark_str(first_open[len(trigger):])}"
+        free = [f"trig[lazy]: TEXT {_lark_str(trigger)}", "TEXT: /(.|\\n)*/"]
+    else:
+        head, free = _lark_str(first_open), []
     opened, closed = _lark_str(parts["call_open"]), _lark_str(parts["call_close"])
     sep = _lark_str(parts["separator"])
     more = ""
-    for k in range(slots - 1, 0, -1):
+    for k in range(slots - 1, 0, -1):  # call_0 (sep call_1 (sep call_2)?)?: at most `slots` calls
         more = f" ({sep} {opened} {CALL_CAPTURE}_{k} {closed}{more})?"
-    first = f"trig {_lark_str(first_open[len(trigger):])} {CALL_CAPTURE}_0 {closed}"
     lines = [
-        f"start: TEXT | {first}{more} {_lark_str(parts['list_close'])}",
+        f"start: {head} {CALL_CAPTURE}_0 {closed}{more} {_lark_str(parts['list_close'])}",
         f"body: {body}",
-        *rules,  # on line FIRST_TOOL_LINE + i, as in the eager grammar
-        f"trig[lazy]: TEXT {_lark_str(trigger)}",
-        "TEXT: /(.|\\n)*/",
+        *rules,  # tool i's rule is on line FIRST_TOOL_LINE + i (tool_error relies on it)
+        *free,
+        # one named capture per call slot, its JSON: the engine compares each finished call with
+        # the earlier ones (the grammar engine keeps one capture of a name repeated back to back)
         *(f'{CALL_CAPTURE}_{k}[capture="{CALL_CAPTURE}_{k}"]: body' for k in range(slots)),
     ]
     return "\n".join(lines) + "\n"
