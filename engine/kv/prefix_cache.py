@@ -687,12 +687,19 @@ class PrefixIndex:
 
     def _insert(self, row: RowMeta, ids: Sequence[int], layers: Sequence[Any], *,
                 limit: int | None = None, wait: bool = True) -> None:
-        """Insert for `row`, resuming below where its previous insert ended (a weak reference on
-        the row: an evicted node is not kept alive by it)."""
-        after = row.prefix_node() if row.prefix_node is not None else None
-        self.cache.insert(ids, layers, row.adapter, limit=limit, wait=wait, after=after)
+        """Insert for `row`, resuming below where its previous insert ended."""
+        row.prefix_node = self._insert_after(row.prefix_node, ids, layers, row.adapter,
+                                             limit=limit, wait=wait)
+
+    def _insert_after(self, after: Any, ids: Sequence[int], layers: Sequence[Any], key: int, *,
+                      limit: int | None = None, wait: bool = True) -> Any:
+        """`cache.insert`, its walk resuming below `after` (a weak reference to the deepest node
+        of an earlier insert of the same sequence, or None: an evicted node is not kept alive by
+        it); returns the weak reference for the next insert."""
+        node = after() if after is not None else None
+        self.cache.insert(ids, layers, key, limit=limit, wait=wait, after=node)
         last = self.cache.last_node
-        row.prefix_node = weakref.ref(last) if last is not None else None
+        return weakref.ref(last) if last is not None else None
 
     def drop_hit(self, row: RowMeta) -> None:
         """Prefill the row from scratch: its hit's blocks may be evicted."""
@@ -755,10 +762,7 @@ class PrefixIndex:
         (the base model's KV: no adapter), so that a generation from the same prompt restores
         them. `after` is what the previous call for the same prompt returned (the walk resumes
         below it); returns the next one. The copies are queued, not waited for."""
-        node = after() if after is not None else None
-        self.cache.insert(ids, [_row_view(layer, 0) for layer in caches], wait=False, after=node)
-        last = self.cache.last_node
-        return weakref.ref(last) if last is not None else None
+        return self._insert_after(after, ids, [_row_view(layer, 0) for layer in caches], 0, wait=False)
 
     def advance(self, rows: Sequence[RowMeta], caches: list[Any] | None) -> None:
         """While decoding (ring or recurrent layers only): a row whose length has just passed
