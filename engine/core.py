@@ -660,7 +660,10 @@ class Engine(EngineThread):
             self._emit(events)
         if result.width:  # the speculation learns what a step costs
             seconds = time.perf_counter() - start
-            self.spec.record(num_rows, result.width, seconds, plan.prefill is None)
+            # typical: no prefill, and no row left the batch (moving rows into the freed
+            # slots is once-off work, and may wait for the step in flight)
+            left = num_rows > len(sched.running)
+            self.spec.record(num_rows, result.width, seconds, plan.prefill is None and not left)
         if self._trace is not None:
             self._trace_step(plan, result, start, scheduled, ran, updated, prefill_from, num_rows)
 

@@ -557,3 +557,28 @@ def test_a_lookup_miss_while_speculation_pays_reads_the_next_step_first(tinycode
                           prefill_chunk=128)
     assert got == want and stats.spec_steps > 0
     assert synced and all(synced), synced
+
+
+def test_a_step_in_which_rows_leave_the_batch_is_not_a_cost_sample(monkeypatch):
+    """The controller's cost cells hold typical steps only: a step after which rows left the
+    batch (their slots refilled by moving other rows, once-off work that may wait for the step
+    in flight) is recorded as not typical, in plain decoding and in verify steps alike."""
+    from engine.spec import adaptive
+
+    model, cfg = tiny_model("llama")
+    lm = loaded(model, cfg)
+    calls: list[tuple[int, bool]] = []
+    record = adaptive.Controller.record
+
+    def watched(self, num_rows, width, seconds, typical, emitted=1.0, drafter=0.0):
+        calls.append((num_rows, typical))
+        return record(self, num_rows, width, seconds, typical, emitted, drafter)
+
+    monkeypatch.setattr(adaptive.Controller, "record", watched)
+    prompts = _repetitive_prompts(cfg["vocab_size"], 4, seed=5)
+    reqs = [greedy(f"r{i}", p, 6 + 5 * i) for i, p in enumerate(prompts)]
+    _outputs(lm, SpecConfig("ngram", num_draft_tokens=4), reqs, stagger=False)
+    drops = [i for i in range(len(calls) - 1) if calls[i + 1][0] < calls[i][0]]
+    assert len(drops) >= 2, calls
+    assert not any(calls[i][1] for i in drops), calls
+    assert any(typical for _, typical in calls), calls
