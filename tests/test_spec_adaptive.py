@@ -113,6 +113,16 @@ def _drive(ctl, cost, alpha_true, steps, seed=0):
     return widths
 
 
+def test_a_verify_measured_cheaper_than_plain_decoding_does_not_pay_without_acceptance():
+    """Noise can put a verify's cost cell below the plain one's (on a GPU, plain samples that
+    waited for the step in flight); a verify is taken to cost at least a plain step, so drafts
+    that are never accepted are not verified beyond probes."""
+    ctl = Controller(ControllerConfig(max_draft=4))
+    widths = _drive(ctl, lambda w: 0.008 if w > 1 else 0.010, 0.0, 400)
+    late = widths[200:]
+    assert sum(w > 1 for w in late) <= 0.1 * len(late), widths
+
+
 def test_one_hopeless_sample_ends_a_probe():
     """Launch-bound costs (width W at W plain steps): the first probe at width 2 stops after
     its first measured sample (2 speculative steps: the switch, then one measured)."""

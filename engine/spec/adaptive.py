@@ -10,6 +10,9 @@ The rule (docs/speculative.md, "The controller"):
    later positions, a drifting draft lowers them), which decides how wide to verify.
 2. Cost. The step time per (batch-size bucket, width), the median of its last `WINDOW`
    samples; widths between two measured ones are interpolated linearly, wider ones are unknown.
+   A verify is never taken to cost less than a plain step (its cells' noise could otherwise
+   make speculation look free). Steps with a prefill, or after which rows left the batch, are
+   not samples (their once-off work is no width's cost).
 3. Choice. The width with the most expected tokens per second, `sum_b E(min(W - 1, caps_b)) /
    (cost(W) + drafter overhead + switching)`; speculation starts when it beats plain decoding
    by `MARGIN` and stops when it no longer beats it (`HOLD`): noise in the estimates does not
@@ -53,7 +56,7 @@ import numpy as np
 PRIOR = 8.0  # drafts' worth of prior acceptance (a few unlucky rounds do not decide)
 DECAY = 0.95  # the counts' decay per round (~20 rounds of memory)
 MARGIN = 1.1  # speculation starts when it beats plain by 10 % (estimates are noisy) ...
-HOLD = 1.0  # ... and stops when it no longer beats plain decoding
+HOLD = 1.001  # ... and stops when it no longer beats plain decoding (a tie is plain)
 CLEAR = 1.5  # speculation expected to beat plain by this much: width 1 is not probed
 PROBE_STEPS = 4  # a probe's measured samples + 1 (a step after a mode switch is not measured)
 SWITCH_DECAY = 0.995  # the switching cost's decay per plain step (speculation is retried)
@@ -270,6 +273,7 @@ class Controller:
             cost = self.costs.estimate(b, w)
             if cost is None:
                 break
+            cost = max(cost, plain)  # a verify does a plain step's work and more: cheaper is noise
             rate = float(self.acceptance.expected(np.minimum(caps, w - 1)).sum())
             rate /= cost + self.overhead + self.switch_seconds
             if rate > best_rate * (margin if best_w == 1 else 1.0):
