@@ -80,6 +80,8 @@ class Request:
     # seconds the model stays loaded once idle after this request (None: the server's
     # --keep-alive; 0: unload when idle; negative: never unload for idleness)
     keep_alive: float | None = None
+    # a predicted output (OpenAI's `prediction`): a lookup drafter copies drafts from it
+    prediction_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -98,6 +100,8 @@ class TokenEvent:
     # -> its prefill began) and from its prefill's start to this first token
     queue_s: float | None = None
     prefill_s: float | None = None
+    # on the last event: tokens of the request's prediction that speculation accepted
+    accepted_prediction: int = 0
 
 
 @dataclass(slots=True)

@@ -36,6 +36,7 @@ class RowMeta:
     prefix_node: Any = None  # weakref to the deepest prefix-cache node this row's inserts reached
     queued_at: float = 0.0  # perf_counter when the engine admitted it
     started_at: float = 0.0  # perf_counter when its prefill group formed
+    accepted_prediction: int = 0  # drafts copied from its predicted output that were accepted
 
     @property
     def req_id(self) -> str:

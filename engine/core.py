@@ -424,6 +424,9 @@ class Engine(EngineThread):
                 code="context_length_exceeded",
             )
         check_token_ids(request.prompt_ids, self.loaded.vocab_size)
+        if request.prediction_ids:  # nothing past the context could be copied
+            request.prediction_ids = request.prediction_ids[: ctx - n]
+            check_token_ids(request.prediction_ids, self.loaded.vocab_size, " in the prediction")
         params = request.params
         # no limit (None): the room left in the context
         max_new = ctx - n if params.max_tokens is None else max(1, min(params.max_tokens, ctx - n))

@@ -549,6 +549,8 @@ class Scheduler:
             num_cached_tokens=row.num_cached_tokens,
             error=error,
         )
+        if finish is not None:
+            event.accepted_prediction = row.accepted_prediction
         if first and ids and row.started_at:
             event.queue_s = max(0.0, row.started_at - row.queued_at) if row.queued_at else None
             event.prefill_s = time.perf_counter() - row.started_at

@@ -22,6 +22,7 @@ from server.openai_api import (
     SYSTEM_FINGERPRINT,
     AppState,
     abort_all,
+    attach_prediction,
     chat_logprobs,
     chunk_writer,
     make_specs,
@@ -100,6 +101,7 @@ async def chat_completions_agent(request: Request, body: ChatCompletionRequest, 
     specs = make_specs(cid, [plan.prompt_ids], [params], body.n or 1, body)
     for s in specs:
         s.skip_special_tokens = s.skip_special_tokens and plan.skip_special_tokens
+    await attach_prediction(request, model, body, specs)
     gens = await start_all(st.client, specs, model, keep_alive)  # EngineError → 400 etc.
     created = int(time.time())
     if body.stream:

@@ -67,6 +67,7 @@ class ChoiceSpec:
     # a reasoning budget: after this many output tokens with the reasoning still open, the
     # closing tokens are forced and the answer continues (`Generation.deltas`)
     think_budget: ThinkBudget | None = None
+    prediction_ids: list[int] | None = None  # a predicted output (OpenAI's `prediction`)
 
 
 @dataclass(slots=True)
@@ -221,6 +222,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.num_prompt_tokens = len(spec.prompt_ids)
         self.num_cached_tokens = 0
+        self.accepted_prediction = 0  # of the prediction's tokens, those speculation accepted
 
     @property
     def num_completion_tokens(self) -> int:
@@ -241,6 +243,7 @@ class Generation:
                         if ev.num_prompt_tokens:
                             self.num_prompt_tokens = ev.num_prompt_tokens
                         self.num_cached_tokens = max(self.num_cached_tokens, ev.num_cached_tokens)
+                    self.accepted_prediction += ev.accepted_prediction
                     if ev.finish_reason == FINISH_ERROR:
                         self.finished = True
                         raise GenerationError(ev.error or "the engine failed this request")
@@ -345,7 +348,7 @@ async def start_all(
         for spec in specs:
             request = Request(req_id=spec.req_id, prompt_ids=spec.prompt_ids, params=spec.params,
                               adapter=model.adapter, model=model.engine_name,
-                              keep_alive=keep_alive)
+                              keep_alive=keep_alive, prediction_ids=spec.prediction_ids)
             stream = await client.submit(request)
             gens.append(Generation(client, spec, stream, eos, model.tokenizer, request))
     except BaseException:
@@ -431,9 +434,18 @@ def usage_numbers(gens: Sequence[Generation]) -> dict[str, Any]:
     prompt_tokens = sum(p for p, _ in prompts.values())
     cached = sum(c for _, c in prompts.values())
     completion = sum(g.num_completion_tokens for g in gens)
-    return {
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    predicted = [g for g in gens if g.spec.prediction_ids]
+    if predicted:  # OpenAI's counts: the prediction's tokens used, and the rest
+        accepted = sum(g.accepted_prediction for g in predicted)
+        total = sum(len(g.spec.prediction_ids or ()) for g in predicted)
+        usage["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": max(0, total - accepted),
+        }
+    return usage

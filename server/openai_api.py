@@ -38,6 +38,7 @@ from server.prompts import (
     check_prompt_ids,
     effort_template_kwargs,
     encode,
+    prediction_ids,
     render_chat,
     template_messages,
 )
@@ -159,6 +160,18 @@ def make_specs(
                 )
             )
     return specs
+
+
+async def attach_prediction(
+    request: Request, model: ServedModel, body: ChatCompletionRequest, specs: Sequence[ChoiceSpec]
+) -> None:
+    """A chat request's predicted output, tokenized, on each of its choices (a lookup drafter
+    copies drafts from it; usage counts its accepted and rejected tokens)."""
+    text = body.prediction_text()
+    if text:
+        ids = await off_loop(request, prediction_ids, model, text)
+        for s in specs:
+            s.prediction_ids = ids
 
 
 def _log_start(request: Request, cid: str, specs: Sequence[ChoiceSpec]) -> None:
@@ -319,6 +332,7 @@ async def chat_completions(request: Request) -> Response:
     params = sampling_params(body, st.config, model, ids, logprobs=want_lp, top_logprobs=k)
     cid = new_id("chatcmpl")
     specs = make_specs(cid, [ids], [params], body.n or 1, body)
+    await attach_prediction(request, model, body, specs)
     gens = await start_all(st.client, specs, model, keep_alive)
     _log_start(request, cid, specs)
     created = int(time.time())

@@ -222,6 +222,15 @@ def encode(
     return list(model.tokenizer.encode(text, add_special_tokens=add_special_tokens, verbose=False))
 
 
+def prediction_ids(model: ServedModel, text: str) -> list[int]:
+    """A predicted output's ids (no special tokens); text past what the context could hold in
+    any tokenization is not tokenized (the engine keeps what fits after the prompt)."""
+    bound = model.max_token_chars * model.context_length
+    if bound:
+        text = text[:bound]
+    return list(model.tokenizer.encode(text, add_special_tokens=False, verbose=False))
+
+
 def check_prompt_ids(model: ServedModel, ids: Sequence[int], param: str = "prompt") -> None:
     """A prompt the engine can run: not empty, shorter than the context, ids in the vocabulary."""
     if not ids:

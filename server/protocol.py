@@ -212,8 +212,7 @@ class ChatCompletionRequest(_SamplingRequest):
         check_message_fields(self.messages)
         if self.audio or (self.modalities and any(m != "text" for m in self.modalities)):
             raise unsupported("modalities", "only text output")
-        if self.prediction:
-            raise unsupported("prediction")
+        self.prediction_text()  # a malformed prediction is a 400
         if self.web_search_options is not None:
             raise unsupported("web_search_options")
         if self.prompt_logprobs is not None:
@@ -231,6 +230,26 @@ class ChatCompletionRequest(_SamplingRequest):
             raise bad_request(
                 "'continue_final_message' needs an assistant message last", "continue_final_message"
             )
+
+    def prediction_text(self) -> str | None:
+        """The predicted output's text (`prediction: {"type": "content", "content": text or
+        [{"type": "text", "text": ...}, ...]}`), None without one; 400 when malformed."""
+        pred = self.prediction
+        if pred is None:
+            return None
+        content = pred.get("content")
+        if pred.get("type") != "content" or content is None:
+            raise bad_request("'prediction' must be {\"type\": \"content\", \"content\": ...}",
+                              "prediction")
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content
+        ):
+            return "".join(p["text"] for p in content)
+        raise bad_request("'prediction.content' must be a string or a list of text parts",
+                          "prediction.content")
 
     def _check_agent_fields(self) -> None:
         """On the plain path (no tools given): a tool choice that needs tools is a 400."""

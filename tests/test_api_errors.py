@@ -150,6 +150,11 @@ BAD_BODIES = [
     (CHAT, chat(top_logprobs=2), "top_logprobs", None),
     (CHAT, chat(chat_template_kwargs=[1]), "chat_template_kwargs", None),
     (CHAT, chat(continue_final_message=True), "continue_final_message", None),
+    (CHAT, chat(prediction={"type": "text", "content": "x"}), "prediction", None),
+    (CHAT, chat(prediction={"type": "content"}), "prediction", None),
+    (CHAT, chat(prediction={"type": "content", "content": [{"type": "image_url"}]}),
+     "prediction.content", None),
+    (CHAT, chat(prediction="x"), "prediction", None),
     (COMP, comp(prompt=[]), "prompt", None),
     (COMP, comp(prompt=5), "prompt", None),
     (COMP, comp(prompt=[1, "a"]), "prompt", None),
@@ -175,7 +180,6 @@ def test_bad_values_are_400(http, fake, path, body, param, code):
 
 UNSUPPORTED = [
     (CHAT, chat(modalities=["text", "audio"]), "modalities"),
-    (CHAT, chat(prediction={"type": "content", "content": "x"}), "prediction"),
     (COMP, comp(suffix="pass"), "suffix"),
     (COMP, comp(best_of=3), "best_of"),
 ]

@@ -582,3 +582,47 @@ def test_a_step_in_which_rows_leave_the_batch_is_not_a_cost_sample(monkeypatch):
     assert len(drops) >= 2, calls
     assert not any(calls[i][1] for i in drops), calls
     assert any(typical for _, typical in calls), calls
+
+
+def _with_prediction(req: Request, prediction: list[int] | None) -> Request:
+    req.prediction_ids = prediction
+    return req
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_predicted_output_is_copied_into_drafts_and_the_output_is_plain_greedy(adaptive):
+    """A request's predicted output (OpenAI's `prediction`) is what an n-gram drafter copies
+    first: the output stays plain greedy's, and the prediction's accepted tokens reach the
+    last event (all but one a round when the prediction is the answer; an edited prediction
+    rejoins after the edit). Without speculation a prediction changes nothing."""
+    model, cfg = tiny_model("llama")
+    lm = loaded(model, cfg)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, cfg["vocab_size"], 12).tolist() for _ in range(3)]
+    reqs = [greedy(f"p{i}", p, 40) for i, p in enumerate(prompts)]
+    want, _ = _outputs(lm, None, reqs, stagger=False)
+    edited = {k: v[:10] + [(t + 1) % cfg["vocab_size"] for t in v[10:13]] + v[13:]
+              for k, v in want.items()}
+    for preds, least in ((want, 28), (edited, 20)):
+        spec = SpecConfig("ngram", num_draft_tokens=4, adaptive=adaptive)
+        eng = _engine(lm, spec)
+        try:
+            outs = _run(eng, [_with_prediction(greedy(r.req_id, r.prompt_ids, 40), preds[r.req_id])
+                              for r in reqs], stagger=False)
+            spec_stats = eng.stats().spec
+        finally:
+            eng.stop()
+        for r in reqs:
+            out = outs[r.req_id]
+            assert out.tokens == want[r.req_id]
+            if not adaptive:  # forced: every round verifies the prediction's next tokens
+                assert out.events[-1].accepted_prediction >= least, (r.req_id, out.events[-1])
+        assert spec_stats.spec_steps > 0 or adaptive
+    eng = _engine(lm, None)
+    try:
+        outs = _run(eng, [_with_prediction(greedy(r.req_id, r.prompt_ids, 40), want[r.req_id])
+                          for r in reqs], stagger=False)
+    finally:
+        eng.stop()
+    assert {k: v.tokens for k, v in outs.items()} == want
+    assert all(o.events[-1].accepted_prediction == 0 for o in outs.values())

@@ -67,6 +67,9 @@ class Proposal:
     # `tokens` on the host ([B, K] int), when the drafter has them there (n-gram): the verify
     # input and a greedy verdict are then built without reading the device
     host_tokens: np.ndarray | None = None
+    # [B] bool, or None: the row's drafts were copied from its request's predicted output
+    # (their accepted tokens are counted for the request's usage)
+    predicted: np.ndarray | None = None
 
 
 class DrafterState(Protocol):
@@ -86,7 +89,10 @@ class Drafter(Protocol):
         """Per-row state for rows joining the batch (None if the drafter keeps none).
 
         `contexts` are the rows' prompts; `warm=False` means speculation is currently off, so a
-        drafter may defer expensive work (e.g. a draft prefill) until it is first asked.
+        drafter may defer expensive work (e.g. a draft prefill) until it is first asked. A
+        drafter that can copy from requests' predicted outputs takes them as a third argument,
+        `predictions` (per row, the prediction's ids or None); it is passed only when some row
+        has one.
         """
         ...
 

@@ -65,6 +65,7 @@ class Round:
     proposal: Proposal
     rows: SpecRows
     started: float
+    batch_rows: list[Any]  # the batch's RowMeta, in the proposal's order
 
 
 class Executor(Protocol):
@@ -123,6 +124,10 @@ class Speculation:
         prefills them now if speculation is on at that size, else on first use)."""
         warm = self.controller.warm(max(batch_size, len(rows)))
         prompts = [r.request.prompt_ids for r in rows]
+        predictions = [r.request.prediction_ids for r in rows]
+        if any(predictions) and getattr(self.drafter, "takes_predictions", False):
+            admit = cast(Any, self.drafter).admit  # the protocol's optional third argument
+            return SpecRows(len(rows), admit(prompts, warm, predictions))
         return SpecRows(len(rows), self.drafter.admit(prompts, warm))
 
     # -- choosing --------------------------------------------------------------------------
@@ -224,7 +229,7 @@ class Speculation:
         ctx = self._context(batch, np.minimum(caps, width - 1))
         if self._min_gain is not None and len(self._min_gain) >= ctx.max_drafts:
             ctx.min_gain = self._min_gain
-        return Round(ctx, self._propose(ctx), batch.spec, t0)
+        return Round(ctx, self._propose(ctx), batch.spec, t0, batch.rows)
 
     def observe(self, rnd: Round, accepted: np.ndarray) -> None:
         """Row b accepted `accepted[b]` of its drafts (the target's token follows them)."""
@@ -232,6 +237,9 @@ class Speculation:
         K = int(proposal.tokens.shape[1])
         if K:
             self.drafter.observe(rnd.ctx, proposal, accepted)
+            if proposal.predicted is not None:  # for the requests' usage
+                for b in np.flatnonzero(proposal.predicted):
+                    rnd.batch_rows[b].accepted_prediction += int(accepted[b])
         self._learn(rnd.rows, proposal.num_drafts, accepted)
         self._emitted = float(accepted.mean()) + 1.0 if len(accepted) else 1.0
         self._verified = K + 1 if K else 0

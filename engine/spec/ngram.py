@@ -65,19 +65,58 @@ class NGramIndex:
         return []
 
 
+class Prediction:
+    """A request's predicted output (OpenAI's `prediction`): drafts copied from it first.
+
+    While the row's output so far is the prediction's beginning, the drafts are the
+    prediction's next tokens (from the first generated token on, where no n-gram of the output
+    exists yet); once they part, the longest suffix of the row's context that occurs in the
+    prediction is continued from there (an edit that changed a few lines rejoins the
+    prediction after them)."""
+
+    __slots__ = ("tokens", "index", "prompt_len", "aligned", "checked")
+
+    def __init__(self, tokens: Sequence[int], prompt_len: int, min_n: int, max_n: int) -> None:
+        self.tokens = list(tokens)
+        self.index = NGramIndex(min_n, max_n)
+        self.index.extend(self.tokens, len(self.tokens))
+        self.prompt_len = prompt_len
+        self.aligned = True  # the output so far is the prediction's beginning
+        self.checked = 0  # output tokens compared with the prediction so far
+
+    def lookup(self, context: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens the prediction says follow `context` (prompt + output so far)."""
+        pred, done = self.tokens, len(context) - self.prompt_len
+        while self.aligned and self.checked < done:
+            i = self.checked
+            self.aligned = i < len(pred) and context[self.prompt_len + i] == pred[i]
+            self.checked += 1
+        if self.aligned:
+            return pred[done : done + k]
+        last = len(context) - 1
+        for n in range(min(self.index.max_n, last), self.index.min_n - 1, -1):
+            e = self.index.ends.get(tuple(context[last - n + 1 :]))
+            if e is not None:
+                return pred[e + 1 : e + 1 + k]
+        return []
+
+
 class NGramState:
-    """Per-row indexes (a Python list moved with the rows)."""
+    """Per-row indexes and predictions (Python lists moved with the rows)."""
 
-    __slots__ = ("indexes",)
+    __slots__ = ("indexes", "predictions")
 
-    def __init__(self, indexes: list[NGramIndex]) -> None:
+    def __init__(self, indexes: list[NGramIndex], predictions: list[Prediction | None]) -> None:
         self.indexes = indexes
+        self.predictions = predictions
 
     def take(self, keep: Sequence[int]) -> None:
         self.indexes = [self.indexes[i] for i in keep]
+        self.predictions = [self.predictions[i] for i in keep]
 
     def concat(self, other: NGramState) -> None:
         self.indexes = self.indexes + other.indexes
+        self.predictions = self.predictions + other.predictions
 
 
 @register_drafter("ngram")
@@ -85,6 +124,7 @@ class NGramDrafter:
     name = "ngram"
     point_mass = True
     catches_up = False  # the index extends lazily over whatever was generated
+    takes_predictions = True  # admit() takes the requests' predicted outputs
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2, **_: Any) -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -93,9 +133,26 @@ class NGramDrafter:
         self._num_found = 0
         self._num_asked = 0
 
-    def admit(self, contexts: Sequence[Sequence[int]], warm: bool) -> NGramState:
-        del warm  # indexing is lazy (first propose) and cheap
-        return NGramState([NGramIndex(self.min_ngram, self.max_ngram) for _ in contexts])
+    def admit(self, contexts: Sequence[Sequence[int]], warm: bool,
+              predictions: Sequence[Sequence[int] | None] = ()) -> NGramState:
+        """Per-row state; `predictions[b]`: row b's predicted output, or None. (Indexing of
+        the context is lazy, at the first lookup.)"""
+        del warm
+        preds = list(predictions) or [None] * len(contexts)
+        return NGramState(
+            [NGramIndex(self.min_ngram, self.max_ngram) for _ in contexts],
+            [Prediction(p, len(c), self.min_ngram, self.max_ngram) if p else None
+             for c, p in zip(contexts, preds, strict=True)],
+        )
+
+    def _lookup(self, state: NGramState, b: int, context: list[int], k: int) -> tuple[list[int], bool]:
+        """Row b's drafts, and whether they come from its prediction."""
+        pred = state.predictions[b]
+        if pred is not None:
+            found = pred.lookup(context, k)
+            if found:
+                return found, True
+        return state.indexes[b].lookup(context, k), False
 
     def propose(self, ctx: ProposeContext) -> Proposal:
         state: NGramState = ctx.state
@@ -103,21 +160,23 @@ class NGramDrafter:
         B = len(ctx.contexts)
         drafts = np.zeros((B, K), np.int32)
         num = np.zeros(B, np.int64)
+        predicted = np.zeros(B, bool)
         for b in np.flatnonzero(ctx.num_drafts > 0):  # short per-row lists; dict lookups
-            found = state.indexes[b].lookup(ctx.contexts[b], int(ctx.num_drafts[b]))
+            found, predicted[b] = self._lookup(state, int(b), ctx.contexts[b], int(ctx.num_drafts[b]))
             self._num_asked += 1
             if found:
                 self._num_found += 1
                 drafts[b, : len(found)] = found
                 num[b] = len(found)
-        return Proposal(tokens=mx.array(drafts), num_drafts=num, host_tokens=drafts)
+        return Proposal(tokens=mx.array(drafts), num_drafts=num, host_tokens=drafts,
+                        predicted=predicted)
 
     def available(self, ctx: ProposeContext) -> np.ndarray:
         """[B] how many drafts `propose` would offer each row (no device arrays)."""
         state: NGramState = ctx.state
         num = np.zeros(len(ctx.contexts), np.int64)
         for b in np.flatnonzero(ctx.num_drafts > 0):
-            num[b] = len(state.indexes[b].lookup(ctx.contexts[b], int(ctx.num_drafts[b])))
+            num[b] = len(self._lookup(state, int(b), ctx.contexts[b], int(ctx.num_drafts[b]))[0])
         return num
 
     def observe(self, ctx: ProposeContext, proposal: Proposal, num_accepted: np.ndarray) -> None:
