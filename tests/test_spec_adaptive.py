@@ -301,6 +301,23 @@ def test_ngram_index_proposes_the_continuation_of_the_latest_longest_match():
     assert idx.num_indexed == len(ctx) - 1  # indexed incrementally, never the live suffix
 
 
+def test_a_prediction_is_followed_from_its_start_and_rejoined_after_an_edit():
+    """While the output is the prediction's beginning its next tokens are proposed (from the
+    first output token on); after the output parts from it, the continuation of the longest
+    context suffix found in the prediction."""
+    from engine.spec.ngram import Prediction
+
+    prompt = [1, 2, 3]
+    pred = Prediction([10, 11, 12, 13, 14, 15, 16, 17], len(prompt), 2, 3)
+    assert pred.lookup(prompt + [10], 3) == [11, 12, 13]
+    assert pred.lookup(prompt + [10, 11, 12], 2) == [13, 14]
+    out = [10, 11, 12, 99, 98]  # an edit: the prediction has nothing after (99 98)
+    assert pred.lookup(prompt + out, 3) == [] and not pred.aligned
+    out += [14, 15]  # rejoined: (14 15) occurs in the prediction
+    assert pred.lookup(prompt + out, 3) == [16, 17]
+    assert pred.lookup(prompt + out + [16, 17], 3) == []  # its end
+
+
 def test_cli_flags_map_to_spec_config():
     from mlxd.runtime import _spec_config
 

@@ -56,12 +56,17 @@ class NGramIndex:
         return list(found)
 
     def _lookup(self, tokens: Sequence[int], k: int) -> list[int]:
-        last = len(tokens) - 1
-        self.extend(tokens, last)  # never the suffix itself
+        self.extend(tokens, len(tokens) - 1)  # never the suffix itself
+        return self.follow(tokens, tokens, k)
+
+    def follow(self, source: Sequence[int], context: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens of `source` (the indexed sequence) that followed the latest
+        occurrence of the longest suffix of `context` found in the index."""
+        last = len(context) - 1
         for n in range(min(self.max_n, last), self.min_n - 1, -1):
-            e = self.ends.get(tuple(tokens[last - n + 1 :]))
+            e = self.ends.get(tuple(context[last - n + 1 :]))
             if e is not None:
-                return list(tokens[e + 1 : e + 1 + k])
+                return list(source[e + 1 : e + 1 + k])
         return []
 
 
@@ -93,12 +98,7 @@ class Prediction:
             self.checked += 1
         if self.aligned:
             return pred[done : done + k]
-        last = len(context) - 1
-        for n in range(min(self.index.max_n, last), self.index.min_n - 1, -1):
-            e = self.index.ends.get(tuple(context[last - n + 1 :]))
-            if e is not None:
-                return pred[e + 1 : e + 1 + k]
-        return []
+        return self.index.follow(pred, context, k)
 
 
 class NGramState:
