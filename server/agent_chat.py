@@ -24,6 +24,7 @@ from server.openai_api import (
     abort_all,
     attach_prediction,
     chat_logprobs,
+    chat_prompt_logprobs,
     chunk_writer,
     make_specs,
     new_id,
@@ -102,6 +103,9 @@ async def chat_completions_agent(request: Request, body: ChatCompletionRequest, 
     for s in specs:
         s.skip_special_tokens = s.skip_special_tokens and plan.skip_special_tokens
     await attach_prediction(request, model, body, specs)
+    here, scored = await chat_prompt_logprobs(request, st.client, model, body, plan.prompt_ids)
+    if not here:
+        return Response(status_code=499)
     gens = await start_all(st.client, specs, model, keep_alive)  # EngineError → 400 etc.
     created = int(time.time())
     if body.stream:
@@ -141,6 +145,7 @@ async def chat_completions_agent(request: Request, body: ChatCompletionRequest, 
         "system_fingerprint": SYSTEM_FINGERPRINT,
         "choices": choices,
         "usage": usage_numbers(gens),
+        **scored,
     })
 
 

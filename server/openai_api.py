@@ -285,6 +285,21 @@ def vllm_prompt_logprobs(model: ServedModel, ids: Sequence[int], scored: ScoreRe
     return out
 
 
+async def chat_prompt_logprobs(
+    request: Request, client: EngineClient, model: ServedModel, body: ChatCompletionRequest,
+    ids: list[int],
+) -> tuple[bool, dict[str, Any]]:
+    """A chat request's vLLM `prompt_logprobs` (the rendered prompt's tokens), as the response's
+    extra field: ({} when not asked); False when the client left first."""
+    if body.prompt_logprobs is None:
+        return True, {}
+    scores = await score_prompts(request, client, model, [ids], body.prompt_logprobs)
+    if scores is None:
+        return False, {}
+    return True, {"prompt_logprobs": vllm_prompt_logprobs(model, ids, scores[0],
+                                                          body.prompt_logprobs)}
+
+
 async def score_prompts(
     request: Request, client: EngineClient, model: ServedModel, prompts: list[list[int]], k: int
 ) -> list[ScoreResult] | None:
@@ -333,6 +348,9 @@ async def chat_completions(request: Request) -> Response:
     cid = new_id("chatcmpl")
     specs = make_specs(cid, [ids], [params], body.n or 1, body)
     await attach_prediction(request, model, body, specs)
+    here, scored = await chat_prompt_logprobs(request, st.client, model, body, ids)
+    if not here:
+        return Response(status_code=499)
     gens = await start_all(st.client, specs, model, keep_alive)
     _log_start(request, cid, specs)
     created = int(time.time())
@@ -362,6 +380,7 @@ async def chat_completions(request: Request) -> Response:
             "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": choices,
             "usage": usage_numbers(gens),
+            **scored,
         }
     )
 

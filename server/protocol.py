@@ -194,7 +194,8 @@ class ChatCompletionRequest(_SamplingRequest):
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
-    prompt_logprobs: int | None = None  # vLLM's extension: served on /v1/completions only
+    # vLLM's extension: the prompt's logprobs (the chat template's tokens), non-streamed only
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     # accepted and ignored: they change nothing about the tokens
     parallel_tool_calls: bool | None = None
     metadata: dict[str, Any] | None = None
@@ -215,8 +216,9 @@ class ChatCompletionRequest(_SamplingRequest):
         self.prediction_text()  # a malformed prediction is a 400
         if self.web_search_options is not None:
             raise unsupported("web_search_options")
-        if self.prompt_logprobs is not None:
-            raise unsupported("prompt_logprobs", "prompt logprobs are served on /v1/completions")
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("'prompt_logprobs' is not available when 'stream' is true",
+                              "prompt_logprobs")
         if self.top_logprobs and not self.logprobs:
             raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:

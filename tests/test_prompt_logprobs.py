@@ -235,9 +235,30 @@ def test_vllm_prompt_logprobs(real_server):
                 for c in json.loads(line[6:])["choices"]:
                     first.setdefault(c["index"], c.get("prompt_logprobs"))
     assert first == {0: plp, 1: plp}
-    chat = httpx.post(real_server.url + "/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 1})
-    assert chat.status_code == 400 and chat.json()["error"]["param"] == "prompt_logprobs"
+
+
+@pytest.mark.parametrize("tools", [False, True])
+def test_vllm_prompt_logprobs_on_chat(real_server, tools):
+    """vLLM's `prompt_logprobs` on /v1/chat/completions: one list for the response (the chat
+    template's tokens), the values completions gives for the same ids; with tools too (the
+    agent path); a 400 when streamed."""
+    msgs = [{"role": "user", "content": "def add(a, b):"}]
+    body = {"model": MODEL, "messages": msgs, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
+    if tools:
+        body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    r = httpx.post(real_server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    plp = r.json()["prompt_logprobs"]
+    assert len(plp) == r.json()["usage"]["prompt_tokens"] and plp[0] is None
+    if not tools:  # /tokenize renders messages without tools
+        ids = httpx.post(real_server.url + "/tokenize", json={"model": MODEL, "messages": msgs}).json()["tokens"]
+        same = httpx.post(real_server.url + "/v1/completions", json={
+            "model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}).json()
+        assert same["choices"][0]["prompt_logprobs"] == plp
+    else:  # the tool's name is in the prompt, scored like any token
+        assert any(e and any(v["decoded_token"].strip() == "f" for v in e.values()) for e in plp)
+    streamed = httpx.post(real_server.url + "/v1/chat/completions", json={**body, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
 
 
 def test_echo_logprobs_refusals(real_server):
