@@ -277,7 +277,7 @@ class Engine(EngineThread):
         self.scorer = Scorer(self.runner.logits, lambda: self.runner.new_caches(1), kvb.state_arrays,
                              loaded.context_length, loaded.vocab_size, self.budget,
                              max(bs, min(SCORE_CHUNK, self.prefix.chunk) // bs * bs),
-                             store=self.prefix.store_scored)
+                             store=self.prefix.store_scored, resume=self.prefix.scored_prefix)
         self._snapshot_lock = threading.Lock()
         self._snapshot = EngineStats()
         self._snapshot_at = 0.0

@@ -16,12 +16,15 @@ one chunk per engine turn, so decoding rows keep stepping between chunks. The he
 chunk's positions only ([chunk, V] logits at a time, never [L, V]). Jobs run one at a time in
 arrival order; while one runs, its KV at its longest and a chunk's activations are held in
 `MemoryBudget.side`, which the scheduler's admission counts, and freed when it ends or is
-cancelled. The prefix cache is written, never read: each chunk's complete blocks are stored
-(`store`), so a generation from the same prompt (completions' `echo` with `logprobs` and
+cancelled. Each chunk's complete blocks go into the prefix cache (`store`) with their tokens'
+scores, so a generation from the same prompt (completions' `echo` with `logprobs` and
 `max_tokens` > 0: lm-eval's loglikelihood requests) restores the KV instead of prefilling the
-prompt again, but a cached prefix has no logits to give a score. Chunks end on the prefix
-cache's block boundaries and are no longer than its prefill chunk (a ring must still hold
-every block of a chunk when it is stored).
+prompt again, and a later pass over the same prefix (a multiple-choice question's context,
+scored again with each answer) starts from the longest scored prefix (`resume`): its KV
+restored, its scores copied, the model run from one block before the first new token (whose
+score needs the logits of the token before it). Chunks end on the prefix cache's block
+boundaries and are no longer than its prefill chunk (a ring must still hold every block of a
+chunk when it is stored).
 """
 
 from __future__ import annotations
@@ -45,8 +48,11 @@ MAX_TOP = 20  # alternatives per position (OpenAI's chat limit; completions asks
 CHUNK = 256  # positions a forward scores at most (the [CHUNK, V] float32 logits live at once)
 
 ScoreDone = Callable[[ScoreResult | None, EngineError | None], None]
-# (ids the one-row KV holds, the KV, what the job's previous call returned) -> the next `after`
-StoreBlocks = Callable[[list[int], Any, Any], Any]
+# (ids the one-row KV holds, the KV, what the job's previous call returned, the job's scores
+# so far: (logprobs, ranks, top, k)) -> the next `after`
+StoreBlocks = Callable[[list[int], Any, Any, Any], Any]
+# (prompt ids, k) -> (one-row KV of a scored cached prefix or None, the prefix's scores)
+ScoredPrefix = Callable[[list[int], int], tuple[Any, Any]]
 
 
 @dataclass(slots=True)
@@ -67,7 +73,8 @@ class Scorer:
 
     def __init__(self, forward: Callable[[mx.array, Any], mx.array], new_caches: Callable[[], Any],
                  state_arrays: Callable[[Any], list[Any]], context_length: int, vocab_size: int,
-                 budget: MemoryBudget, chunk: int = CHUNK, store: StoreBlocks | None = None):
+                 budget: MemoryBudget, chunk: int = CHUNK, store: StoreBlocks | None = None,
+                 resume: ScoredPrefix | None = None):
         self.forward = forward  # (inputs [1, C], caches) -> logits [1, C, V]
         self.new_caches = new_caches  # a fresh one-row KV
         self.state_arrays = state_arrays  # the arrays of the KV a forward wrote
@@ -76,6 +83,8 @@ class Scorer:
         self.budget = budget
         self.chunk = max(1, chunk)
         self.store = store  # the prefix cache's insert of a chunk's complete blocks
+        self.resume = resume  # the prefix cache's longest scored prefix of a prompt
+        self.num_positions = 0  # positions run through the model (cached ones are not)
         self.jobs: deque[ScoreJob] = deque()
         self.num_jobs = 0
 
@@ -143,8 +152,8 @@ class Scorer:
             room = self.budget.budget - self.budget.weights - reserved_bytes
             if decoding and self.job_bytes(len(ids)) > room:
                 return False  # wait for running rows to give their KV back
-            job.caches = self.new_caches()
             self.budget.side = self.job_bytes(len(ids))  # admission counts it while the job runs
+            self._start(job)
         try:
             self._chunk(job)
         except Exception as exc:  # this request fails; decoding rows go on
@@ -163,6 +172,19 @@ class Scorer:
             job.done(ScoreResult(job.request.req_id, job.logprobs, job.top, job.ranks), None)
         return True
 
+    def _start(self, job: ScoreJob) -> None:
+        """The job's KV: a cached prefix whose scores earlier passes stored (restored, with
+        them), else a fresh one-row KV."""
+        caches = None
+        if self.resume is not None:
+            caches, (logprobs, ranks, top, _) = self.resume(job.request.token_ids,
+                                                            job.request.top_logprobs)
+        if caches is None:
+            job.caches = self.new_caches()
+            return
+        job.caches, job.pos = caches, len(logprobs)
+        job.logprobs, job.ranks, job.top = list(logprobs), list(ranks), [list(t) for t in top]
+
     def _chunk(self, job: ScoreJob) -> None:
         """Run positions pos .. pos + chunk - 1 (of the first L - 1: the last token predicts
         nothing); position j's logits score token j + 1."""
@@ -172,6 +194,7 @@ class Scorer:
         job.pos = end
         if end <= start:  # a one-token prompt: nothing to score
             return
+        self.num_positions += end - start
         z = self.forward(mx.array([ids[start:end]], dtype=mx.int32), job.caches)[0]
         target = mx.array(ids[start + 1 : end + 1], dtype=mx.int32)
         # the generated tokens' logprobs come from the same function (engine.sampling)
@@ -188,4 +211,5 @@ class Scorer:
         job.logprobs.extend(np.array(chosen).tolist())
         job.ranks.extend(np.array(rank).tolist())
         if self.store is not None:
-            job.stored = self.store(ids[:end], job.caches, job.stored)
+            scores = (job.logprobs, job.ranks, job.top, job.request.top_logprobs)
+            job.stored = self.store(ids[:end], job.caches, job.stored, scores)

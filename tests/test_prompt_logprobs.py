@@ -316,6 +316,43 @@ def test_a_scored_prompt_is_not_prefilled_again(arch):
         engine.stop()
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_a_pass_over_a_scored_prefix_reads_its_scores(arch):
+    """Multiple choice (a context, then each answer, scored as separate prompts): the second
+    and later passes restore the context's blocks and their stored scores from the prefix
+    cache and run only what follows (from one block before the first new token), with the
+    values a pass from scratch gives; a pass asking for more alternatives than were stored
+    runs from the start."""
+    model, cfg = tiny_model(arch)
+    lm = loaded(model, cfg)
+    rng = np.random.default_rng(9)
+    context = rng.integers(1, VOCAB, 70).tolist()
+    answers = [rng.integers(1, VOCAB, 9).tolist() for _ in range(3)]
+    engine = Engine(lm, EngineConfig(SchedulerConfig(prefill_chunk=32), warmup=False,
+                                     prefix_cache_bytes=1 << 26, prefix_block_size=8))
+    engine.start()
+    try:
+        scorer = engine.scorer
+        first = _score(engine, context + answers[0], k=2)
+        ran = scorer.num_positions
+        assert ran == len(context) + len(answers[0]) - 1
+        for a in answers[1:]:
+            ids = context + a
+            before = scorer.num_positions
+            got = _score(engine, ids, k=2)
+            cached = (len(context) // 8 - 1) * 8  # the context's whole blocks but the last
+            assert scorer.num_positions - before == len(ids) - 1 - cached
+            np.testing.assert_allclose(got.logprobs, _reference(model, ids), rtol=0, atol=2e-4)
+            assert got.logprobs[: len(context) - 1] == pytest.approx(first.logprobs[: len(context) - 1], abs=2e-4)
+            assert [t[0][0] for t in got.top_logprobs[:cached]] == [t[0][0] for t in first.top_logprobs[:cached]]
+            assert got.ranks[:cached] == first.ranks[:cached]
+        before = scorer.num_positions
+        _score(engine, context + answers[0], k=3)  # more alternatives than stored: from scratch
+        assert scorer.num_positions - before == len(context) + len(answers[0]) - 1
+    finally:
+        engine.stop()
+
+
 def test_echo_logprobs_then_generation_restores_the_prompt_over_http(real_server):
     """lm-eval's loglikelihood request with a token to generate (echo, logprobs, max_tokens 1):
     the generation reports the scored prompt's blocks as cached tokens."""

@@ -115,6 +115,23 @@ class _Node:
     starts: list[int] = field(default_factory=list)  # per layer: first position `data` holds
     # per layer: the segment holding the block and the block's first column in it (None: own)
     segs: list[tuple[_Segment, int] | None] = field(default_factory=list)
+    # a scoring pass's values for the block's tokens (`BlockScores`), None if none stored them
+    scores: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockScores:
+    """Prompt logprobs of one block's tokens (engine.score): per token its logprob, rank and
+    best alternatives (at most `k` of them); the first token of the first block has none."""
+
+    logprobs: list[float | None]
+    ranks: list[int | None]
+    top: list[list[tuple[int, float]]]
+    k: int
+
+
+# a scoring job's values so far, indexed by token - 1: (logprobs, ranks, top, k)
+JobScores = tuple[list[float], list[int], list[list[tuple[int, float]]], int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -757,12 +774,60 @@ class PrefixIndex:
                 views = [_row_view(layer, i) for layer in caches]
                 self._insert(row, row.request.prompt_ids[:n], views, wait=wait)
 
-    def store_scored(self, ids: Sequence[int], caches: list[Any], after: Any = None) -> Any:
+    def store_scored(self, ids: Sequence[int], caches: list[Any], after: Any = None,
+                     scores: JobScores | None = None) -> Any:
         """Insert the complete blocks of a scoring pass's one-row `caches`, which hold `ids`
         (the base model's KV: no adapter), so that a generation from the same prompt restores
-        them. `after` is what the previous call for the same prompt returned (the walk resumes
-        below it); returns the next one. The copies are queued, not waited for."""
-        return self._insert_after(after, ids, [_row_view(layer, 0) for layer in caches], 0, wait=False)
+        them, with the pass's `scores` of their tokens, so that a later pass over the same
+        prefix reads them (`scored_prefix`). `after` is what the previous call for the same
+        prompt returned (the walk resumes below it); returns the next one. The copies are
+        queued, not waited for."""
+        ref = self._insert_after(after, ids, [_row_view(layer, 0) for layer in caches], 0,
+                                 wait=False)
+        node = ref() if ref is not None and scores is not None else None
+        bs = self.block_size
+        while node is not None and node.parent is not None and node.scores is None:
+            logprobs, ranks, top, k = scores  # type: ignore[misc]
+            lo = (node.depth - 1) * bs
+            span = range(lo, lo + bs)  # token t's values are at t - 1
+            node.scores = BlockScores([logprobs[t - 1] if t else None for t in span],
+                                      [ranks[t - 1] if t else None for t in span],
+                                      [top[t - 1] if t else [] for t in span], k)
+            node = node.parent
+        return ref
+
+    def scored_prefix(self, ids: Sequence[int], k: int) -> tuple[list[Any] | None, JobScores]:
+        """For a scoring pass over `ids` with `k` alternatives: one-row layouts holding the
+        longest cached prefix whose tokens' scores were stored by earlier passes (of at least
+        `k` alternatives), and those scores (indexed by token - 1); (None, empty) when there is
+        none. The prefix is a whole number of blocks and stops one block short of the scored
+        path: the next token's score needs the logits of the last restored one, which the pass
+        computes again (the first token of the block after the prefix is scored, which is why
+        that block is needed)."""
+        root = self.cache._root(0)
+        path, node = [], root
+        for block in self.cache._blocks(ids, len(ids)):
+            child = node.children.get(block)
+            if child is None or child.scores is None or child.scores.k < k:
+                break
+            path.append(child)
+            node = child
+        bs = self.block_size
+        for depth in range(min(len(path) - 1, (len(ids) - 1) // bs), 0, -1):
+            if self.cache._restorable(path[:depth]):
+                self.cache._touch(path[depth])
+                caches = self.cache.restore(PrefixHit(depth * bs, path[depth - 1]))
+                n = depth * bs  # tokens 1 .. n are scored
+                logprobs: list[float] = []
+                ranks: list[int] = []
+                top: list[list[tuple[int, float]]] = []
+                for nd in path[: depth + 1]:
+                    sc = nd.scores
+                    logprobs += sc.logprobs
+                    ranks += sc.ranks
+                    top += [t[:k] for t in sc.top]
+                return caches, (logprobs[1 : n + 1], ranks[1 : n + 1], top[1 : n + 1], k)
+        return None, ([], [], [], k)
 
     def advance(self, rows: Sequence[RowMeta], caches: list[Any] | None) -> None:
         """While decoding (ring or recurrent layers only): a row whose length has just passed
@@ -850,9 +915,14 @@ class NoPrefix:
     def store(self, rows: list[RowMeta], caches: list[Any], wait: bool = True) -> None:
         del rows, caches, wait
 
-    def store_scored(self, ids: Sequence[int], caches: list[Any], after: Any = None) -> Any:
-        del ids, caches, after
+    def store_scored(self, ids: Sequence[int], caches: list[Any], after: Any = None,
+                     scores: JobScores | None = None) -> Any:
+        del ids, caches, after, scores
         return None
+
+    def scored_prefix(self, ids: Sequence[int], k: int) -> tuple[list[Any] | None, JobScores]:
+        del ids
+        return None, ([], [], [], k)
 
     def advance(self, rows: Sequence[RowMeta], caches: list[Any] | None) -> None:
         del rows, caches
