@@ -129,6 +129,12 @@ class BlockScores:
     top: list[list[tuple[int, float]]]
     k: int
 
+    @property
+    def nbytes(self) -> int:
+        """About what the Python objects take (a float and an int per token, a tuple of two per
+        alternative): counted against the cache's limit like its arrays."""
+        return 64 * len(self.logprobs) + 120 * sum(len(t) for t in self.top)
+
 
 # a scoring job's values so far, indexed by token - 1: (logprobs, ranks, top, k)
 JobScores = tuple[list[float], list[int], list[list[tuple[int, float]]], int]
@@ -589,7 +595,14 @@ class PrefixCache:
         del self._lru[id(node)]
         for li in range(len(node.data)):
             self._release(node, li)
+        if node.scores is not None:
+            self._nbytes -= node.scores.nbytes
         self.stats.evicted_blocks += 1
+
+    def attach_scores(self, node: _Node, scores: BlockScores) -> None:
+        """A scoring pass's values for `node`'s tokens (counted in the cache's bytes)."""
+        node.scores = scores
+        self._nbytes += scores.nbytes
 
     def clear(self) -> None:
         self._roots.clear()
@@ -790,9 +803,10 @@ class PrefixIndex:
             logprobs, ranks, top, k = scores  # type: ignore[misc]
             lo = (node.depth - 1) * bs
             span = range(lo, lo + bs)  # token t's values are at t - 1
-            node.scores = BlockScores([logprobs[t - 1] if t else None for t in span],
-                                      [ranks[t - 1] if t else None for t in span],
-                                      [top[t - 1] if t else [] for t in span], k)
+            self.cache.attach_scores(node, BlockScores(
+                [logprobs[t - 1] if t else None for t in span],
+                [ranks[t - 1] if t else None for t in span],
+                [top[t - 1] if t else [] for t in span], k))
             node = node.parent
         return ref
 
