@@ -257,6 +257,35 @@ class PrefixCache:
                 return PrefixHit(cand.depth * self.block_size, cand), node
         return None, node
 
+    def find_scored(self, token_ids: Sequence[int], k: int) -> tuple[PrefixHit | None, JobScores]:
+        """The longest restorable prefix of `token_ids` (key 0: the base model) whose tokens'
+        scores were stored with at least `k` alternatives, and the scores of its tokens 1 .. n
+        (indexed by token - 1). It stops one block short of the scored path: the score of the
+        token after it needs the logits of its last token, which the pass computes again, and
+        that token is the next block's first (so that block's scores are needed)."""
+        path, node = [], self._root(0)
+        for block in self._blocks(token_ids, len(token_ids)):
+            child = node.children.get(block)
+            if child is None or child.scores is None or child.scores.k < k:
+                break
+            path.append(child)
+            node = child
+        bs = self.block_size
+        for depth in range(min(len(path) - 1, (len(token_ids) - 1) // bs), 0, -1):
+            if self._restorable(path[:depth]):
+                self._touch(path[depth])
+                n = depth * bs
+                logprobs: list[Any] = []
+                ranks: list[Any] = []
+                top: list[list[tuple[int, float]]] = []
+                for nd in path[: depth + 1]:
+                    logprobs += nd.scores.logprobs
+                    ranks += nd.scores.ranks
+                    top += [t[:k] for t in nd.scores.top]
+                return PrefixHit(n, path[depth - 1]), (logprobs[1 : n + 1], ranks[1 : n + 1],
+                                                       top[1 : n + 1], k)
+        return None, ([], [], [], k)
+
     def walks_past(self, token_ids: Sequence[int], max_tokens: int, node: _Node | None) -> bool:
         """Whether a lookup of `token_ids` that stopped at `node` (`find`'s; None: it was
         evicted since) would now walk further: the node is gone or has gained a child
@@ -812,36 +841,10 @@ class PrefixIndex:
 
     def scored_prefix(self, ids: Sequence[int], k: int) -> tuple[list[Any] | None, JobScores]:
         """For a scoring pass over `ids` with `k` alternatives: one-row layouts holding the
-        longest cached prefix whose tokens' scores were stored by earlier passes (of at least
-        `k` alternatives), and those scores (indexed by token - 1); (None, empty) when there is
-        none. The prefix is a whole number of blocks and stops one block short of the scored
-        path: the next token's score needs the logits of the last restored one, which the pass
-        computes again (the first token of the block after the prefix is scored, which is why
-        that block is needed)."""
-        root = self.cache._root(0)
-        path, node = [], root
-        for block in self.cache._blocks(ids, len(ids)):
-            child = node.children.get(block)
-            if child is None or child.scores is None or child.scores.k < k:
-                break
-            path.append(child)
-            node = child
-        bs = self.block_size
-        for depth in range(min(len(path) - 1, (len(ids) - 1) // bs), 0, -1):
-            if self.cache._restorable(path[:depth]):
-                self.cache._touch(path[depth])
-                caches = self.cache.restore(PrefixHit(depth * bs, path[depth - 1]))
-                n = depth * bs  # tokens 1 .. n are scored
-                logprobs: list[float] = []
-                ranks: list[int] = []
-                top: list[list[tuple[int, float]]] = []
-                for nd in path[: depth + 1]:
-                    sc = nd.scores
-                    logprobs += sc.logprobs
-                    ranks += sc.ranks
-                    top += [t[:k] for t in sc.top]
-                return caches, (logprobs[1 : n + 1], ranks[1 : n + 1], top[1 : n + 1], k)
-        return None, ([], [], [], k)
+        longest cached prefix whose tokens' scores earlier passes stored (`find_scored`), and
+        those scores (indexed by token - 1); (None, empty) when there is none."""
+        hit, scores = self.cache.find_scored(ids, k)
+        return (self.cache.restore(hit) if hit is not None else None), scores
 
     def advance(self, rows: Sequence[RowMeta], caches: list[Any] | None) -> None:
         """While decoding (ring or recurrent layers only): a row whose length has just passed
