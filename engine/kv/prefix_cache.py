@@ -826,10 +826,11 @@ class PrefixIndex:
         queued, not waited for."""
         ref = self._insert_after(after, ids, [_row_view(layer, 0) for layer in caches], 0,
                                  wait=False)
-        node = ref() if ref is not None and scores is not None else None
-        bs = self.block_size
+        if scores is None or ref is None:
+            return ref
+        logprobs, ranks, top, k = scores
+        node, bs = ref(), self.block_size
         while node is not None and node.parent is not None and node.scores is None:
-            logprobs, ranks, top, k = scores  # type: ignore[misc]
             lo = (node.depth - 1) * bs
             span = range(lo, lo + bs)  # token t's values are at t - 1
             self.cache.attach_scores(node, BlockScores(
