@@ -223,12 +223,14 @@ def encode(
 
 
 def prediction_ids(model: ServedModel, text: str) -> list[int]:
-    """A predicted output's ids (no special tokens); text past what the context could hold in
-    any tokenization is not tokenized (the engine keeps what fits after the prompt)."""
+    """A predicted output's ids (no special tokens), at most the context length of them: text
+    past what the context could hold in any tokenization is not tokenized (the engine keeps
+    what fits after the prompt)."""
     bound = model.max_token_chars * model.context_length
     if bound:
         text = text[:bound]
-    return list(model.tokenizer.encode(text, add_special_tokens=False, verbose=False))
+    ids = model.tokenizer.encode(text, add_special_tokens=False, verbose=False)
+    return list(ids[: model.context_length])
 
 
 def check_prompt_ids(model: ServedModel, ids: Sequence[int], param: str = "prompt") -> None:

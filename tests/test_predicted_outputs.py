@@ -75,6 +75,10 @@ def test_a_predicted_output_leaves_the_answer_unchanged_and_is_counted(tinycoder
             assert text == answer
             assert usage["completion_tokens_details"]["accepted_prediction_tokens"] == accepted
             assert got["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+            # a prediction longer than the context counts (and is used) up to the context length
+            huge = _chat(srv.url, model, prediction={"type": "content", "content": "x = 1\n" * 20000})
+            details = huge["usage"]["completion_tokens_details"]
+            assert sum(details.values()) == lm.context_length
         stats = client.stats()
     finally:
         client.stop()
