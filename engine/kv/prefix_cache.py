@@ -244,18 +244,26 @@ class PrefixCache:
         """`lookup` (a hit of a multiple of `multiple` blocks), and the node where its walk
         down the trie stopped (for `walks_past`)."""
         limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
-        node, path = self._root(key), []
-        for block in self._blocks(token_ids, limit):
-            child = node.children.get(block)
-            if child is None:
-                break
-            path.append(child)
-            node = child
+        path = self._walk(token_ids, limit, key)
+        node = path[-1] if path else self._root(key)
         for cand in reversed(path):
             if cand.depth % multiple == 0 and self._restorable(path[: cand.depth]):
                 self._touch(cand)
                 return PrefixHit(cand.depth * self.block_size, cand), node
         return None, node
+
+    def _walk(self, token_ids: Sequence[int], limit: int, key: int,
+              take: Callable[[_Node], bool] | None = None) -> list[_Node]:
+        """The trie's nodes under `key` along the whole blocks of `token_ids[:limit]`, down to
+        the first block it lacks (or, with `take`, the first node `take` refuses)."""
+        node, path = self._root(key), []
+        for block in self._blocks(token_ids, limit):
+            child = node.children.get(block)
+            if child is None or take is not None and not take(child):
+                break
+            path.append(child)
+            node = child
+        return path
 
     def find_scored(self, token_ids: Sequence[int], k: int) -> tuple[PrefixHit | None, JobScores]:
         """The longest restorable prefix of `token_ids` (key 0: the base model) whose tokens'
@@ -263,13 +271,8 @@ class PrefixCache:
         (indexed by token - 1). It stops one block short of the scored path: the score of the
         token after it needs the logits of its last token, which the pass computes again, and
         that token is the next block's first (so that block's scores are needed)."""
-        path, node = [], self._root(0)
-        for block in self._blocks(token_ids, len(token_ids)):
-            child = node.children.get(block)
-            if child is None or child.scores is None or child.scores.k < k:
-                break
-            path.append(child)
-            node = child
+        path = self._walk(token_ids, len(token_ids), 0,
+                          lambda nd: nd.scores is not None and nd.scores.k >= k)
         bs = self.block_size
         for depth in range(min(len(path) - 1, (len(token_ids) - 1) // bs), 0, -1):
             if self._restorable(path[:depth]):
