@@ -15,7 +15,7 @@ with the rows like every other per-row array.
         name = "mine"
         point_mass = True        # proposals are deterministic: q is one-hot at the draft
         catches_up = False       # no state to bring up to date after plain decoding
-        def admit(self, contexts, warm): ...           # state for rows joining the batch
+        def admit(self, contexts, warm, predictions=()): ...  # state for joining rows
         def propose(self, ctx: ProposeContext) -> Proposal: ...
         def observe(self, ctx: ProposeContext, proposal, num_accepted): ...
         def stats(self) -> dict[str, float]: ...       # its own figures (SpecStats.drafter)
@@ -85,14 +85,14 @@ class Drafter(Protocol):
     # KV), so trying speculation again after plain stretches is dear
     catches_up: bool
 
-    def admit(self, contexts: Sequence[Sequence[int]], warm: bool) -> Any:
+    def admit(self, contexts: Sequence[Sequence[int]], warm: bool,
+              predictions: Sequence[Sequence[int] | None] = ()) -> Any:
         """Per-row state for rows joining the batch (None if the drafter keeps none).
 
         `contexts` are the rows' prompts; `warm=False` means speculation is currently off, so a
-        drafter may defer expensive work (e.g. a draft prefill) until it is first asked. A
-        drafter that can copy from requests' predicted outputs takes them as a third argument,
-        `predictions` (per row, the prediction's ids or None); it is passed only when some row
-        has one.
+        drafter may defer expensive work (e.g. a draft prefill) until it is first asked.
+        `predictions`: per row, its request's predicted output or None (empty: none has one),
+        for a drafter that can copy drafts from them; others ignore it.
         """
         ...
 

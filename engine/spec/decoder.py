@@ -125,10 +125,7 @@ class Speculation:
         warm = self.controller.warm(max(batch_size, len(rows)))
         prompts = [r.request.prompt_ids for r in rows]
         predictions = [r.request.prediction_ids for r in rows]
-        if any(predictions) and getattr(self.drafter, "takes_predictions", False):
-            admit = cast(Any, self.drafter).admit  # the protocol's optional third argument
-            return SpecRows(len(rows), admit(prompts, warm, predictions))
-        return SpecRows(len(rows), self.drafter.admit(prompts, warm))
+        return SpecRows(len(rows), self.drafter.admit(prompts, warm, predictions))
 
     # -- choosing --------------------------------------------------------------------------
     def _caps(self, batch: Any, explore: bool = True) -> np.ndarray:
@@ -421,8 +418,8 @@ class _FixedDrafter:
     def observe(self, ctx: ProposeContext, proposal: Proposal, num_accepted: np.ndarray) -> None:
         del ctx, proposal, num_accepted
 
-    def admit(self, contexts: Any, warm: bool) -> None:
-        del contexts, warm
+    def admit(self, contexts: Any, warm: bool, predictions: Any = ()) -> None:
+        del contexts, warm, predictions
 
     def stats(self) -> dict[str, Any]:
         return {}

@@ -109,7 +109,9 @@ class DraftModelDrafter:
             state.layouts = self._layouts(len(held))
 
     # -- rows ------------------------------------------------------------------------------
-    def admit(self, contexts: Sequence[Sequence[int]], warm: bool) -> DraftKV:
+    def admit(self, contexts: Sequence[Sequence[int]], warm: bool,
+              predictions: Sequence[Sequence[int] | None] = ()) -> DraftKV:
+        del predictions  # the draft model drafts from its own distribution
         state = DraftKV(self._layouts(len(contexts)))
         if warm:  # prefill now; otherwise the first proposal catches the rows up
             t0 = time.perf_counter()

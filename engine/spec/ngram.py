@@ -124,7 +124,6 @@ class NGramDrafter:
     name = "ngram"
     point_mass = True
     catches_up = False  # the index extends lazily over whatever was generated
-    takes_predictions = True  # admit() takes the requests' predicted outputs
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2, **_: Any) -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -135,8 +134,8 @@ class NGramDrafter:
 
     def admit(self, contexts: Sequence[Sequence[int]], warm: bool,
               predictions: Sequence[Sequence[int] | None] = ()) -> NGramState:
-        """Per-row state; `predictions[b]`: row b's predicted output, or None. (Indexing of
-        the context is lazy, at the first lookup.)"""
+        """Per-row state; `predictions[b]`: row b's predicted output, or None (empty: none
+        has one). (Indexing of the context is lazy, at the first lookup.)"""
         del warm
         preds = list(predictions) or [None] * len(contexts)
         return NGramState(
