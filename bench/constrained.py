@@ -1,8 +1,10 @@
 """Cost of constrained decoding in the engine: per-token time at batch 1 and 16, constrained vs
-free, and aggregate throughput with half the rows constrained.
+free, and aggregate throughput with half the rows constrained and with every row under strict
+tools.
 
-Every row decodes exactly `--tokens` tokens (ignore_eos; the grammar is a JSON array of at least
-1,000 records, so it never completes early), from the same chat prompt, at temperature 1 with
+Every row decodes exactly `--tokens` tokens (ignore_eos; the JSON grammar is an array of at least
+1,000 records, so it never completes early; the strict-tools rows are asked for prose and stay in
+the free text before a call), from the same chat prompt, at temperature 1 with
 fixed seeds. Per-token time = (last token time - first token time) / (tokens - 1), averaged over
 the rows; aggregate throughput = all tokens / (last token - first token of the batch). Each case
 is measured `--repeats` times; each ratio comes from pairs (constrained, free) run back to back
@@ -15,6 +17,7 @@ the paired ratios is reported (with min and max).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import threading
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench import common
+from server.tools import HERMES
 
 if TYPE_CHECKING:
     from engine.api import TokenEvent
@@ -75,8 +79,11 @@ def timed_grammar() -> Iterator[None]:
         llg.LLGConstraint.consume = consume  # type: ignore[method-assign]
 
 
-def run_batch(eng: Engine, prompt: list[int], batch: int, constrained: list[bool],
-              tokens: int) -> dict[str, Any]:
+def run_batch(eng: Engine, prompt: list[int], batch: int, constrained: list[dict[str, Any] | None],
+              tokens: int, no_eos: dict[int, float] | None = None) -> dict[str, Any]:
+    """One batch; rows under a grammar get `constraint` from `constrained`, and strict-tools rows
+    the `no_eos` logit bias (with ignore_eos a grammar still ends where the model draws the end of
+    sequence, which prose allows anywhere)."""
     from engine.api import Request, SamplingParams
 
     GRAMMAR_S[0] = 0.0
@@ -85,29 +92,34 @@ def run_batch(eng: Engine, prompt: list[int], batch: int, constrained: list[bool
     remaining = [batch]
     lock = threading.Lock()
 
+    ends: dict[str, tuple[str, str | None]] = {}
+
     def sink(events: list[TokenEvent]) -> None:
         now = time.perf_counter()
         for ev in events:
             if ev.token_ids:
                 times.setdefault(ev.req_id, []).extend([now] * len(ev.token_ids))
             if ev.finish_reason is not None:
+                ends[ev.req_id] = (ev.finish_reason, ev.error)
                 with lock:
                     remaining[0] -= 1
                     if remaining[0] == 0:
                         done.set()
 
     for i in range(batch):
-        spec = {"type": "json_schema", "schema": SCHEMA} if constrained[i] else None
-        params = SamplingParams(temperature=1.0, seed=1000 + i, max_tokens=tokens, ignore_eos=True, constraint=spec)
+        params = SamplingParams(temperature=1.0, seed=1000 + i, max_tokens=tokens, ignore_eos=True,
+                                constraint=constrained[i],
+                                logit_bias=(no_eos or {}) if constrained[i] is TOOLS else {})
         eng.add(Request(f"b{batch}-{i}-{time.monotonic_ns()}", list(prompt), params), sink)
     assert done.wait(600), "batch did not finish"
     per_token = {k: (v[-1] - v[0]) / (len(v) - 1) for k, v in times.items()}
-    assert all(len(v) == tokens for v in times.values()), "a row stopped early"
+    short = {k: (len(v), ends.get(k)) for k, v in times.items() if len(v) != tokens}
+    assert not short, f"rows stopped early (tokens, finish, error): {short}"
     keys = sorted(times)
     first = min(times[k][0] for k in keys)
     last = max(times[k][-1] for k in keys)
-    con_keys = [k for k in keys if constrained[int(k.split("-")[1])]]
-    free_keys = [k for k in keys if not constrained[int(k.split("-")[1])]]
+    con_keys = [k for k in keys if constrained[int(k.split("-")[1])] is not None]
+    free_keys = [k for k in keys if constrained[int(k.split("-")[1])] is None]
     return {
         "per_token_ms": statistics.fmean(per_token.values()) * 1e3,
         "per_token_ms_constrained_rows": statistics.fmean(per_token[k] for k in con_keys) * 1e3 if con_keys else None,
@@ -117,12 +129,21 @@ def run_batch(eng: Engine, prompt: list[int], batch: int, constrained: list[bool
     }
 
 
-CASES = {
-    "b1_free": (1, [False]),
-    "b1_constrained": (1, [True]),
-    "b16_free": (16, [False] * 16),
-    "b16_constrained": (16, [True] * 16),
-    "b16_half": (16, [i % 2 == 0 for i in range(16)]),
+JSON = {"type": "json_schema", "schema": SCHEMA}
+# strict tools (`strict: true`): free text unless the answer opens a call. The calls open with a
+# marker the model never writes here, so every row stays in the free text (where the mask holds
+# still) for all its tokens, as an answer in prose does
+TOOLS = dataclasses.replace(HERMES, start_markers=("[[calls]]",), call_open="[[calls]]\n").constraint(
+    [{"name": "list_functions", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}],
+    parallel=True, lazy=True)
+CASES: dict[str, tuple[int, list[dict[str, Any] | None]]] = {
+    "b1_free": (1, [None]),
+    "b1_constrained": (1, [JSON]),
+    "b16_free": (16, [None] * 16),
+    "b16_constrained": (16, [JSON] * 16),
+    "b16_half": (16, [JSON if i % 2 == 0 else None for i in range(16)]),
+    "b16_tools": (16, [TOOLS] * 16),
 }
 # each ratio is measured in pairs run back to back (in random order), so that both sides of a
 # pair see the same load on a shared machine; the median of the paired ratios is reported
@@ -130,6 +151,7 @@ PAIRS = {
     "b1_constrained_over_free_per_token": ("b1_constrained", "b1_free", "per_token_ms"),
     "b16_constrained_over_free_per_token": ("b16_constrained", "b16_free", "per_token_ms"),
     "b16_half_over_free_throughput": ("b16_half", "b16_free", "aggregate_tok_s"),
+    "b16_tools_over_free_throughput": ("b16_tools", "b16_free", "aggregate_tok_s"),
 }
 
 
@@ -156,7 +178,8 @@ def cmd_constrained(args: argparse.Namespace) -> int:
     prompt = lm.tokenizer.encode(PROMPT, add_special_tokens=False)
     try:
         with timed_grammar():
-            raw, paired = _measure(eng, prompt, args.repeats, args.tokens)
+            no_eos = {int(t): -100.0 for t in lm.eos_token_ids}
+            raw, paired = _measure(eng, prompt, args.repeats, args.tokens, no_eos)
     finally:
         eng.stop()
     result = {"model": lm.model_id, "dtype": lm.dtype, "tokens_per_row": args.tokens,
@@ -176,17 +199,17 @@ def cmd_constrained(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measure(eng: Engine, prompt: list[int], repeats: int,
-             tokens: int) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[float]]]:
+def _measure(eng: Engine, prompt: list[int], repeats: int, tokens: int,
+             no_eos: dict[int, float]) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[float]]]:
     """Every case's runs, and each ratio's paired values."""
     rng = random.Random(0)
     raw: dict[str, list[dict[str, Any]]] = {name: [] for name in CASES}
     paired: dict[str, list[float]] = {name: [] for name in PAIRS}
-    run_batch(eng, prompt, 4, [True, False, True, False], 16)  # warm-up: compile, tables
+    run_batch(eng, prompt, 4, [JSON, None, TOOLS, None], 16, no_eos)  # warm-up: compile, tables
     for _ in range(repeats):
         for ratio, (a, b, key) in PAIRS.items():
             order = [a, b] if rng.random() < 0.5 else [b, a]
-            got = {name: run_batch(eng, prompt, *CASES[name], tokens) for name in order}
+            got = {name: run_batch(eng, prompt, *CASES[name], tokens, no_eos) for name in order}
             for name, r in got.items():
                 raw[name].append(r)
             paired[ratio].append(got[a][key] / got[b][key])
@@ -209,8 +232,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt = common.pyplot()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    names = ["b1_free", "b1_constrained", "b16_free", "b16_constrained", "b16_half"]
-    colors = ["C0", "C1", "C0", "C1", "C2"]
+    names = ["b1_free", "b1_constrained", "b16_free", "b16_constrained", "b16_half", "b16_tools"]
+    colors = ["C0", "C1", "C0", "C1", "C2", "C3"]
     bars = a.bar(names, [summary[n]["per_token_ms"] for n in names], color=colors)
     for bar, n in zip(bars, names, strict=True):
         g = summary[n]["grammar_ms_per_step"]
@@ -220,13 +243,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
     a.set_ylabel("ms per token (per row)")
     a.set_title("per-token decode time (medians; shared machine)")
     a.tick_params(axis="x", rotation=20)
-    b.bar(["b16_free", "b16_half", "b16_constrained"],
-          [summary[n]["aggregate_tok_s"] for n in ("b16_free", "b16_half", "b16_constrained")], color=["C0", "C2", "C1"])
+    b16 = ("b16_free", "b16_half", "b16_constrained", "b16_tools")
+    b.bar(b16, [summary[n]["aggregate_tok_s"] for n in b16], color=["C0", "C2", "C1", "C3"])
     b.set_ylabel("aggregate tok/s")
-    b.set_title("batch 16 throughput (half: 8 of 16 rows constrained)")
-    fig.suptitle("constrained / free (paired medians): b1 x{:.2f}, b16 x{:.2f} per token; half-constrained throughput x{:.2f}".format(
-        ratios["b1_constrained_over_free_per_token"], ratios["b16_constrained_over_free_per_token"],
-        ratios["b16_half_over_free_throughput"]))
+    b.set_title("batch 16 throughput (half: 8 of 16 rows JSON; tools: strict tools, prose)")
+    fig.suptitle("constrained / free (paired medians): b1 x{:.2f}, b16 x{:.2f} per token; throughput "
+                 "half x{:.2f}, tools x{:.2f}".format(
+                     ratios["b1_constrained_over_free_per_token"],
+                     ratios["b16_constrained_over_free_per_token"],
+                     ratios["b16_half_over_free_throughput"], ratios["b16_tools_over_free_throughput"]))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

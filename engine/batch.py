@@ -30,6 +30,12 @@ class RowMeta:
     num_cached_tokens: int = 0
     finished: bool = False  # set once its last event is out (in-flight results are then ignored)
     constraint: Any = None  # engine.constrain.Constraint: the row's grammar state, if any
+    # the bitmask its grammar gave at the last state the runner masked it at (after that many
+    # generated tokens), and whether the state before gave the same (engine.runner keeps a
+    # batch whose grammar rows are all steady on its pipelined path)
+    grammar_mask: Any = None
+    grammar_mask_at: int = -1
+    grammar_steady: bool = False
     output_ids: list[int] = field(default_factory=list)  # tokens emitted so far (drafters read)
     adapter: int = 0  # the row's LoRA adapter (engine.lora index; 0 = none)
     prefix_boundary: int = 0  # the last block boundary the prefix cache captured while decoding

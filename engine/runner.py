@@ -20,8 +20,19 @@ and none when a joining row is under a grammar, which must take its first token 
   every row's last token (its max_tokens) is in flight, nothing more is launched: the step
   only reads that one, so the next request does not wait for a step whose tokens would be
   thrown away.
-* width 1, synchronous (a row under a grammar: its mask needs the previous token consumed):
-  launched and read in the same step.
+* rows under a grammar: pipelined while their masks hold still (free text before a tool call's
+  opening marker, the inside of a long string; `RowMeta.grammar_steady`: a row's mask was
+  the same at its last two states). The step is masked with each grammar's mask after the
+  last token it has consumed, one token behind (the token in flight has not reached it).
+  Before the next step is launched, the grammars have taken that token, and their masks now
+  are compared with the ones the step in flight drew with; a row whose mask changed (the
+  marker was just written) draws again from that step's logits under its mask now, with the
+  same random numbers (`_redraw`), before the token it drew is an input anywhere: exactly
+  what a synchronous masked step draws. A row whose mask moved at its last state (JSON
+  structure, which moves at almost every token) makes its batch's steps synchronous until
+  it holds still again.
+* width 1, synchronous (a grammar row whose mask moved, or a lookup drafter that wants the
+  newest token): launched and read in the same step.
 * width k + 1: a verify step: the speculation's drafts, one forward over
   `[next, d_1 .. d_k]` per row, the verdict (engine.spec.accept), the accepted columns
   committed into the rings (engine.spec.ringcommit).
@@ -145,6 +156,12 @@ class InFlight:
     top_ids: mx.array | None = None  # [B, K] / [B, W, K]
     top_logprobs: mx.array | None = None  # [B, K] / [B, W, K]
     errors: dict[int, str] = field(default_factory=dict)
+    # a plain step with rows under a grammar: the masks it drew with ([B, ceil(V/32)] int32,
+    # free rows all ones), those rows' indices, and what drawing again needs (`_redraw`)
+    bitmask: np.ndarray | None = None
+    grammar_rows: list[int] = field(default_factory=list)
+    logits: mx.array | None = None  # [B, V], before the masks
+    sampler: SamplerState | None = None  # the state the step drew with (before `record`)
 
 
 class Runner:
@@ -179,6 +196,9 @@ class Runner:
         self.on_first: Callable[[Plan, StepResult], None] | None = None
         # pad a group's last chunk to `bucketed_width` (`buckets_prefill_shapes`)
         self.bucket_widths = False
+        # grammar rows whose token a pipelined step drew before their mask changed, drawn
+        # again with a different token (`_redraw`)
+        self.redrawn = 0
 
     def adapter_index(self, name: str | None) -> int:
         """A request's adapter by name -> its per-row index (KeyError: not served here)."""
@@ -236,43 +256,66 @@ class Runner:
             batch.concat(plan.join)
         if not len(batch):
             self._held = 0  # chosen for rows that are gone
-            return _joined(self._drain(), pending)
+            return _joined(self._drain(batch), pending)
         if first is not None and plan.join is not None:
             # rows that took their first token from the prefill decode plainly in this step (a
             # verify's drafts must have seen that token); under a grammar they wait a step, for
             # it to take that token before it masks the next
             if plan.join.constrained_rows():
-                return _joined(self._drain(), pending)
+                return _joined(self._drain(batch), pending)
             width = 1
         else:
             width, self._held = self._held or self.spec.decide(batch), 0
         constrained = batch.constrained_rows()
-        must_sync = width > 1 or bool(constrained)  # a verify, or a grammar masking each token
+        vocab = batch.sampler.vocab_size if batch.sampler is not None else 0
+        masks, changed = None, None
+        if constrained and width == 1 and self._inflight is not None and vocab:
+            # the grammars have taken every token before the one in flight: their masks now
+            # check the step in flight and mask the step launched next (module docstring)
+            t0 = time.perf_counter()
+            masks = _grammar_masks(constrained, len(batch), vocab)
+            changed = _changed_masks(self._inflight, batch, masks)
+            self._lap("masks", t0)
+        # a verify; or a grammar row whose mask moved at its last state (its next likely moves
+        # too), or any where the vocabulary is unknown
+        steady = bool(vocab) and all(batch.rows[i].grammar_steady for _, i in constrained)
+        must_sync = width > 1 or (bool(constrained) and not steady)
         sync = must_sync or self.spec.sync_plain  # or a lookup to be made on the newest token
-        if sync and self._inflight is not None:
+        if (sync or changed) and self._inflight is not None:
             if must_sync:  # kept for the next step; a lookup miss decides afresh
                 self._held = max(width, self._held)
-            return _joined(self._drain(), pending)
+            return _joined(self._drain(batch, changed), pending)
         if width > 1:
             result = self.verify(batch, width)
         elif sync:
-            result = _collect(self._launch(batch, constrained))
+            result = _collect(self._launch(batch, constrained))  # masks of the current state
         elif _all_at_their_limit(batch, self._inflight, pending):
             # every row's last token is already computed: a launch would be thrown away, and a
             # request arriving now would wait for it
-            return _joined(self._drain(), pending)
+            return _joined(self._drain(batch, changed), pending)
         else:
             t0 = time.perf_counter()
-            previous, self._inflight = self._inflight, self._launch(batch, constrained)
+            previous, self._inflight = self._inflight, self._launch(batch, constrained, masks)
             t0 = self._lap("launch", t0)
             result = _collect(previous) if previous is not None else StepResult()
             self._lap("collect", t0)
         result.width = width
         return _joined(result, pending)
 
-    def _drain(self) -> StepResult:
+    def _drain(self, batch: RunningBatch | None = None,
+               changed: dict[int, np.ndarray] | None = None) -> StepResult:
+        """The step in flight, read; rows under a grammar whose mask changed under it draw
+        again (`changed`: their masks now, by row of the step; None: worked out here)."""
         previous, self._inflight = self._inflight, None
-        return _collect(previous) if previous is not None else StepResult()
+        if previous is None:
+            return StepResult()
+        result = _collect(previous)
+        if previous.bitmask is not None:
+            if changed is None:
+                changed = _changed_masks(previous, None, None)
+            if changed:
+                self.redrawn += _redraw(previous, result, batch, changed)
+        return result
 
     # -- prefill ---------------------------------------------------------------------------
     def _prefill(self, plan: Plan) -> InFlight | None:
@@ -432,30 +475,45 @@ class Runner:
                 + [("decode", r, 1) for r in range(max_rows, 0, -1)])
 
     # -- plain decode ----------------------------------------------------------------------
-    def _launch(self, batch: RunningBatch, constrained: list[tuple[Any, int]]) -> InFlight:
+    def _launch(self, batch: RunningBatch, constrained: list[tuple[Any, int]],
+                masks: tuple[np.ndarray, dict[int, str]] | None = None) -> InFlight:
         """Queue one decode step for every row without waiting for it (async_eval). The
-        step's inputs may themselves still be in flight (the previous step's tokens)."""
+        step's inputs may themselves still be in flight (the previous step's tokens); so may
+        the token the grammar rows' `masks` have not seen yet (module docstring)."""
         assert batch.next_tokens is not None
         self.shapes[("decode", len(batch), 1)] += 1
         logits = self._forward(batch.next_tokens[:, None], batch.caches, batch)[:, -1, :]
-        step = self._sample(batch, logits, constrained)
+        step = self._sample(batch, logits, constrained, masks)
         _settle(batch.caches)
         mx.async_eval(*_outputs(step), *batch.arrays(), *_arrays_of(batch.sampler))
         return step
 
-    def _sample(self, batch: RunningBatch, logits: mx.array,
-                constrained: list[tuple[Any, int]]) -> InFlight:
-        """Each row's next token from `logits` [B, V] (masked where a row's grammar says),
+    def _sample(self, batch: RunningBatch, logits: mx.array, constrained: list[tuple[Any, int]],
+                masks: tuple[np.ndarray, dict[int, str]] | None = None) -> InFlight:
+        """Each row's next token from `logits` [B, V] (masked where a row's grammar says:
+        `masks` as `_grammar_masks` gives them, or filled here while the forward runs),
         recorded in the sampler and made the row's next input; the outputs, lazy."""
-        assert batch.sampler is not None
-        masked, errors = _mask(logits, constrained)
-        if masked is not None:
-            logits = masked
-        out = sample(logits.astype(mx.float32), batch.sampler)
-        batch.sampler = batch.sampler.record(out.tokens)
+        sampler = batch.sampler
+        assert sampler is not None
+        bitmask: np.ndarray | None = None
+        errors: dict[int, str] = {}
+        if constrained:
+            if masks is None:
+                mx.async_eval(logits)  # the forward runs while the grammar engine fills masks
+                masks = _grammar_masks(constrained, *logits.shape)
+                for _, i in constrained:
+                    if i not in masks[1]:
+                        _note_mask(batch.rows[i], masks[0][i])
+            bitmask, errors = masks
+        out = sample(_masked(logits, bitmask).astype(mx.float32), sampler)
+        batch.sampler = sampler.record(out.tokens)
         batch.next_tokens = out.tokens
-        return InFlight(list(batch.rows), out.tokens, None, out.logprobs, out.top_ids,
+        step = InFlight(list(batch.rows), out.tokens, None, out.logprobs, out.top_ids,
                         out.top_logprobs, errors)
+        if bitmask is not None:
+            step.bitmask, step.logits, step.sampler = bitmask, logits, sampler
+            step.grammar_rows = [i for _, i in constrained]
+        return step
 
     # -- verification ----------------------------------------------------------------------
     def verify(self, batch: RunningBatch, width: int) -> StepResult:
@@ -471,8 +529,15 @@ class Runner:
         ring_round = RingRound(batch.caches or [], K + 1)
         logits = self._forward(_verify_input(batch, rnd), ring_round.model_caches, batch)
         _settle(batch.caches)
-        first, errors = _mask(logits[:, 0, :], batch.constrained_rows())
-        if first is not None:  # column 0 under the grammar (constrained rows have no drafts)
+        constrained = batch.constrained_rows()
+        errors: dict[int, str] = {}
+        if constrained:  # column 0 under the grammar (constrained rows have no drafts)
+            mx.async_eval(logits)
+            bitmask, errors = _grammar_masks(constrained, *logits[:, 0, :].shape)
+            for _, i in constrained:
+                if i not in errors:
+                    _note_mask(batch.rows[i], bitmask[i])
+            first = _masked(logits[:, 0, :], bitmask)
             logits = mx.concatenate([first[:, None], logits[:, 1:]], axis=1)
         sampler = batch.sampler
         if plain_greedy(sampler):  # the verdict on the host: one argmax, then numpy on [B, W]
@@ -539,24 +604,114 @@ def _verify_input(batch: RunningBatch, rnd: Round) -> mx.array:
     return mx.concatenate([batch.next_tokens[:, None], proposal.tokens.astype(mx.int32)], axis=1)
 
 
-def _mask(
-    logits: mx.array, constrained: list[tuple[Any, int]]
-) -> tuple[mx.array | None, dict[int, str]]:
-    """-inf on every token a row's grammar forbids; free rows pass through bit for bit. Returns
-    the masked logits (None when no row is constrained) and the rows whose grammar failed
-    (row index -> message; their mask allows everything, and the scheduler ends them).
-    `constrained`: (grammar, row index) of every row under one (`RunningBatch.constrained_rows`).
-
-    The forward pass runs (async_eval) while the grammar engine fills the bitmasks on the CPU.
-    """
-    if not constrained:
-        return None, {}
-    mx.async_eval(logits)
-    rows, vocab = logits.shape
+def _grammar_masks(
+    constrained: list[tuple[Any, int]], rows: int, vocab: int
+) -> tuple[np.ndarray, dict[int, str]]:
+    """The bitmask ([rows, ceil(vocab/32)] int32) of every row's grammar in its current state
+    (free rows all ones), and the rows whose grammar failed (row index -> message; their mask
+    allows everything, and the scheduler ends them). `constrained`: (grammar, row index) of
+    every row under one (`RunningBatch.constrained_rows`)."""
     bitmask = constrain.new_bitmask(rows, vocab)
-    errors = _fill_masks(constrained, bitmask)
-    allowed = constrain.allowed_from_bitmask(bitmask, vocab)
-    return mx.where(allowed, logits, mx.array(float("-inf"), dtype=logits.dtype)), errors
+    return bitmask, _fill_masks(constrained, bitmask)
+
+
+def _masked(logits: mx.array, bitmask: np.ndarray | None) -> mx.array:
+    """-inf on every token `bitmask` forbids; free rows pass through bit for bit."""
+    if bitmask is None:
+        return logits
+    allowed = constrain.allowed_from_bitmask(bitmask, int(logits.shape[-1]))
+    return mx.where(allowed, logits, mx.array(float("-inf"), dtype=logits.dtype))
+
+
+def _note_mask(row: RowMeta, mask: np.ndarray) -> None:
+    """Record `mask` as the mask of `row`'s grammar at its current state, and whether it is
+    the one the state before gave (`RowMeta.grammar_steady`)."""
+    if row.grammar_mask_at == row.num_generated:
+        return  # the same state again
+    row.grammar_steady = row.grammar_mask is not None and np.array_equal(mask, row.grammar_mask)
+    row.grammar_mask, row.grammar_mask_at = mask, row.num_generated
+
+
+def _changed_masks(step: InFlight, batch: RunningBatch | None,
+                   masks: tuple[np.ndarray, dict[int, str]] | None) -> dict[int, np.ndarray]:
+    """The rows of `step` (by its row index) whose grammar's mask now differs from the one the
+    step drew with, and their masks now (each recorded on its row, `_note_mask`). Call it
+    while `step` is the one in flight: every token before it has been consumed by the
+    grammars, so their masks now are the ones its tokens should have been drawn under.
+    `masks`: the current batch's (`_grammar_masks`); rows missing there (or every row, without
+    them) are filled here. Finished rows, and rows whose grammar fails, are left out."""
+    if step.bitmask is None:
+        return {}
+    where = {id(r): b for b, r in enumerate(batch.rows)} if batch is not None and masks else {}
+    now: dict[int, np.ndarray] = {}
+    missing: list[int] = []
+    for i in step.grammar_rows:
+        row = step.rows[i]
+        if row.finished or row.constraint is None:
+            continue
+        b = where.get(id(row))
+        if b is None or masks is None:
+            missing.append(i)
+        elif b not in masks[1]:
+            now[i] = masks[0][b]
+    if missing:
+        bitmask = np.full((len(missing), step.bitmask.shape[1]), -1, np.int32)
+        errors = _fill_masks([(step.rows[i].constraint, k) for k, i in enumerate(missing)], bitmask)
+        now.update((i, bitmask[k]) for k, i in enumerate(missing) if k not in errors)
+    changed = {}
+    for i, mask in now.items():
+        _note_mask(step.rows[i], mask)
+        if not np.array_equal(mask, step.bitmask[i]):
+            changed[i] = mask
+    return changed
+
+
+def _redraw(step: InFlight, result: StepResult, batch: RunningBatch | None,
+            changed: dict[int, np.ndarray]) -> int:
+    """Draw the `changed` rows of a read plain step again from its logits, under their masks
+    now (as `_changed_masks` gives them) and with the same random numbers (the sampler state
+    it drew with): exactly what the step would have drawn had it waited for their previous
+    token. `result` (the step read) takes the new tokens and logprobs; a row still in `batch`
+    whose token changed gets it as its next input and in its sampler's history (the token
+    drawn before was never an input: the step after it is not launched). Returns the number
+    of rows whose token changed."""
+    assert step.bitmask is not None and step.logits is not None and step.sampler is not None
+    bitmask = step.bitmask.copy()
+    for i, mask in changed.items():
+        bitmask[i] = mask
+    out = sample(_masked(step.logits, bitmask).astype(mx.float32), step.sampler)
+    again = _collect(InFlight(step.rows, out.tokens, None, out.logprobs, out.top_ids,
+                              out.top_logprobs))
+    moved: list[tuple[int, int, int]] = []  # (row of the step, old token, new token)
+    for i in changed:
+        old, new = result.tokens[i][0], again.tokens[i][0]
+        result.tokens[i] = [new]
+        if result.logprobs is not None and again.logprobs is not None:
+            result.logprobs[i] = again.logprobs[i]
+        if result.top_logprobs is not None and again.top_logprobs is not None:
+            result.top_logprobs[i] = again.top_logprobs[i]
+        if old != new:
+            moved.append((i, old, new))
+    if batch is not None and moved:
+        _replace_last_tokens(batch, step, moved)
+    return len(moved)
+
+
+def _replace_last_tokens(batch: RunningBatch, step: InFlight,
+                         moved: list[tuple[int, int, int]]) -> None:
+    """Rows of `batch` whose last draw (in `step`) changed from old to new token: their next
+    input and their sampler's counts and seen tokens as if they had drawn the new one."""
+    where = {id(r): b for b, r in enumerate(batch.rows)}
+    fix = [(where[id(step.rows[i])], i, old, new) for i, old, new in moved
+           if id(step.rows[i]) in where]
+    if not fix or batch.next_tokens is None or batch.sampler is None or step.sampler is None:
+        return
+    rows = mx.array([b for b, _, _, _ in fix], dtype=mx.int32)
+    olds = mx.array([old for _, _, old, _ in fix], dtype=mx.int32)
+    news = mx.array([new for _, _, _, new in fix], dtype=mx.int32)
+    batch.next_tokens = batch.next_tokens.at[rows].add(news - olds)
+    batch.sampler = batch.sampler.replace_last(rows, olds, news, step.sampler,
+                                               [i for _, i, _, _ in fix])
 
 
 def _fill_masks(constrained: list[tuple[Any, int]], bitmask: np.ndarray) -> dict[int, str]:

@@ -286,6 +286,21 @@ class SamplerState:
         return out
 
 
+    def replace_last(self, rows: mx.array, old: mx.array, new: mx.array, before: SamplerState,
+                     before_rows: Sequence[int]) -> SamplerState:
+        """The last draw of `rows` ([N] int32) is `new` instead of the `old` it recorded: their
+        counts and seen tokens as if `record` had taken `new`. `before` is the state that draw
+        was made from (`before_rows`: the same rows there), for what the rows had seen before
+        it. The RNG counter (`steps`) is unchanged: one draw either way."""
+        out = copy.copy(self)
+        if self.counts is not None and before.counts is not None:
+            out.counts = self.counts.at[rows, old].add(-1).at[rows, new].add(1)
+        if self.seen is not None and before.seen is not None:
+            was = before.seen[mx.array(np.asarray(before_rows, np.int32)), old]
+            out.seen = self.seen.at[rows, old].minimum(was).at[rows, new].maximum(mx.array(True))
+        return out
+
+
 _ROW_FIELDS = (
     "temperature",
     "top_p",

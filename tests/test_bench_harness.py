@@ -276,7 +276,7 @@ def test_constrained_toy(tmp_path: Path):
     assert summary["b16_constrained"]["grammar_ms_per_step"] > 0.0
     assert set(result["ratios_paired_median"]) == {
         "b1_constrained_over_free_per_token", "b16_constrained_over_free_per_token",
-        "b16_half_over_free_throughput"}
+        "b16_half_over_free_throughput", "b16_tools_over_free_throughput"}
     _png(out / "constrained.png")
 
 

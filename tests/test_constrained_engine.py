@@ -156,6 +156,64 @@ def test_constrained_and_free_rows_batched_equal_alone(tinycoder):
         eng.stop()
 
 
+def test_grammar_rows_stay_pipelined_and_draw_what_synchronous_steps_draw(tinycoder):
+    """Rows under a grammar decode on the pipelined path, each step masked one token behind;
+    where a mask changed under the step in flight the row draws again from its logits. Every
+    token, logprob and top logprob equals what an engine that waits for every step before
+    masking the next draws, for greedy and sampled rows with filters and penalties; redraws
+    that changed a token (so that its next input and penalty history were replaced) happen."""
+    from server.tools import HERMES
+
+    tools = [{"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+    lazy = HERMES.constraint(tools, parallel=True, lazy=True)
+    # masks that hold still for a while (letters before the digits, free text before a call)
+    # and then move (after a digit only digits; a call's opening): the pipelined path's regime
+    words = {"type": "regex", "pattern": r"[a-z ]+[0-9]{4}"}
+    cases = [
+        ("def parse_args(argv):", words,
+         dict(temperature=1.0, top_p=0.9, presence_penalty=0.4, repetition_penalty=1.1)),
+        ("# a JSON config", words, dict(temperature=0.8, top_k=20, min_p=0.05)),
+        ("x = [1, 2, 3]", words, dict(temperature=1.2, frequency_penalty=0.5)),
+        ("class Stack:", words, dict(temperature=0.0)),
+        ("def main():", words, dict(temperature=1.0)),
+        ("import os\nimport sys", None, dict(temperature=1.0, presence_penalty=0.3)),
+        ("def add(a, b):", lazy, dict(temperature=0.7, top_p=0.95)),
+    ]
+
+    def requests() -> list[Request]:
+        return [Request(f"g{i}", _prompt(tinycoder, text), SamplingParams(
+            seed=7 + i, max_tokens=50, constraint=spec, logprobs=True, top_logprobs=3, **kw))
+            for i, (text, spec, kw) in enumerate(cases)]
+
+    def run(synchronous: bool):
+        eng = make_engine(tinycoder)
+        if synchronous:  # every plain step read before the next is masked
+            eng.runner.spec.sync_plain = True  # type: ignore[union-attr]
+        try:
+            outs = [submit(eng, r) for r in requests()]
+            assert all(o.done.wait(120) for o in outs)
+            return outs, eng.runner.redrawn
+        finally:
+            eng.stop()
+
+    piped, redrawn = run(synchronous=False)
+    ref, none = run(synchronous=True)
+    assert redrawn > 0 and none == 0
+    for (text, _, _), got, want in zip(cases, piped, ref, strict=True):
+        assert got.tokens == want.tokens, text
+        assert got.finish == want.finish
+        lp = [x for e in got.events for x in e.logprobs or []]
+        lp_ref = [x for e in want.events for x in e.logprobs or []]
+        np.testing.assert_allclose(lp, lp_ref, rtol=0, atol=1e-4)  # batch-shape float drift
+        tops = [t for e in got.events for t in e.top_logprobs or []]
+        tops_ref = [t for e in want.events for t in e.top_logprobs or []]
+        assert [[i for i, _ in t] for t in tops] == [[i for i, _ in t] for t in tops_ref]
+    # rows that wrote their digits, after a stretch of letters
+    finished = [o.finish for (_, spec, _), o in zip(cases, piped, strict=True) if spec is words]
+    assert finished.count("stop") >= 2
+
+
 def test_constrained_rows_are_masked_when_speculation_is_on(tinycoder):
     """With speculation on, a constrained row drafts nothing and its verified position is
     masked: its answer follows the schema while its free batch mates keep speculating."""

@@ -544,6 +544,23 @@ def test_take_concat_record_keep_rows_aligned():
     assert empty.batch_size == 0 and empty.counts is None
 
 
+def test_a_replaced_draw_leaves_the_state_recording_the_new_token_would():
+    """`replace_last` (a grammar row's draw redone under its right mask): counts and seen
+    tokens become what recording the new token would have made of them, for a row whose old
+    token was in its prompt (still seen) and one whose was not; other rows and steps stay."""
+    V = 12
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.2, repetition_penalty=1.3)] * 3
+    before = make_state(params, V, [[1, 2], [3], [4]], seeds=[1, 2, 3])
+    drawn = before.record(mx.array([5, 3, 6]))
+    rows, old, new = mx.array([2, 1], mx.int32), mx.array([6, 3], mx.int32), mx.array([9, 7], mx.int32)
+    fixed = drawn.replace_last(rows, old, new, before, [2, 1])
+    want = before.record(mx.array([5, 7, 9]))
+    assert np.array_equal(np.array(fixed.counts), np.array(want.counts))
+    assert np.array_equal(np.array(fixed.seen), np.array(want.seen))
+    assert np.array(fixed.seen)[1, 3]  # row 1's prompt token stays seen
+    assert np.array(fixed.steps).tolist() == np.array(want.steps).tolist() == [1, 1, 1]
+
+
 def test_logprobs_are_the_raw_model_distribution():
     V = 30
     rng = np.random.default_rng(7)
