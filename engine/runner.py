@@ -619,7 +619,11 @@ def _masked(logits: mx.array, bitmask: np.ndarray | None) -> mx.array:
     """-inf on every token `bitmask` forbids; free rows pass through bit for bit."""
     if bitmask is None:
         return logits
-    allowed = constrain.allowed_from_bitmask(bitmask, int(logits.shape[-1]))
+    vocab = int(logits.shape[-1])
+    if bitmask.shape[1] * 32 < vocab:  # a head wider than the config's vocabulary: pad allowed
+        pad = np.full((bitmask.shape[0], -(-vocab // 32) - bitmask.shape[1]), -1, np.int32)
+        bitmask = np.concatenate([bitmask, pad], axis=1)
+    allowed = constrain.allowed_from_bitmask(bitmask, vocab)
     return mx.where(allowed, logits, mx.array(float("-inf"), dtype=logits.dtype))
 
 
