@@ -6,6 +6,8 @@ A `ToolFormat` says how a model family writes calls; the registry (`FORMATS`) ho
     llama3_json  {"name": "f", "parameters": {...}}  at the very start, ";" between calls,
                  optionally after <|python_tag|>                               (Llama 3.1/3.2/3.3)
     mistral      [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]           (Mistral, Mixtral)
+    mistral_v11  [TOOL_CALLS]f[ARGS]{...}[TOOL_CALLS]g[CALL_ID]abc123XYZ[ARGS]{...}
+                                                       (Mistral Small 3.1+, Devstral, Magistral)
 
 `format_for_template(template)` picks one by what the chat template itself writes; a template
 that does not handle `tools` at all (the bundled tinycoder's plain ChatML) gets Hermes, and the
@@ -32,8 +34,10 @@ that call, its events are held back, so the repeat is never streamed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
+import string
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +58,17 @@ class ToolFormat:
     call_close: str = ""
     separator: str = ""
     list_close: str = ""
+    # Mistral v11+: a call is call_open, the name, args_marker and the arguments object (no JSON
+    # wrapper); the model may write id_marker and an id of its own between name and arguments
+    args_marker: str = ""
+    id_marker: str = ""
+    # the family's templates accept only call ids of this many letters and digits (0: any)
+    call_id_length: int = 0
+
+    def new_call_id(self) -> str:
+        if self.call_id_length:
+            return "".join(secrets.choice(_ALNUM) for _ in range(self.call_id_length))
+        return new_call_id()
 
     @property
     def lazy_trigger(self) -> str | None:
@@ -78,6 +93,7 @@ class ToolFormat:
                 "list_close": self.list_close,
                 "name_key": "name",
                 "args_key": self.args_keys[0],
+                "args_marker": self.args_marker,
             },
             "parallel": parallel,
             "max_calls": max_calls,
@@ -108,8 +124,30 @@ MISTRAL = ToolFormat(
     list_open="[TOOL_CALLS][",
     separator=", ",
     list_close="]",
+    call_id_length=9,
 )
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
+MISTRAL_V11 = ToolFormat(
+    name="mistral_v11",
+    start_markers=("[TOOL_CALLS]",),
+    call_open="[TOOL_CALLS]",
+    args_marker="[ARGS]",
+    id_marker="[CALL_ID]",
+    call_id_length=9,
+)
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_V11)}
+_ALNUM = string.ascii_letters + string.digits
+_ALNUM_SET = frozenset(_ALNUM)
+
+
+def template_call_id(call_id: Any, length: int) -> str:
+    """A call id as a template that takes only `length` letters and digits accepts it (Mistral's
+    raise on anything else): such an id unchanged (the ids mlxd gives out), any other derived
+    from it, so that a call and the tool result answering it keep matching."""
+    text = str(call_id)
+    if len(text) == length and _ALNUM_SET.issuperset(text):
+        return text
+    digest = hashlib.sha256(text.encode()).digest()
+    return "".join(_ALNUM[b % len(_ALNUM)] for b in digest[:length])
 
 
 def template_handles_tools(template: str | None) -> bool:
@@ -120,7 +158,7 @@ def format_for_template(template: str | None) -> ToolFormat:
     """The call format a chat template's family uses (Hermes when it shows none)."""
     t = template or ""
     if "[TOOL_CALLS]" in t:
-        return MISTRAL
+        return MISTRAL_V11 if "[ARGS]" in t else MISTRAL
     if "<tool_call>" in t:
         return HERMES
     if "<|python_tag|>" in t or ("<|start_header_id|>" in t and "tools" in t):
@@ -365,7 +403,7 @@ class ToolCallParser:
         self.fmt = fmt
         self.tool_names = set(tool_names) if tool_names else None
         self.calls: list[ToolCall] = []
-        self._state = "text"  # text | calls | object
+        self._state = "text"  # text | calls | object | name | args (the last two: args_marker formats)
         self._held = ""  # text that may be the start of a marker
         self._seen_text = False  # non-whitespace content was emitted (for at_start_only)
         self._obj: _JsonObjectScanner | None = None
@@ -374,6 +412,8 @@ class ToolCallParser:
         self._started = False  # the current object is a call (its name is one of the tools)
         # the current call's events, held while it repeats an earlier call of this turn so far
         self._repeat: list[Event] | None = None
+        self._name = ""  # args_marker formats: the name read so far
+        self._in_id = False  # ... reading the model's own call id (after id_marker)
 
     # public ----------------------------------------------------------------------------------
     def feed(self, text: str) -> list[Event]:
@@ -386,6 +426,8 @@ class ToolCallParser:
                 i = self._scan_text(buf, i, events)
             elif self._state == "calls":
                 i = self._scan_calls(buf, i, events)
+            elif self._state == "name":
+                i = self._scan_name(buf, i, events)
             else:
                 i = self._scan_object(buf, i, events)
         return _merge_text(events)
@@ -396,7 +438,10 @@ class ToolCallParser:
         before it (then it is the cut-off start of another call, never content)."""
         events: list[Event] = []
         after_call = self._state != "text" and bool(self.calls)
-        if self._state != "object" and self._held:
+        if self._state == "name":
+            if not after_call:
+                events.append(TextEvent(self._obj_raw + self._held))
+        elif self._state != "object" and self._held:
             if not after_call:
                 events.append(TextEvent(self._held))
         elif self._state == "object" and self._obj is not None:
@@ -442,17 +487,22 @@ class ToolCallParser:
         self._obj_raw = marker
 
     def _scan_calls(self, buf: str, i: int, events: list[Event]) -> int:
-        """Between calls: skip whitespace, separators and closers until "{" or other text."""
+        """Between calls: skip whitespace, separators and closers until "{" (a name right after
+        the marker, in an args_marker format) or other text."""
         end = self.fmt.end_marker
         while i < len(buf):
             ch = buf[i]
-            if ch == "{":
+            if self.fmt.args_marker and _NAME_CHARS.issuperset(ch) and self._obj_raw.endswith(
+                    self.fmt.start_markers):
+                self._state, self._name, self._in_id, self._started = "name", "", False, False
+                return i
+            if ch == "{" and not self.fmt.args_marker:
                 self._obj = _JsonObjectScanner(self.fmt.args_keys)
                 self._state = "object"
                 self._sent_args = 0
                 self._started = False
                 return i
-            if ch.isspace() or ch in "[,;]":
+            if ch.isspace() or (ch in "[,;]" and not self.fmt.args_marker):
                 self._obj_raw += ch
                 i += 1
                 continue
@@ -470,6 +520,38 @@ class ToolCallParser:
                 return i
         return i
 
+    def _scan_name(self, buf: str, i: int, events: list[Event]) -> int:
+        """An args_marker format's call: the name (and the model's own id after id_marker) up to
+        args_marker, where the call starts and its arguments object is read as an object."""
+        fmt = self.fmt
+        markers = [m for m in (fmt.args_marker, fmt.id_marker) if m]
+        while i < len(buf):
+            if buf.startswith(fmt.args_marker, i):
+                self._obj_raw += fmt.args_marker
+                self._start_call(self._name, events)
+                self._obj = _JsonObjectScanner(())
+                self._state = "object"
+                return i + len(fmt.args_marker)
+            if fmt.id_marker and buf.startswith(fmt.id_marker, i) and not self._in_id:
+                self._obj_raw += fmt.id_marker
+                self._in_id = True
+                i += len(fmt.id_marker)
+                continue
+            if any(m.startswith(buf[i:]) for m in markers):  # a marker cut by the delta
+                self._held = buf[i:]
+                return len(buf)
+            ch = buf[i]
+            if not (ch.isalnum() if self._in_id else _NAME_CHARS.issuperset(ch)):
+                events.append(TextEvent(self._obj_raw))  # not a call after all
+                self._seen_text = True
+                self._state = "text"
+                return i
+            self._obj_raw += ch
+            if not self._in_id:
+                self._name += ch
+            i += 1
+        return i
+
     def _scan_object(self, buf: str, i: int, events: list[Event]) -> int:
         obj = self._obj
         assert obj is not None
@@ -479,12 +561,10 @@ class ToolCallParser:
             i += 1
         self._obj_raw += buf[start:i]
         if not self._started and obj.name is not None:
-            if self.tool_names is None or obj.name in self.tool_names:
-                self.calls.append(ToolCall(new_call_id(), obj.name, ""))
-                self._started = True
-                self._repeat = [] if any(c.name == obj.name for c in self.calls[:-1]) else None
-                self._call_event(CallStart(len(self.calls) - 1, self.calls[-1].id, obj.name), events)
-        if self._started:
+            self._start_call(obj.name, events)
+        if self._started and self.fmt.args_marker:  # the object is the arguments
+            self._stream_args(obj, len(obj.text), events)
+        elif self._started:
             if obj.args_open:
                 self._stream_args(obj, len(obj.text), events)
             elif obj.args_start >= 0 and obj.text[obj.args_start] == "{":
@@ -502,8 +582,21 @@ class ToolCallParser:
             self._obj_raw = ""
         return i
 
+    def _start_call(self, name: str, events: list[Event]) -> None:
+        """A call of one of the tools begins (others stay text)."""
+        if self.tool_names is not None and name not in self.tool_names:
+            return
+        self.calls.append(ToolCall(self.fmt.new_call_id(), name, ""))
+        self._started = True
+        self._sent_args = 0
+        self._repeat = [] if any(c.name == name for c in self.calls[:-1]) else None
+        self._call_event(CallStart(len(self.calls) - 1, self.calls[-1].id, name), events)
+
     def _stream_args(self, obj: _JsonObjectScanner, upto: int, events: list[Event]) -> None:
-        begin = obj.value_start if obj.args_start < 0 else obj.args_start
+        if self.fmt.args_marker:
+            begin = 0
+        else:
+            begin = obj.value_start if obj.args_start < 0 else obj.args_start
         fragment = "".join(obj.text[begin + self._sent_args : upto])
         if fragment:
             self._sent_args += len(fragment)
@@ -515,7 +608,12 @@ class ToolCallParser:
         obj = self._obj
         assert obj is not None
         call = self.calls[-1]
-        if obj.args_start >= 0:
+        if self.fmt.args_marker:
+            self._stream_args(obj, len(obj.text), events)
+            if complete and not call.arguments.strip():
+                call.arguments = "{}"
+                self._call_event(CallArgs(len(self.calls) - 1, "{}"), events)
+        elif obj.args_start >= 0:
             raw = "".join(obj.text[obj.args_start : obj.args_end])
             if self._sent_args == 0 and raw.startswith('"'):  # arguments written as a JSON string
                 try:
@@ -562,6 +660,9 @@ class ToolCallParser:
             events.append(TextEvent(text))
             if text.strip():
                 self._seen_text = True
+
+
+_NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_-.")
 
 
 def _partial_suffix(buf: str, markers: Sequence[str]) -> int:

@@ -39,6 +39,7 @@ from server.tools import (
     ToolFormat,
     format_for_template,
     history_for_fallback,
+    template_call_id,
     template_handles_tools,
     template_tools,
     tools_system_prompt,
@@ -87,8 +88,11 @@ class TurnPlan:
     skip_special_tokens: bool = True
 
 
-def _arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Templates that handle tools expect call arguments as objects, not JSON text."""
+def _for_native_template(messages: list[dict[str, Any]], fmt: ToolFormat) -> list[dict[str, Any]]:
+    """Templates that handle tools expect call arguments as objects, not JSON text; a family
+    whose templates accept only certain call ids (Mistral's) gets ids it accepts, the same in a
+    call and in the tool result answering it (`template_call_id`)."""
+    length = fmt.call_id_length
     out = []
     for m in messages:
         calls = m.get("tool_calls")
@@ -103,8 +107,12 @@ def _arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]
                     with contextlib.suppress(json.JSONDecodeError):
                         fn["arguments"] = json.loads(args)
                 c["function"] = fn
+                if length:
+                    c["id"] = template_call_id(c.get("id"), length)
                 fixed.append(c)
             m["tool_calls"] = fixed
+        if length and m.get("role") == "tool" and m.get("tool_call_id") is not None:
+            m = dict(m, tool_call_id=template_call_id(m["tool_call_id"], length))
         out.append(m)
     return out
 
@@ -197,7 +205,7 @@ def plan_turn(
     use_tools = bool(functions) and choice.mode != "none"
     native = template_handles_tools(template)
     if native:
-        msgs = _arguments_as_objects(messages)
+        msgs = _for_native_template(messages, fmt)
     else:
         msgs = history_for_fallback(messages, fmt)
         if use_tools:
@@ -216,8 +224,9 @@ def plan_turn(
         constraint = fmt.constraint(forced, parallel=parallel and choice.mode == "required")
     elif (use_tools and choice.mode == "auto" and constraint is None and fmt.lazy_trigger
           and any(f.get("strict") for f in functions)):
-        # strict tools: text stays free, calls follow the schemas (grammar-constrained rows
-        # decode without the pipelined step and without speculation: only where asked)
+        # strict tools: text stays free, calls follow the schemas (grammar rows get no
+        # speculative drafts, and their batch waits for each step while a call is written:
+        # only where asked)
         constraint = fmt.constraint(functions, parallel=parallel, lazy=True)
     special = set(getattr(model.tokenizer, "all_special_tokens", []) or [])
     thinks = model_thinks(template, model.tokenizer)

@@ -229,6 +229,74 @@ def test_reasoning_split_when_the_template_thinks(fake):
         assert (reasoning, content) == ("The user wants a greeting.", "Hello there!")
 
 
+# the wire format of Mistral's v11+ templates (Mistral Small 3.1+, Devstral, Magistral),
+# including their refusal of call ids that are not 9 letters and digits
+MISTRAL_V11_TEMPLATE = (
+    "{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif -%}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}[INST]{{ m.content }}[/INST]"
+    "{%- elif m.role == 'assistant' and m.tool_calls %}{% for c in m.tool_calls %}"
+    "{%- if c.id | length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings "
+    "with length 9!') }}{% endif -%}"
+    "[TOOL_CALLS]{{ c.function.name }}[CALL_ID]{{ c.id }}[ARGS]{{ c.function.arguments | tojson }}"
+    "{%- endfor %}</s>"
+    "{%- elif m.role == 'assistant' %}{{ m.content }}</s>"
+    "{%- elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.tool_call_id }}[TOOL_CONTENT]{{ m.content }}"
+    "[/TOOL_RESULTS]{% endif %}{% endfor %}"
+)
+
+
+def test_mistral_v11_calls_parse_and_their_history_renders():
+    """A v11 template's family: `[TOOL_CALLS]name[ARGS]{...}` calls (the model's own
+    `[CALL_ID]` skipped) come back as tool calls with ids its template accepts, streamed as
+    whole; a history whose ids came from elsewhere (`call_1`, Anthropic's `toolu_...`) renders
+    with ids it accepts, a call and its result keeping the same one; `required` constrains to
+    the same wire format."""
+    fake2 = FakeEngine()
+    fake2.model.chat_template = MISTRAL_V11_TEMPLATE
+    text = ('Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": [1, 2]}'
+            '[TOOL_CALLS]count[CALL_ID]a1B2c3D4e[ARGS]{"n": 3}')
+    fake2.reset(script=scripted(fake2, text))
+    with ServerThread(create_app(fake2, ServerConfig())) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        msgs = [{"role": "user", "content": "weather in Paris?"}]
+        whole = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, COUNT])
+        choice = whole.choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        assert calls == [("get_weather", '{"city": "Paris", "days": [1, 2]}'), ("count", '{"n": 3}')]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+        assert all(len(c.id) == 9 and c.id.isalnum() for c in choice.message.tool_calls)
+        fake2.reset(script=scripted(fake2, text), tokens_per_event=1)
+        stream = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, COUNT],
+                                                stream=True)
+        content, streamed, finish = _reassemble_chat_stream(stream)
+        assert (content, [(c["name"], c["arguments"]) for c in streamed], finish) == (
+            "Checking.", calls, "tool_calls")
+
+        # the history, as the client sends it back (our ids) and with ids from elsewhere
+        ours = choice.message.tool_calls[0].id
+        for cid in (ours, "call_1", "toolu_01A09q90qw90lq917835lq9"):
+            history = msgs + [
+                {"role": "assistant", "content": None, "tool_calls": [{"id": cid, "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": cid, "content": "sunny"},
+            ]
+            fake2.reset(script=scripted(fake2, "Sunny."))
+            r = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER])
+            assert r.choices[0].message.content == "Sunny."
+            prompt = fake2.tokenizer.decode(fake2.submits[-1].prompt_ids)
+            head, _, rest = prompt.partition("[TOOL_CALLS]get_weather[CALL_ID]")
+            sent = rest[:9]
+            assert sent.isalnum() and rest[9:].startswith('[ARGS]{"city": "Paris"}'), prompt
+            assert f"[TOOL_RESULTS]{sent}[TOOL_CONTENT]sunny" in prompt
+            assert cid != ours or sent == ours  # ours pass unchanged
+
+        fake2.reset(script=scripted(fake2, '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'))
+        client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER], tool_choice="required")
+        fmt = fake2.submits[-1].params.constraint["format"]
+        assert (fmt["call_open"], fmt["args_marker"]) == ("[TOOL_CALLS]", "[ARGS]")
+
+
 def test_reasoning_effort_reaches_the_chat_template():
     """OpenAI's reasoning effort (chat's `reasoning_effort`, Responses' `reasoning.effort`) is
     the template's `reasoning_effort` variable (gpt-oss reads it), "none" also turns Qwen3's

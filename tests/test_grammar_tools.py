@@ -113,6 +113,8 @@ def accepts(lm, fmt: ToolFormat, tools: list[dict[str, Any]], text: str, **kw: A
 
 
 def calls_text(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str:
+    if fmt.args_marker:  # Mistral v11+: no JSON wrapper
+        return "".join(fmt.call_open + n + fmt.args_marker + json.dumps(a) for n, a in calls)
     key = fmt.args_keys[0]
     objs = [fmt.call_open + json.dumps({"name": n, key: a}) + fmt.call_close for n, a in calls]
     return fmt.list_open + fmt.separator.join(objs) + fmt.list_close
@@ -226,7 +228,8 @@ LAZY_FORMATS = sorted(n for n, f in FORMATS.items() if f.lazy_trigger)
 
 
 def test_the_lazy_formats():
-    assert LAZY_FORMATS == ["hermes", "mistral"]  # llama3_json's calls are bare JSON: no trigger
+    # llama3_json's calls are bare JSON: no trigger
+    assert LAZY_FORMATS == ["hermes", "mistral", "mistral_v11"]
     assert HERMES.lazy_trigger == "<tool_call>" and MISTRAL.lazy_trigger == "[TOOL_CALLS]"
 
 

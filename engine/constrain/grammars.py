@@ -8,7 +8,9 @@ family, e.g. Hermes/Qwen::
     → <tool_call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}\\n</tool_call>
 
 and Mistral: list_open "[TOOL_CALLS][", separator ", ", list_close "]". The name key comes first
-in the object so that a streaming parser sees the name before the arguments.
+in the object so that a streaming parser sees the name before the arguments. Mistral v11+ writes
+no JSON wrapper: with `args_marker` "[ARGS]" (and call_open "[TOOL_CALLS]") a call is
+`[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}`.
 
 A lazy tool-call spec (`"lazy": true`, `"trigger": "<tool_call>"`) leaves the output free until
 it writes the trigger (a prefix of list_open + call_open), which may never come: text, or text
@@ -60,13 +62,12 @@ def _json_grammar(schema: dict[str, Any], *, lenient: bool) -> str:
         raise ConstraintError(f"invalid JSON schema: {exc}") from None
 
 
-def tool_call_schema(tool: dict[str, Any], name_key: str, args_key: str, index: int = 0) -> dict[str, Any]:
-    """One call of `tool` as a JSON object: {name_key: <the name>, args_key: <its parameters>}.
-
-    The parameters are embedded as a schema resource of their own (a `$id` unless they carry one),
-    so that the references in them ("#", "#/$defs/Addr", "#/definitions/...", "#/properties/...")
-    resolve against the parameters, as they do when the parameters are the whole schema (the
-    shape pydantic's `model_json_schema()` gives nested models), not against this wrapper."""
+def _tool_parameters(tool: dict[str, Any], index: int) -> tuple[str, dict[str, Any]]:
+    """A tool's name and its parameters' schema, embedded as a schema resource of its own (a
+    `$id` unless they carry one), so that the references in them ("#", "#/$defs/Addr",
+    "#/definitions/...", "#/properties/...") resolve against the parameters, as they do when the
+    parameters are the whole schema (the shape pydantic's `model_json_schema()` gives nested
+    models), not against a wrapper around them."""
     name = tool.get("name")
     if not isinstance(name, str) or not name:
         raise ConstraintError("every tool needs a non-empty string 'name'")
@@ -74,6 +75,12 @@ def tool_call_schema(tool: dict[str, Any], name_key: str, args_key: str, index: 
     params = {"type": "object"} if params is None else _schema(params, f"tool {name!r} parameters")
     if "$id" not in params:
         params = {"$id": f"urn:mlxd:tool-parameters:{index}", **params}
+    return name, params
+
+
+def tool_call_schema(tool: dict[str, Any], name_key: str, args_key: str, index: int = 0) -> dict[str, Any]:
+    """One call of `tool` as a JSON object: {name_key: <the name>, args_key: <its parameters>}."""
+    name, params = _tool_parameters(tool, index)
     return {
         "type": "object",
         "properties": {name_key: {"const": name}, args_key: params},
@@ -98,8 +105,17 @@ def _tool_calls_lark(spec: dict[str, Any]) -> str:
     args_key = fmt.get("args_key", "arguments")
     lenient = bool(spec.get("lenient", True))
     options = dict(JSON_OPTIONS, lenient=lenient)
+    args_marker = fmt.get("args_marker") or ""
+    if not isinstance(args_marker, str):
+        raise ConstraintError("format field args_marker must be a string")
     rules = []
     for i, tool in enumerate(tools):
+        if args_marker:  # Mistral v11+: the name, the marker, the arguments object
+            name, params = _tool_parameters(tool, i)
+            schema = {**params, "x-guidance": options}
+            rules.append(f"tool_{i}: {_lark_str(name + args_marker)} %json "
+                         f"{json.dumps(schema, ensure_ascii=False)}")
+            continue
         schema = {**tool_call_schema(tool, name_key, args_key, i), "x-guidance": options}
         rules.append(f"tool_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
     body = " | ".join(f"tool_{i}" for i in range(len(tools)))
