@@ -8,6 +8,9 @@ A `ToolFormat` says how a model family writes calls; the registry (`FORMATS`) ho
     mistral      [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]           (Mistral, Mixtral)
     mistral_v11  [TOOL_CALLS]f[ARGS]{...}[TOOL_CALLS]g[CALL_ID]abc123XYZ[ARGS]{...}
                                                        (Mistral Small 3.1+, Devstral, Magistral)
+    qwen3_coder  <tool_call>\\n<function=f>\\n<parameter=city>\\nParis\\n</parameter>\\n</function>\\n</tool_call>
+                 (Qwen3-Coder: each argument in its own tag, strings bare, other values as JSON,
+                 typed by the tool's schema)
 
 `format_for_template(template)` picks one by what the chat template itself writes; a template
 that does not handle `tools` at all (the bundled tinycoder's plain ChatML) gets Hermes, and the
@@ -64,6 +67,8 @@ class ToolFormat:
     id_marker: str = ""
     # the family's templates accept only call ids of this many letters and digits (0: any)
     call_id_length: int = 0
+    # Qwen3-Coder: a call is <function=NAME> with one <parameter=KEY>VALUE</parameter> per argument
+    xml_params: bool = False
 
     def new_call_id(self) -> str:
         if self.call_id_length:
@@ -94,6 +99,7 @@ class ToolFormat:
                 "name_key": "name",
                 "args_key": self.args_keys[0],
                 "args_marker": self.args_marker,
+                "xml_params": self.xml_params,
             },
             "parallel": parallel,
             "max_calls": max_calls,
@@ -134,7 +140,17 @@ MISTRAL_V11 = ToolFormat(
     id_marker="[CALL_ID]",
     call_id_length=9,
 )
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_V11)}
+QWEN3_CODER = ToolFormat(
+    name="qwen3_coder",
+    start_markers=("<tool_call>",),
+    end_marker="</tool_call>",
+    call_open="<tool_call>\n",
+    call_close="\n</tool_call>",
+    separator="\n",
+    xml_params=True,
+)
+FORMATS: dict[str, ToolFormat] = {
+    f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_V11, QWEN3_CODER)}
 _ALNUM = string.ascii_letters + string.digits
 _ALNUM_SET = frozenset(_ALNUM)
 
@@ -159,6 +175,8 @@ def format_for_template(template: str | None) -> ToolFormat:
     t = template or ""
     if "[TOOL_CALLS]" in t:
         return MISTRAL_V11 if "[ARGS]" in t else MISTRAL
+    if "<function=" in t and "<parameter=" in t:
+        return QWEN3_CODER
     if "<tool_call>" in t:
         return HERMES
     if "<|python_tag|>" in t or ("<|start_header_id|>" in t and "tools" in t):
@@ -399,11 +417,15 @@ class _JsonObjectScanner:
 class ToolCallParser:
     """Text deltas → content and tool-call events, for one choice (see the module docstring)."""
 
-    def __init__(self, fmt: ToolFormat, tool_names: Sequence[str] | None = None):
+    def __init__(self, fmt: ToolFormat, tool_names: Sequence[str] | None = None,
+                 schemas: dict[str, Any] | None = None):
         self.fmt = fmt
         self.tool_names = set(tool_names) if tool_names else None
+        self._schemas = schemas or {}  # tool name -> parameters schema (types XML arguments)
+        self._xml: _XmlCall | None = None
         self.calls: list[ToolCall] = []
-        self._state = "text"  # text | calls | object | name | args (the last two: args_marker formats)
+        # text | calls | object | name (args_marker formats) | xml (xml_params formats)
+        self._state = "text"
         self._held = ""  # text that may be the start of a marker
         self._seen_text = False  # non-whitespace content was emitted (for at_start_only)
         self._obj: _JsonObjectScanner | None = None
@@ -428,6 +450,8 @@ class ToolCallParser:
                 i = self._scan_calls(buf, i, events)
             elif self._state == "name":
                 i = self._scan_name(buf, i, events)
+            elif self._state == "xml":
+                i = self._scan_xml(buf, i, events)
             else:
                 i = self._scan_object(buf, i, events)
         return _merge_text(events)
@@ -438,7 +462,12 @@ class ToolCallParser:
         before it (then it is the cut-off start of another call, never content)."""
         events: list[Event] = []
         after_call = self._state != "text" and bool(self.calls)
-        if self._state == "name":
+        if self._state == "xml" and self._xml is not None:
+            if self._started:
+                self._xml_close(events, complete=False)
+            elif not after_call:
+                events.append(TextEvent(self._obj_raw + self._xml.buf))
+        elif self._state == "name":
             if not after_call:
                 events.append(TextEvent(self._obj_raw + self._held))
         elif self._state != "object" and self._held:
@@ -496,7 +525,13 @@ class ToolCallParser:
                     self.fmt.start_markers):
                 self._state, self._name, self._in_id, self._started = "name", "", False, False
                 return i
-            if ch == "{" and not self.fmt.args_marker:
+            if self.fmt.xml_params and buf.startswith(_XML_FUNCTION, i):
+                self._state, self._xml, self._started = "xml", _XmlCall(), False
+                return i
+            if self.fmt.xml_params and _XML_FUNCTION.startswith(buf[i:]):  # cut by the delta
+                self._held = buf[i:]
+                return len(buf)
+            if ch == "{" and not self.fmt.args_marker and not self.fmt.xml_params:
                 self._obj = _JsonObjectScanner(self.fmt.args_keys)
                 self._state = "object"
                 self._sent_args = 0
@@ -551,6 +586,60 @@ class ToolCallParser:
                 self._name += ch
             i += 1
         return i
+
+    def _scan_xml(self, buf: str, i: int, events: list[Event]) -> int:
+        """An xml_params call: `<function=NAME>`, its `<parameter=KEY>VALUE</parameter>`s (each
+        streamed as a piece of the arguments' JSON once its value is whole), `</function>`."""
+        xml = self._xml
+        assert xml is not None
+        xml.buf += buf[i:]
+        while True:
+            step = xml.next()
+            if step is None:  # more text needed
+                return len(buf)
+            kind, value = step
+            if kind == "bad":  # not a call after all (or its rest is not the format's)
+                if self._started:
+                    self._xml_close(events, complete=False)
+                    self._state, self._obj_raw = "calls", ""
+                    rest = xml.buf
+                else:
+                    events.append(TextEvent(self._obj_raw + xml.buf))
+                    self._seen_text = True
+                    self._state, rest = "text", ""
+                self._xml = None
+                return len(buf) - len(rest)
+            if kind == "function":
+                self._obj_raw += value
+                self._start_call(xml.name, events)
+            elif kind == "parameter" and self._started:
+                key, raw = value
+                arg = _xml_value(raw, ((self._schemas.get(xml.name) or {}).get("properties") or {}).get(key))
+                piece = ("{" if not self.calls[-1].arguments else ", ") + json.dumps(key) + ": " + json.dumps(
+                    arg, ensure_ascii=False)
+                self.calls[-1].arguments += piece
+                self._call_event(CallArgs(len(self.calls) - 1, piece), events)
+            elif kind == "end":
+                if self._started:
+                    self._xml_close(events, complete=True)
+                else:
+                    events.append(TextEvent(self._obj_raw + value))
+                    self._seen_text = True
+                    self._state, self._xml = "text", None
+                    return len(buf) - len(xml.buf)
+                self._state, self._obj_raw, self._xml = "calls", "", None
+                return len(buf) - len(xml.buf)
+
+    def _xml_close(self, events: list[Event], complete: bool) -> None:
+        call = self.calls[-1]
+        tail = "}" if call.arguments else "{}"  # cut off: the arguments that were whole
+        call.arguments += tail
+        self._call_event(CallArgs(len(self.calls) - 1, tail), events)
+        if self._repeat is not None and (not complete or self._repeats(call, exact=True)):
+            self.calls.pop()
+            self._repeat = None
+            return
+        self._call_event(CallEnd(len(self.calls) - 1), events)
 
     def _scan_object(self, buf: str, i: int, events: list[Event]) -> int:
         obj = self._obj
@@ -662,6 +751,78 @@ class ToolCallParser:
                 self._seen_text = True
 
 
+_XML_FUNCTION, _XML_PARAMETER = "<function=", "<parameter="
+_XML_PARAMETER_END, _XML_FUNCTION_END = "</parameter>", "</function>"
+
+
+class _XmlCall:
+    """The text of one xml_params call as it arrives, cut into its pieces: `next()` gives
+    ("function", its opening tag) once the name is read, ("parameter", (key, raw value)) per
+    whole argument, ("end", the closing tag), ("bad", "") where the text is not the format's,
+    or None while more text is needed."""
+
+    __slots__ = ("buf", "name", "opened")
+
+    def __init__(self) -> None:
+        self.buf = ""
+        self.name = ""
+        self.opened = False
+
+    def next(self) -> tuple[str, Any] | None:
+        if not self.opened:
+            return self._tag(_XML_FUNCTION, "function")
+        rest = self.buf.lstrip()
+        if rest.startswith(_XML_FUNCTION_END):
+            tag = self.buf[: len(self.buf) - len(rest) + len(_XML_FUNCTION_END)]
+            self.buf = self.buf[len(tag):]
+            return "end", tag
+        if _XML_FUNCTION_END.startswith(rest) and rest:
+            return None
+        if not rest.startswith(_XML_PARAMETER):
+            return None if _XML_PARAMETER.startswith(rest) else ("bad", "")
+        close = rest.find(">")
+        end = rest.find(_XML_PARAMETER_END)
+        if close < 0 or end < 0:
+            return None if "\n" not in rest[:close if close >= 0 else len(rest)] else ("bad", "")
+        key = rest[len(_XML_PARAMETER):close]
+        raw = rest[close + 1:end]
+        raw = raw[1:] if raw.startswith("\n") else raw
+        raw = raw[:-1] if raw.endswith("\n") else raw
+        self.buf = rest[end + len(_XML_PARAMETER_END):]
+        return "parameter", (key, raw)
+
+    def _tag(self, prefix: str, kind: str) -> tuple[str, Any] | None:
+        rest = self.buf.lstrip()
+        if not rest.startswith(prefix):
+            return None if prefix.startswith(rest) else ("bad", "")
+        close = rest.find(">")
+        if close < 0:
+            return None if _NAME_CHARS.issuperset(rest[len(prefix):]) else ("bad", "")
+        name = rest[len(prefix):close]
+        if not name or not _NAME_CHARS.issuperset(name):
+            return "bad", ""
+        tag = self.buf[: len(self.buf) - len(rest) + close + 1]
+        self.buf = self.buf[len(tag):]
+        self.name, self.opened = name, True
+        return kind, tag
+
+
+def _xml_value(raw: str, schema: Any) -> Any:
+    """An XML argument's text as its JSON value: by the parameter's declared type (a string
+    stays the text as written), else JSON where it parses, else the text."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    kinds = set(kind) if isinstance(kind, list) else {kind}
+    if "string" in kinds and len(kinds - {"null"}) == 1:
+        return raw
+    text = raw.strip()
+    if kinds & {"boolean"} and text in ("True", "False"):  # Python's spelling, as templates write it
+        return text == "True"
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return raw
+
+
 _NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_-.")
 
 
@@ -695,10 +856,11 @@ class ParsedOutput:
 
 
 def parse_tool_calls(
-    text: str, fmt: ToolFormat, tool_names: Sequence[str] | None = None
+    text: str, fmt: ToolFormat, tool_names: Sequence[str] | None = None,
+    schemas: dict[str, Any] | None = None,
 ) -> ParsedOutput:
     """A whole output → (content outside the calls, calls)."""
-    parser = ToolCallParser(fmt, tool_names)
+    parser = ToolCallParser(fmt, tool_names, schemas)
     events = parser.feed(text) + parser.finish()
     content = "".join(e.text for e in events if isinstance(e, TextEvent))
     return ParsedOutput(content, parser.calls)

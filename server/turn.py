@@ -86,6 +86,7 @@ class TurnPlan:
     thinks: bool  # split <think> reasoning out
     starts_in_reasoning: bool
     skip_special_tokens: bool = True
+    tool_schemas: dict[str, Any] = field(default_factory=dict)  # name -> parameters
 
 
 def _for_native_template(messages: list[dict[str, Any]], fmt: ToolFormat) -> list[dict[str, Any]]:
@@ -235,6 +236,7 @@ def plan_turn(
         prompt_text=text,
         fmt=fmt if use_tools else None,
         tool_names=[f["name"] for f in functions],
+        tool_schemas={f["name"]: f.get("parameters") for f in functions},
         constraint=constraint,
         thinks=thinks,
         starts_in_reasoning=thinks and prompt_opens_thinking(text),
@@ -258,7 +260,8 @@ class TurnOutput:
 
     def __init__(self, plan: TurnPlan, parallel: bool = True):
         self.splitter = ReasoningSplitter(in_reasoning=plan.starts_in_reasoning) if plan.thinks else None
-        self.parser = ToolCallParser(plan.fmt, plan.tool_names) if plan.fmt is not None else None
+        self.parser = (ToolCallParser(plan.fmt, plan.tool_names, plan.tool_schemas)
+                       if plan.fmt is not None else None)
         self.parallel = parallel
         self.reasoning: list[str] = []
         self.content: list[str] = []

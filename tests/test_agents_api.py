@@ -297,6 +297,72 @@ def test_mistral_v11_calls_parse_and_their_history_renders():
         assert (fmt["call_open"], fmt["args_marker"]) == ("[TOOL_CALLS]", "[ARGS]")
 
 
+# the wire format of Qwen3-Coder's template: one tag per argument, strings bare
+QWEN3_CODER_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n<tools>{% for t in tools %}<function><name>"
+    "{{ t.function.name }}</name></function>{% endfor %}</tools>\nCall a function as <tool_call>\n"
+    "<function=name>\n<parameter=key>\nvalue\n</parameter>\n</function>\n</tool_call><|im_end|>\n"
+    "{% endif -%}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n{{ m.content or '' }}"
+    "{% for c in m.tool_calls %}\n<tool_call>\n<function={{ c.function.name }}>\n"
+    "{% for k, v in c.function.arguments | items %}<parameter={{ k }}>\n"
+    "{{ v | tojson if v is mapping or (v is sequence and v is not string) else v }}\n</parameter>\n"
+    "{% endfor %}</function>\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_qwen3_coder_calls_parse_typed_and_their_history_renders():
+    """Qwen3-Coder's family: `<function=NAME>` calls with one `<parameter=KEY>` tag per argument
+    come back as JSON arguments typed by the tool's schema (a string that looks like a number
+    stays a string, a list is a list), streamed as whole; earlier calls render in the same
+    format; `required` constrains to it."""
+    fake2 = FakeEngine()
+    fake2.model.chat_template = QWEN3_CODER_TEMPLATE
+    days = {**WEATHER["function"]["parameters"],
+            "properties": {"city": {"type": "string"}, "days": {"type": "array"}}}
+    tools = [{"type": "function", "function": {**WEATHER["function"], "parameters": days}}, COUNT]
+    text = ("I will check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n2024\n</parameter>\n"
+            "<parameter=days>\n[1, 2]\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+            "<function=count>\n<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>")
+    fake2.reset(script=scripted(fake2, text))
+    with ServerThread(create_app(fake2, ServerConfig())) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        msgs = [{"role": "user", "content": "weather?"}]
+        whole = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools)
+        choice = whole.choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        assert calls == [("get_weather", '{"city": "2024", "days": [1, 2]}'), ("count", '{"n": 3}')]
+        assert choice.finish_reason == "tool_calls" and choice.message.content.strip() == "I will check."
+        prompt = fake2.tokenizer.decode(fake2.submits[-1].prompt_ids)
+        assert "<tools><function><name>get_weather</name>" in prompt  # the template's own tools
+        fake2.reset(script=scripted(fake2, text), tokens_per_event=1)
+        stream = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, stream=True)
+        content, streamed, finish = _reassemble_chat_stream(stream)
+        assert ([(c["name"], c["arguments"]) for c in streamed], finish) == (calls, "tool_calls")
+        assert content.strip() == "I will check."
+
+        history = msgs + [
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": [3]}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]
+        fake2.reset(script=scripted(fake2, "Sunny."))
+        client.chat.completions.create(model=MODEL, messages=history, tools=tools)
+        prompt = fake2.tokenizer.decode(fake2.submits[-1].prompt_ids)
+        assert ("<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n[3]\n"
+                "</parameter>\n</function>") in prompt
+
+        fake2.reset(script=scripted(fake2, "<tool_call>\n<function=count>\n</function>\n</tool_call>"))
+        client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, tool_choice="required")
+        spec = fake2.submits[-1].params.constraint
+        assert spec["format"]["xml_params"] and spec["format"]["call_open"] == "<tool_call>\n"
+
+
 def test_reasoning_effort_reaches_the_chat_template():
     """OpenAI's reasoning effort (chat's `reasoning_effort`, Responses' `reasoning.effort`) is
     the template's `reasoning_effort` variable (gpt-oss reads it), "none" also turns Qwen3's

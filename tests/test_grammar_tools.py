@@ -113,6 +113,11 @@ def accepts(lm, fmt: ToolFormat, tools: list[dict[str, Any]], text: str, **kw: A
 
 
 def calls_text(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str:
+    if fmt.xml_params:  # Qwen3-Coder: one tag per argument, strings bare
+        return fmt.separator.join(
+            fmt.call_open + f"<function={n}>\n" + "".join(
+                f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+                for k, v in a.items()) + "</function>" + fmt.call_close for n, a in calls)
     if fmt.args_marker:  # Mistral v11+: no JSON wrapper
         return "".join(fmt.call_open + n + fmt.args_marker + json.dumps(a) for n, a in calls)
     key = fmt.args_keys[0]
@@ -229,7 +234,7 @@ LAZY_FORMATS = sorted(n for n, f in FORMATS.items() if f.lazy_trigger)
 
 def test_the_lazy_formats():
     # llama3_json's calls are bare JSON: no trigger
-    assert LAZY_FORMATS == ["hermes", "mistral", "mistral_v11"]
+    assert LAZY_FORMATS == ["hermes", "mistral", "mistral_v11", "qwen3_coder"]
     assert HERMES.lazy_trigger == "<tool_call>" and MISTRAL.lazy_trigger == "[TOOL_CALLS]"
 
 

@@ -50,6 +50,16 @@ SAMPLES = {
 }
 
 
+def _xml(name, args):  # Qwen3-Coder: each argument in a tag, strings bare
+    params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+                     for k, v in json.loads(args).items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+SAMPLES["qwen3_coder"] = ("Let me check.\n" + _xml("get_weather", ARGS_A) + "\n" + _xml("count", ARGS_B),
+                          "Let me check.\n")
+
+
 def _stream(fmt, pieces):
     parser = ToolCallParser(fmt, ["get_weather", "count"])
     events = []
@@ -165,6 +175,8 @@ ARGS_C = ARGS_A.replace("Paris", "Paris, TX")  # same name, same start, other ar
 
 def _calls(fmt, calls):
     key = fmt.args_keys[0]
+    if fmt.xml_params:
+        return fmt.separator.join(_xml(n, a) for n, a in calls)
     if fmt.args_marker:
         return "".join(fmt.call_open + n + fmt.args_marker + a for n, a in calls)
     objs = [fmt.call_open + '{"name": "' + n + '", "' + key + '": ' + a + "}" + fmt.call_close for n, a in calls]
@@ -213,6 +225,8 @@ def test_markup_of_a_call_cut_off_before_its_name_is_not_content(name):
     tails = {marker[:3], '{"na'}
     if fmt.args_marker:  # cut anywhere in the next call's name, id or markers
         nxt, tails = fmt.call_open + "f" + fmt.id_marker + "ab" + fmt.args_marker, set()
+    if fmt.xml_params:
+        nxt, tails = fmt.separator + fmt.call_open + "<function=f>", set()
     for tail in {nxt[:k] for k in range(1, len(nxt))} | tails:
         whole = parse_tool_calls(one + tail, fmt, ["f"])
         assert [(c.name, c.arguments) for c in whole.calls] == [("f", '{"a": 1}')], tail

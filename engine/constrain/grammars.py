@@ -108,8 +108,13 @@ def _tool_calls_lark(spec: dict[str, Any]) -> str:
     args_marker = fmt.get("args_marker") or ""
     if not isinstance(args_marker, str):
         raise ConstraintError("format field args_marker must be a string")
-    rules = []
+    rules, extra = [], []
     for i, tool in enumerate(tools):
+        if fmt.get("xml_params"):  # Qwen3-Coder: one tag per argument
+            rule, aux = _xml_call_rules(tool, i, options)
+            rules.append(rule)
+            extra += aux
+            continue
         if args_marker:  # Mistral v11+: the name, the marker, the arguments object
             name, params = _tool_parameters(tool, i)
             schema = {**params, "x-guidance": options}
@@ -140,11 +145,47 @@ def _tool_calls_lark(spec: dict[str, Any]) -> str:
         f"body: {body}",
         *rules,  # tool i's rule is on line FIRST_TOOL_LINE + i (tool_error relies on it)
         *free,
+        *extra,
+        *(["XML_TEXT: /(.|\\n)*/"] if any("XML_TEXT" in r for r in extra) else []),
         # one named capture per call slot, its JSON: the engine compares each finished call with
         # the earlier ones (the grammar engine keeps one capture of a name repeated back to back)
         *(f'{CALL_CAPTURE}_{k}[capture="{CALL_CAPTURE}_{k}"]: body' for k in range(slots)),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _xml_call_rules(tool: dict[str, Any], index: int, options: dict[str, Any]) -> tuple[str, list[str]]:
+    """Tool `index` as an xml_params call: `<function=NAME>\\n`, then its properties in the
+    schema's order (the required ones always, the others maybe), each `<parameter=KEY>\\n`,
+    its value and `\\n</parameter>\\n`, then `</function>`. A string property's value is
+    bare text up to its closing tag; any other is JSON under the property's schema (with the
+    parameters' `$defs` / `definitions` beside it, for its references). Returns the tool's
+    rule and the rules it uses."""
+    name, params = _tool_parameters(tool, index)
+    props = params.get("properties") or {}
+    if not isinstance(props, dict):
+        raise ConstraintError(f"tool {name!r} parameters: 'properties' must be an object")
+    required = set(params.get("required") or [])
+    defs: dict[str, Any] = {k: params[k] for k in ("$defs", "definitions") if k in params}
+    parts: list[str] = []
+    extra: list[str] = []
+    for j, (key, prop) in enumerate(props.items()):
+        rule = f"tool_{index}_p{j}"
+        open_tag = _lark_str(f"<parameter={key}>\n")
+        close_tag = _lark_str("\n</parameter>\n")
+        if isinstance(prop, dict) and prop.get("type") == "string":
+            if isinstance(prop.get("enum"), list) and all(isinstance(e, str) for e in prop["enum"]):
+                choices = " | ".join(_lark_str(e) for e in prop["enum"]) or '""'
+                extra.append(f"{rule}: {open_tag} ({choices}) {close_tag}")
+            else:  # bare text (a pattern or length limit is not held to)
+                extra.append(f"{rule}: {open_tag} {rule}_text")
+                extra.append(f"{rule}_text[lazy]: XML_TEXT {close_tag}")
+        else:
+            schema = {**_schema(prop, f"tool {name!r} parameter {key!r}"), **defs, "x-guidance": options}
+            extra.append(f"{rule}: {open_tag} %json {json.dumps(schema, ensure_ascii=False)} {close_tag}")
+        parts.append(rule if key in required else f"{rule}?")
+    head = _lark_str(f"<function={name}>\n")
+    return f"tool_{index}: {head} {' '.join(parts)} {_lark_str('</function>')}", extra
 
 
 def _call_slots(spec: dict[str, Any]) -> int:
