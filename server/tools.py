@@ -442,6 +442,10 @@ class ToolCallParser:
         events: list[Event] = []
         buf = self._held + text
         self._held = ""
+        self._run(buf, events)
+        return _merge_text(events)
+
+    def _run(self, buf: str, events: list[Event]) -> None:
         i = 0
         while i < len(buf):
             if self._state == "text":
@@ -454,7 +458,6 @@ class ToolCallParser:
                 i = self._scan_xml(buf, i, events)
             else:
                 i = self._scan_object(buf, i, events)
-        return _merge_text(events)
 
     def finish(self) -> list[Event]:
         """The generation ended: flush held text; an unfinished call is closed with what arrived
@@ -599,16 +602,16 @@ class ToolCallParser:
                 return len(buf)
             kind, value = step
             if kind == "bad":  # not a call after all (or its rest is not the format's)
-                if self._started:
-                    self._xml_close(events, complete=False)
+                self._xml = None
+                if self._started:  # the call ends here; what follows is read again (it may
+                    self._xml_close(events, complete=False)  # hold text from earlier deltas)
                     self._state, self._obj_raw = "calls", ""
-                    rest = xml.buf
+                    self._run(xml.buf, events)
                 else:
                     events.append(TextEvent(self._obj_raw + xml.buf))
                     self._seen_text = True
-                    self._state, rest = "text", ""
-                self._xml = None
-                return len(buf) - len(rest)
+                    self._state = "text"
+                return len(buf)
             if kind == "function":
                 self._obj_raw += value
                 self._start_call(xml.name, events)

@@ -237,3 +237,20 @@ def test_markup_of_a_call_cut_off_before_its_name_is_not_content(name):
     if fmt is HERMES:  # no call before: the cut-off markup stays the content it was
         assert parse_tool_calls('<tool_call>\n{"name": "f', fmt, ["f"]).content == '<tool_call>\n{"name": "f'
         assert parse_tool_calls("x <tool", fmt, ["f"]).content == "x <tool"
+
+
+def test_xml_arguments_typed_by_schema_and_a_broken_call_ends_where_it_breaks():
+    """Qwen3-Coder's tags: a value is typed by its property (a string stays the text even where
+    it reads as a number; Python's True is a boolean), JSON where no type is known; a call whose
+    next tag is broken (its start in an earlier delta) ends with the arguments that were whole,
+    and what follows is text."""
+    schemas = {"f": {"type": "object", "properties": {"zip": {"type": "string"}, "on": {"type": "boolean"}}}}
+    text = ("<tool_call>\n<function=f>\n<parameter=zip>\n01234\n</parameter>\n<parameter=on>\nTrue\n"
+            "</parameter>\n<parameter=n>\n[1, 2]\n</parameter>\n</function>\n</tool_call>")
+    out = parse_tool_calls(text, FORMATS["qwen3_coder"], ["f"], schemas)
+    assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [("f", {"zip": "01234", "on": True, "n": [1, 2]})]
+    parser = ToolCallParser(FORMATS["qwen3_coder"], ["f"])
+    pieces = ["<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<param", "eter=k", "x y\nmore"]
+    events = [e for p in pieces for e in parser.feed(p)] + parser.finish()
+    assert [(c.name, c.arguments) for c in parser.calls] == [("f", '{"a": 1}')]
+    assert "".join(e.text for e in events if isinstance(e, TextEvent)) == "<parameter=kx y\nmore"
