@@ -423,6 +423,9 @@ class ToolCallParser:
         self.tool_names = set(tool_names) if tool_names else None
         self._schemas = schemas or {}  # tool name -> parameters schema (types XML arguments)
         self._xml: _XmlCall | None = None
+        self._xml_parts: list[str] = []  # the value read so far of an argument parsed when whole
+        self._xml_string_open = False  # a string argument is being streamed
+        self._xml_key = ""  # the argument being read
         self.calls: list[ToolCall] = []
         # text | calls | object | name (args_marker formats) | xml (xml_params formats)
         self._state = "text"
@@ -591,8 +594,9 @@ class ToolCallParser:
         return i
 
     def _scan_xml(self, buf: str, i: int, events: list[Event]) -> int:
-        """An xml_params call: `<function=NAME>`, its `<parameter=KEY>VALUE</parameter>`s (each
-        streamed as a piece of the arguments' JSON once its value is whole), `</function>`."""
+        """An xml_params call: `<function=NAME>`, its `<parameter=KEY>VALUE</parameter>`s and
+        `</function>`. The arguments are streamed as JSON: a value the tool's schema declares a
+        string as it arrives, any other once it is whole (it is parsed then)."""
         xml = self._xml
         assert xml is not None
         xml.buf += buf[i:]
@@ -601,41 +605,56 @@ class ToolCallParser:
             if step is None:  # more text needed
                 return len(buf)
             kind, value = step
-            if kind == "bad":  # not a call after all (or its rest is not the format's)
+            if kind == "function":
+                self._start_call(xml.name, events)
+                self._xml_parts = []
+            elif kind in ("open", "text", "close") and self._started:
+                self._xml_argument(kind, value, events)
+            elif kind in ("end", "bad"):
                 self._xml = None
-                if self._started:  # the call ends here; what follows is read again (it may
-                    self._xml_close(events, complete=False)  # hold text from earlier deltas)
+                if self._started:  # what follows is read again: it may hold earlier deltas' text
+                    self._xml_close(events, complete=kind == "end")
                     self._state, self._obj_raw = "calls", ""
                     self._run(xml.buf, events)
-                else:
-                    events.append(TextEvent(self._obj_raw + xml.buf))
+                else:  # not a call of ours, or not a call at all: text
+                    events.append(TextEvent(self._obj_raw + xml.taken + xml.buf))
                     self._seen_text = True
                     self._state = "text"
                 return len(buf)
-            if kind == "function":
-                self._obj_raw += value
-                self._start_call(xml.name, events)
-            elif kind == "parameter" and self._started:
-                key, raw = value
-                arg = _xml_value(raw, ((self._schemas.get(xml.name) or {}).get("properties") or {}).get(key))
-                piece = ("{" if not self.calls[-1].arguments else ", ") + json.dumps(key) + ": " + json.dumps(
+
+    def _xml_argument(self, kind: str, value: str, events: list[Event]) -> None:
+        """One piece of an xml_params argument into the call's arguments JSON."""
+        xml = self._xml
+        assert xml is not None
+        call = self.calls[-1]
+        if kind == "open":
+            self._xml_key = value
+        key = self._xml_key
+        schema = ((self._schemas.get(xml.name) or {}).get("properties") or {}).get(key)
+        streamed = isinstance(schema, dict) and schema.get("type") == "string"
+        piece = ""
+        if kind == "open":
+            self._xml_parts = []
+            if streamed:
+                piece = ("{" if not call.arguments else ", ") + json.dumps(value) + ': "'
+        elif streamed:
+            piece = json.dumps(value, ensure_ascii=False)[1:-1] + ('"' if kind == "close" else "")
+        else:
+            self._xml_parts.append(value)
+            if kind == "close":
+                arg = _xml_value("".join(self._xml_parts), schema)
+                piece = ("{" if not call.arguments else ", ") + json.dumps(key) + ": " + json.dumps(
                     arg, ensure_ascii=False)
-                self.calls[-1].arguments += piece
-                self._call_event(CallArgs(len(self.calls) - 1, piece), events)
-            elif kind == "end":
-                if self._started:
-                    self._xml_close(events, complete=True)
-                else:
-                    events.append(TextEvent(self._obj_raw + value))
-                    self._seen_text = True
-                    self._state, self._xml = "text", None
-                    return len(buf) - len(xml.buf)
-                self._state, self._obj_raw, self._xml = "calls", "", None
-                return len(buf) - len(xml.buf)
+        self._xml_string_open = streamed and kind != "close"
+        if piece:
+            call.arguments += piece
+            self._call_event(CallArgs(len(self.calls) - 1, piece), events)
 
     def _xml_close(self, events: list[Event], complete: bool) -> None:
         call = self.calls[-1]
-        tail = "}" if call.arguments else "{}"  # cut off: the arguments that were whole
+        # cut off: the arguments that were whole, a string value as far as it came
+        tail = ('"' if self._xml_string_open else "") + ("}" if call.arguments else "{}")
+        self._xml_string_open = False
         call.arguments += tail
         self._call_event(CallArgs(len(self.calls) - 1, tail), events)
         if self._repeat is not None and (not complete or self._repeats(call, exact=True)):
@@ -760,54 +779,82 @@ _XML_PARAMETER_END, _XML_FUNCTION_END = "</parameter>", "</function>"
 
 class _XmlCall:
     """The text of one xml_params call as it arrives, cut into its pieces: `next()` gives
-    ("function", its opening tag) once the name is read, ("parameter", (key, raw value)) per
-    whole argument, ("end", the closing tag), ("bad", "") where the text is not the format's,
-    or None while more text is needed."""
+    ("function", None) once the name is read, per argument ("open", its key), its value's text
+    as it comes (("text", a piece): the newline after the opening tag and the one before the
+    closing tag are the format's, not the value's) and ("close", the last piece), ("end", None)
+    at the closing tag, ("bad", None) where the text is not the format's, or None while more
+    text is needed. `taken` is the text consumed so far."""
 
-    __slots__ = ("buf", "name", "opened")
+    __slots__ = ("buf", "name", "opened", "key", "lead", "taken")
 
     def __init__(self) -> None:
         self.buf = ""
         self.name = ""
         self.opened = False
+        self.key: str | None = None  # the argument whose value is being read
+        self.lead = False  # its value's first character was looked at
+        self.taken = ""
+
+    def _take(self, n: int) -> str:
+        text, self.buf = self.buf[:n], self.buf[n:]
+        self.taken += text
+        return text
 
     def next(self) -> tuple[str, Any] | None:
         if not self.opened:
-            return self._tag(_XML_FUNCTION, "function")
+            return self._function()
+        if self.key is not None:
+            return self._value()
         rest = self.buf.lstrip()
+        skip = len(self.buf) - len(rest)
         if rest.startswith(_XML_FUNCTION_END):
-            tag = self.buf[: len(self.buf) - len(rest) + len(_XML_FUNCTION_END)]
-            self.buf = self.buf[len(tag):]
-            return "end", tag
-        if _XML_FUNCTION_END.startswith(rest) and rest:
+            self._take(skip + len(_XML_FUNCTION_END))
+            return "end", None
+        if not rest or _XML_FUNCTION_END.startswith(rest):
             return None
         if not rest.startswith(_XML_PARAMETER):
-            return None if _XML_PARAMETER.startswith(rest) else ("bad", "")
-        close = rest.find(">")
-        end = rest.find(_XML_PARAMETER_END)
-        if close < 0 or end < 0:
-            return None if "\n" not in rest[:close if close >= 0 else len(rest)] else ("bad", "")
-        key = rest[len(_XML_PARAMETER):close]
-        raw = rest[close + 1:end]
-        raw = raw[1:] if raw.startswith("\n") else raw
-        raw = raw[:-1] if raw.endswith("\n") else raw
-        self.buf = rest[end + len(_XML_PARAMETER_END):]
-        return "parameter", (key, raw)
-
-    def _tag(self, prefix: str, kind: str) -> tuple[str, Any] | None:
-        rest = self.buf.lstrip()
-        if not rest.startswith(prefix):
-            return None if prefix.startswith(rest) else ("bad", "")
+            return None if _XML_PARAMETER.startswith(rest) else ("bad", None)
         close = rest.find(">")
         if close < 0:
-            return None if _NAME_CHARS.issuperset(rest[len(prefix):]) else ("bad", "")
-        name = rest[len(prefix):close]
+            return None if "\n" not in rest else ("bad", None)
+        key = rest[len(_XML_PARAMETER):close]
+        if not key or "\n" in key:
+            return "bad", None
+        self._take(skip + close + 1)
+        self.key, self.lead = key, False
+        return "open", key
+
+    def _value(self) -> tuple[str, Any] | None:
+        if not self.lead:  # the newline after the opening tag
+            if not self.buf:
+                return None
+            if self.buf[0] == "\n":
+                self._take(1)
+            self.lead = True
+        end = self.buf.find(_XML_PARAMETER_END)
+        if end >= 0:
+            text = self._take(end)
+            self._take(len(_XML_PARAMETER_END))
+            self.key = None
+            return "close", text[:-1] if text.endswith("\n") else text
+        keep = _partial_suffix(self.buf, ["\n" + _XML_PARAMETER_END])  # maybe the closing tag
+        if keep == len(self.buf):
+            return None
+        return "text", self._take(len(self.buf) - keep)
+
+    def _function(self) -> tuple[str, Any] | None:
+        rest = self.buf.lstrip()
+        if not rest.startswith(_XML_FUNCTION):
+            return None if _XML_FUNCTION.startswith(rest) else ("bad", None)
+        close = rest.find(">")
+        if close < 0:
+            return None if _NAME_CHARS.issuperset(rest[len(_XML_FUNCTION):]) else ("bad", None)
+        name = rest[len(_XML_FUNCTION):close]
         if not name or not _NAME_CHARS.issuperset(name):
-            return "bad", ""
-        tag = self.buf[: len(self.buf) - len(rest) + close + 1]
-        self.buf = self.buf[len(tag):]
+            return "bad", None
+        self._take(len(self.buf) - len(rest) + close + 1)
         self.name, self.opened = name, True
-        return kind, tag
+        return "function", None
 
 
 def _xml_value(raw: str, schema: Any) -> Any:

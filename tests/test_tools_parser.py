@@ -254,3 +254,26 @@ def test_xml_arguments_typed_by_schema_and_a_broken_call_ends_where_it_breaks():
     events = [e for p in pieces for e in parser.feed(p)] + parser.finish()
     assert [(c.name, c.arguments) for c in parser.calls] == [("f", '{"a": 1}')]
     assert "".join(e.text for e in events if isinstance(e, TextEvent)) == "<parameter=kx y\nmore"
+
+
+def test_xml_string_arguments_stream_as_they_are_written():
+    """A string argument (a file's content, say) streams piece by piece as JSON string text, not
+    only once its closing tag arrives; its pieces add up to the whole call's arguments, and a
+    call cut off inside it still ends as valid JSON."""
+    schemas = {"write": {"type": "object", "properties": {"path": {"type": "string"},
+                                                          "content": {"type": "string"}}}}
+    body = 'def f():\n    return "</p>" < 3\n'
+    text = ("<tool_call>\n<function=write>\n<parameter=path>\na.py\n</parameter>\n<parameter=content>\n"
+            + body + "\n</parameter>\n</function>\n</tool_call>")
+    parser = ToolCallParser(FORMATS["qwen3_coder"], ["write"], schemas)
+    seen = []
+    for k, ch in enumerate(text):
+        for e in parser.feed(ch):
+            if isinstance(e, CallArgs):
+                seen.append((k, e.fragment))
+    closing = text.index("</parameter>", text.index("<parameter=content>"))
+    assert sum(k < closing for k, _ in seen) > 10  # streamed before the value was whole
+    args = "".join(f for _, f in seen) + "".join(e.fragment for e in parser.finish() if isinstance(e, CallArgs))
+    assert json.loads(args) == {"path": "a.py", "content": body} == json.loads(parser.calls[0].arguments)
+    cut = parse_tool_calls(text[: text.index("return")], FORMATS["qwen3_coder"], ["write"], schemas)
+    assert json.loads(cut.calls[0].arguments) == {"path": "a.py", "content": "def f():\n    "}
