@@ -11,6 +11,8 @@ A `ToolFormat` says how a model family writes calls; the registry (`FORMATS`) ho
     qwen3_coder  <tool_call>\\n<function=f>\\n<parameter=city>\\nParis\\n</parameter>\\n</function>\\n</tool_call>
                  (Qwen3-Coder: each argument in its own tag, strings bare, other values as JSON,
                  typed by the tool's schema)
+    glm          <tool_call>f\\n<arg_key>city</arg_key>\\n<arg_value>Paris</arg_value>\\n</tool_call>
+                 (GLM-4.5/4.6; glm_compact: the same without newlines, GLM-4.7+)
 
 `format_for_template(template)` picks one by what the chat template itself writes; a template
 that does not handle `tools` at all (the bundled tinycoder's plain ChatML) gets Hermes, and the
@@ -37,8 +39,10 @@ that call, its events are held back, so the repeat is never streamed.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import re
 import secrets
 import string
 from collections.abc import Sequence
@@ -46,6 +50,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # -- formats --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class XmlTags:
+    """An argument-per-tag call as the family writes it: function_open, the name, name_close,
+    then per argument key_open, the key, key_close, the value (strings bare, other values as
+    JSON; with value_newlines between a newline each side) and value_close, then
+    function_close. The parser allows any whitespace between tags; a grammar writes these."""
+
+    function_open: str  # "": the name right after the call marker
+    name_close: str
+    key_open: str
+    key_close: str
+    value_close: str
+    function_close: str
+    value_newlines: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +87,8 @@ class ToolFormat:
     id_marker: str = ""
     # the family's templates accept only call ids of this many letters and digits (0: any)
     call_id_length: int = 0
-    # Qwen3-Coder: a call is <function=NAME> with one <parameter=KEY>VALUE</parameter> per argument
-    xml_params: bool = False
+    # an argument per tag (Qwen3-Coder, GLM): how a call's name and arguments are written
+    xml: XmlTags | None = None
 
     def new_call_id(self) -> str:
         if self.call_id_length:
@@ -99,7 +119,7 @@ class ToolFormat:
                 "name_key": "name",
                 "args_key": self.args_keys[0],
                 "args_marker": self.args_marker,
-                "xml_params": self.xml_params,
+                "xml": None if self.xml is None else dataclasses.asdict(self.xml),
             },
             "parallel": parallel,
             "max_calls": max_calls,
@@ -147,10 +167,22 @@ QWEN3_CODER = ToolFormat(
     call_open="<tool_call>\n",
     call_close="\n</tool_call>",
     separator="\n",
-    xml_params=True,
+    xml=XmlTags("<function=", ">\n", "<parameter=", ">", "</parameter>\n", "</function>",
+                value_newlines=True),
 )
+# GLM-4.5 / 4.6 (a newline after the name and after each tag); GLM-4.7+ writes them compact
+GLM = ToolFormat(
+    name="glm",
+    start_markers=("<tool_call>",),
+    call_open="<tool_call>",
+    separator="\n",
+    xml=XmlTags("", "\n", "<arg_key>", "</arg_key>\n<arg_value>", "</arg_value>\n", "</tool_call>"),
+)
+GLM_COMPACT = dataclasses.replace(
+    GLM, name="glm_compact", separator="",
+    xml=XmlTags("", "", "<arg_key>", "</arg_key><arg_value>", "</arg_value>", "</tool_call>"))
 FORMATS: dict[str, ToolFormat] = {
-    f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_V11, QWEN3_CODER)}
+    f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_V11, QWEN3_CODER, GLM, GLM_COMPACT)}
 _ALNUM = string.ascii_letters + string.digits
 _ALNUM_SET = frozenset(_ALNUM)
 
@@ -177,6 +209,8 @@ def format_for_template(template: str | None) -> ToolFormat:
         return MISTRAL_V11 if "[ARGS]" in t else MISTRAL
     if "<function=" in t and "<parameter=" in t:
         return QWEN3_CODER
+    if "<arg_key>" in t:
+        return GLM_COMPACT if "</arg_key><arg_value>" in t else GLM
     if "<tool_call>" in t:
         return HERMES
     if "<|python_tag|>" in t or ("<|start_header_id|>" in t and "tools" in t):
@@ -427,7 +461,7 @@ class ToolCallParser:
         self._xml_string_open = False  # a string argument is being streamed
         self._xml_key = ""  # the argument being read
         self.calls: list[ToolCall] = []
-        # text | calls | object | name (args_marker formats) | xml (xml_params formats)
+        # text | calls | object | name (args_marker formats) | xml (formats with tags)
         self._state = "text"
         self._held = ""  # text that may be the start of a marker
         self._seen_text = False  # non-whitespace content was emitted (for at_start_only)
@@ -531,13 +565,16 @@ class ToolCallParser:
                     self.fmt.start_markers):
                 self._state, self._name, self._in_id, self._started = "name", "", False, False
                 return i
-            if self.fmt.xml_params and buf.startswith(_XML_FUNCTION, i):
-                self._state, self._xml, self._started = "xml", _XmlCall(), False
+            tags = self.fmt.xml
+            if tags is not None and (
+                    buf.startswith(tags.function_open, i) if tags.function_open else
+                    _NAME_CHARS.issuperset(ch) and self._obj_raw.endswith(self.fmt.start_markers)):
+                self._state, self._xml, self._started = "xml", _XmlCall(tags), False
                 return i
-            if self.fmt.xml_params and _XML_FUNCTION.startswith(buf[i:]):  # cut by the delta
+            if tags is not None and tags.function_open.startswith(buf[i:]):  # cut by the delta
                 self._held = buf[i:]
                 return len(buf)
-            if ch == "{" and not self.fmt.args_marker and not self.fmt.xml_params:
+            if ch == "{" and not self.fmt.args_marker and tags is None:
                 self._obj = _JsonObjectScanner(self.fmt.args_keys)
                 self._state = "object"
                 self._sent_args = 0
@@ -594,9 +631,9 @@ class ToolCallParser:
         return i
 
     def _scan_xml(self, buf: str, i: int, events: list[Event]) -> int:
-        """An xml_params call: `<function=NAME>`, its `<parameter=KEY>VALUE</parameter>`s and
-        `</function>`. The arguments are streamed as JSON: a value the tool's schema declares a
-        string as it arrives, any other once it is whole (it is parsed then)."""
+        """A call of a format with tags (`XmlTags`): its name, its arguments, its closing tag.
+        The arguments are streamed as JSON: a value the tool's schema declares a string as it
+        arrives, any other once it is whole (it is parsed then)."""
         xml = self._xml
         assert xml is not None
         xml.buf += buf[i:]
@@ -623,7 +660,7 @@ class ToolCallParser:
                 return len(buf)
 
     def _xml_argument(self, kind: str, value: str, events: list[Event]) -> None:
-        """One piece of an xml_params argument into the call's arguments JSON."""
+        """One piece of a tagged argument into the call's arguments JSON."""
         xml = self._xml
         assert xml is not None
         call = self.calls[-1]
@@ -652,12 +689,16 @@ class ToolCallParser:
 
     def _xml_close(self, events: list[Event], complete: bool) -> None:
         call = self.calls[-1]
+        string_open, self._xml_string_open = self._xml_string_open, False
+        if self._repeat is not None and not complete:  # the cut-off start of a repeat: dropped
+            self.calls.pop()
+            self._repeat = None
+            return
         # cut off: the arguments that were whole, a string value as far as it came
-        tail = ('"' if self._xml_string_open else "") + ("}" if call.arguments else "{}")
-        self._xml_string_open = False
+        tail = ('"' if string_open else "") + ("}" if call.arguments else "{}")
         call.arguments += tail
         self._call_event(CallArgs(len(self.calls) - 1, tail), events)
-        if self._repeat is not None and (not complete or self._repeats(call, exact=True)):
+        if self._repeat is not None and self._repeats(call, exact=True):
             self.calls.pop()
             self._repeat = None
             return
@@ -773,27 +814,33 @@ class ToolCallParser:
                 self._seen_text = True
 
 
-_XML_FUNCTION, _XML_PARAMETER = "<function=", "<parameter="
-_XML_PARAMETER_END, _XML_FUNCTION_END = "</parameter>", "</function>"
+_TAG = re.compile(r"</?[^<>\s]+>")
 
 
 class _XmlCall:
-    """The text of one xml_params call as it arrives, cut into its pieces: `next()` gives
-    ("function", None) once the name is read, per argument ("open", its key), its value's text
-    as it comes (("text", a piece): the newline after the opening tag and the one before the
-    closing tag are the format's, not the value's) and ("close", the last piece), ("end", None)
-    at the closing tag, ("bad", None) where the text is not the format's, or None while more
-    text is needed. `taken` is the text consumed so far."""
+    """The text of one tagged call (`XmlTags`) as it arrives, cut into its pieces: `next()`
+    gives ("function", None) once the name is read, per argument ("open", its key), its value's
+    text as it comes (("text", a piece), then ("close", the last piece)), ("end", None) at the
+    closing tag, ("bad", None) where the text is not the format's, or None while more text is
+    needed. `taken` is the text consumed so far."""
 
-    __slots__ = ("buf", "name", "opened", "key", "lead", "taken")
+    __slots__ = ("buf", "tags", "name", "opened", "key", "lead", "taken", "_key_end", "_value_open",
+                 "_value_end", "_end")
 
-    def __init__(self) -> None:
+    def __init__(self, tags: XmlTags) -> None:
         self.buf = ""
+        self.tags = tags
         self.name = ""
         self.opened = False
         self.key: str | None = None  # the argument whose value is being read
         self.lead = False  # its value's first character was looked at
         self.taken = ""
+        # the tags as the parser looks for them (whitespace around them is free)
+        close = _TAG.findall(tags.key_close)  # "</arg_key>", "<arg_value>"; or just ">"
+        self._key_end = close[0] if close else tags.key_close.strip()
+        self._value_open = close[1] if len(close) > 1 else ""
+        self._value_end = tags.value_close.strip()
+        self._end = tags.function_close.strip()
 
     def _take(self, n: int) -> str:
         text, self.buf = self.buf[:n], self.buf[n:]
@@ -807,52 +854,76 @@ class _XmlCall:
             return self._value()
         rest = self.buf.lstrip()
         skip = len(self.buf) - len(rest)
-        if rest.startswith(_XML_FUNCTION_END):
-            self._take(skip + len(_XML_FUNCTION_END))
+        if rest.startswith(self._end):
+            self._take(skip + len(self._end))
             return "end", None
-        if not rest or _XML_FUNCTION_END.startswith(rest):
+        key_open = self.tags.key_open
+        if not rest or self._end.startswith(rest) or key_open.startswith(rest):
             return None
-        if not rest.startswith(_XML_PARAMETER):
-            return None if _XML_PARAMETER.startswith(rest) else ("bad", None)
-        close = rest.find(">")
-        if close < 0:
-            return None if "\n" not in rest else ("bad", None)
-        key = rest[len(_XML_PARAMETER):close]
-        if not key or "\n" in key:
+        if not rest.startswith(key_open):
             return "bad", None
-        self._take(skip + close + 1)
+        close = rest.find(self._key_end)
+        if close < 0:  # the key so far, maybe the start of its closing tag
+            lt = rest.find("<", len(key_open))
+            if "\n" in rest[len(key_open):lt if lt >= 0 else len(rest)]:
+                return "bad", None
+            return None if lt < 0 or self._key_end.startswith(rest[lt:]) else ("bad", None)
+        key = rest[len(key_open):close]
+        if "\n" in key or "<" in key:
+            return "bad", None
+        after = rest[close + len(self._key_end):]
+        if self._value_open:  # GLM: <arg_value> after the key's closing tag
+            inner = after.lstrip()
+            if len(inner) < len(self._value_open):
+                return None if self._value_open.startswith(inner) else ("bad", None)
+            if not inner.startswith(self._value_open):
+                return "bad", None
+            self._take(skip + len(rest) - len(inner) + len(self._value_open))
+        else:
+            self._take(skip + close + len(self._key_end))
+        if not key:
+            return "bad", None
         self.key, self.lead = key, False
         return "open", key
 
     def _value(self) -> tuple[str, Any] | None:
-        if not self.lead:  # the newline after the opening tag
+        newlines = self.tags.value_newlines
+        if newlines and not self.lead:  # the newline after the opening tag
             if not self.buf:
                 return None
             if self.buf[0] == "\n":
                 self._take(1)
-            self.lead = True
-        end = self.buf.find(_XML_PARAMETER_END)
+        self.lead = True
+        end = self.buf.find(self._value_end)
         if end >= 0:
             text = self._take(end)
-            self._take(len(_XML_PARAMETER_END))
+            self._take(len(self._value_end))
             self.key = None
-            return "close", text[:-1] if text.endswith("\n") else text
-        keep = _partial_suffix(self.buf, ["\n" + _XML_PARAMETER_END])  # maybe the closing tag
+            return "close", text[:-1] if newlines and text.endswith("\n") else text
+        keep = _partial_suffix(self.buf, [("\n" if newlines else "") + self._value_end])
         if keep == len(self.buf):
             return None
         return "text", self._take(len(self.buf) - keep)
 
     def _function(self) -> tuple[str, Any] | None:
-        rest = self.buf.lstrip()
-        if not rest.startswith(_XML_FUNCTION):
-            return None if _XML_FUNCTION.startswith(rest) else ("bad", None)
-        close = rest.find(">")
-        if close < 0:
-            return None if _NAME_CHARS.issuperset(rest[len(_XML_FUNCTION):]) else ("bad", None)
-        name = rest[len(_XML_FUNCTION):close]
-        if not name or not _NAME_CHARS.issuperset(name):
+        rest = self.buf.lstrip() if self.tags.function_open else self.buf
+        opening = self.tags.function_open
+        if not rest.startswith(opening):
+            return None if opening.startswith(rest) else ("bad", None)
+        name_end = self.tags.name_close.strip()  # ">" after the name, or nothing: where it ends
+        k = len(opening)
+        while k < len(rest) and _NAME_CHARS.issuperset(rest[k]):
+            k += 1
+        if k == len(rest):
+            return None
+        name = rest[len(opening):k]
+        if name_end:
+            if not rest.startswith(name_end, k):
+                return "bad", None
+            k += len(name_end)
+        if not name:
             return "bad", None
-        self._take(len(self.buf) - len(rest) + close + 1)
+        self._take(len(self.buf) - len(rest) + k)
         self.name, self.opened = name, True
         return "function", None
 

@@ -360,7 +360,62 @@ def test_qwen3_coder_calls_parse_typed_and_their_history_renders():
         fake2.reset(script=scripted(fake2, "<tool_call>\n<function=count>\n</function>\n</tool_call>"))
         client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, tool_choice="required")
         spec = fake2.submits[-1].params.constraint
-        assert spec["format"]["xml_params"] and spec["format"]["call_open"] == "<tool_call>\n"
+        assert spec["format"]["xml"]["function_open"] == "<function=" and spec["format"]["call_open"] == "<tool_call>\n"
+
+
+# the wire format of GLM-4.5 / 4.6's template: the name after the marker, a key and a value tag
+# per argument
+GLM_TEMPLATE = (
+    "{%- if tools %}<|system|>{% for t in tools %}{{ t.function.name }}\n{% endfor %}{% endif -%}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<|assistant|>"
+    "{% for tc in m.tool_calls %}\n<tool_call>{{ tc.function.name }}\n"
+    "{% for k, v in tc.function.arguments | items %}<arg_key>{{ k }}</arg_key>\n"
+    "<arg_value>{{ v | tojson if v is not string else v }}</arg_value>\n{% endfor %}</tool_call>"
+    "{% endfor %}"
+    "{%- elif m.role == 'tool' %}<|observation|><tool_response>{{ m.content }}</tool_response>"
+    "{%- else %}<|{{ m.role }}|>{{ m.content }}{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_glm_calls_parse_typed_and_their_history_renders():
+    """GLM's family: `<tool_call>NAME` with `<arg_key>`/`<arg_value>` pairs, newline-separated
+    (4.5/4.6) or written compact (4.7), come back as typed JSON arguments; earlier calls render
+    in the template's format; `required` constrains to it."""
+    fake2 = FakeEngine()
+    fake2.model.chat_template = GLM_TEMPLATE
+    text = ("Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+            "<arg_key>days</arg_key>\n<arg_value>[1, 2]</arg_value>\n</tool_call>"
+            "<tool_call>count<arg_key>n</arg_key><arg_value>3</arg_value></tool_call>")
+    fake2.reset(script=scripted(fake2, text))
+    with ServerThread(create_app(fake2, ServerConfig())) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        msgs = [{"role": "user", "content": "weather?"}]
+        choice = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, COUNT]).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        assert calls == [("get_weather", '{"city": "Paris", "days": [1, 2]}'), ("count", '{"n": 3}')]
+        assert choice.finish_reason == "tool_calls" and choice.message.content.strip() == "Checking."
+        fake2.reset(script=scripted(fake2, text), tokens_per_event=1)
+        stream = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, COUNT],
+                                                stream=True)
+        _, streamed, finish = _reassemble_chat_stream(stream)
+        assert ([(c["name"], c["arguments"]) for c in streamed], finish) == (calls, "tool_calls")
+
+        history = msgs + [
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]
+        fake2.reset(script=scripted(fake2, "Sunny."))
+        client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER])
+        prompt = fake2.tokenizer.decode(fake2.submits[-1].prompt_ids)
+        assert "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n</tool_call>" in prompt
+
+        fake2.reset(script=scripted(fake2, "<tool_call>count\n</tool_call>"))
+        client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER], tool_choice="required")
+        spec = fake2.submits[-1].params.constraint
+        assert spec["format"]["xml"]["key_open"] == "<arg_key>" and spec["format"]["call_open"] == "<tool_call>"
 
 
 def test_reasoning_effort_reaches_the_chat_template():

@@ -24,6 +24,7 @@ pytest.importorskip("llguidance")
 
 from engine.constrain import ConstraintError, compile_constraint, fill_masks, new_bitmask  # noqa: E402
 from server.tools import FORMATS, HERMES, MISTRAL, ToolFormat  # noqa: E402
+from tests.tool_text import calls_text  # noqa: E402
 
 WEATHER = {
     "name": "get_weather",
@@ -110,19 +111,6 @@ def accepts(lm, fmt: ToolFormat, tools: list[dict[str, Any]], text: str, **kw: A
     if not _feed(lm, c, text):
         return False
     return c.matcher.is_accepting() and bool(_allowed(lm, c) & set(lm.eos_token_ids))
-
-
-def calls_text(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str:
-    if fmt.xml_params:  # Qwen3-Coder: one tag per argument, strings bare
-        return fmt.separator.join(
-            fmt.call_open + f"<function={n}>\n" + "".join(
-                f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
-                for k, v in a.items()) + "</function>" + fmt.call_close for n, a in calls)
-    if fmt.args_marker:  # Mistral v11+: no JSON wrapper
-        return "".join(fmt.call_open + n + fmt.args_marker + json.dumps(a) for n, a in calls)
-    key = fmt.args_keys[0]
-    objs = [fmt.call_open + json.dumps({"name": n, key: a}) + fmt.call_close for n, a in calls]
-    return fmt.list_open + fmt.separator.join(objs) + fmt.list_close
 
 
 def _unclosed(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str:
@@ -234,7 +222,7 @@ LAZY_FORMATS = sorted(n for n, f in FORMATS.items() if f.lazy_trigger)
 
 def test_the_lazy_formats():
     # llama3_json's calls are bare JSON: no trigger
-    assert LAZY_FORMATS == ["hermes", "mistral", "mistral_v11", "qwen3_coder"]
+    assert LAZY_FORMATS == ["glm", "glm_compact", "hermes", "mistral", "mistral_v11", "qwen3_coder"]
     assert HERMES.lazy_trigger == "<tool_call>" and MISTRAL.lazy_trigger == "[TOOL_CALLS]"
 
 

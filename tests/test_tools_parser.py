@@ -23,6 +23,7 @@ from server.tools import (
     function_specs,
     parse_tool_calls,
 )
+from tests.tool_text import calls_text
 
 ARGS_A = '{"city": "Paris", "units": {"temp": "C", "list": [1, 2, {"x": "}"}]}, "q": "a\\"b"}'
 ARGS_B = '{"n": 3}'
@@ -50,13 +51,10 @@ SAMPLES = {
 }
 
 
-def _xml(name, args):  # Qwen3-Coder: each argument in a tag, strings bare
-    params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
-                     for k, v in json.loads(args).items())
-    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
-
-
-SAMPLES["qwen3_coder"] = ("Let me check.\n" + _xml("get_weather", ARGS_A) + "\n" + _xml("count", ARGS_B),
+for _name, _fmt in FORMATS.items():  # the formats with a tag per argument
+    if _fmt.xml is not None:
+        SAMPLES[_name] = ("Let me check.\n" + calls_text(_fmt, [("get_weather", json.loads(ARGS_A)),
+                                                               ("count", json.loads(ARGS_B))]),
                           "Let me check.\n")
 
 
@@ -175,8 +173,8 @@ ARGS_C = ARGS_A.replace("Paris", "Paris, TX")  # same name, same start, other ar
 
 def _calls(fmt, calls):
     key = fmt.args_keys[0]
-    if fmt.xml_params:
-        return fmt.separator.join(_xml(n, a) for n, a in calls)
+    if fmt.xml is not None:
+        return calls_text(fmt, [(n, json.loads(a)) for n, a in calls])
     if fmt.args_marker:
         return "".join(fmt.call_open + n + fmt.args_marker + a for n, a in calls)
     objs = [fmt.call_open + '{"name": "' + n + '", "' + key + '": ' + a + "}" + fmt.call_close for n, a in calls]
@@ -225,8 +223,9 @@ def test_markup_of_a_call_cut_off_before_its_name_is_not_content(name):
     tails = {marker[:3], '{"na'}
     if fmt.args_marker:  # cut anywhere in the next call's name, id or markers
         nxt, tails = fmt.call_open + "f" + fmt.id_marker + "ab" + fmt.args_marker, set()
-    if fmt.xml_params:
-        nxt, tails = fmt.separator + fmt.call_open + "<function=f>", set()
+    if fmt.xml is not None:  # cut anywhere in the next call's opening, name and first tag
+        nxt = fmt.separator + fmt.call_open + fmt.xml.function_open + "f" + fmt.xml.name_close + fmt.xml.key_open
+        tails = set()
     for tail in {nxt[:k] for k in range(1, len(nxt))} | tails:
         whole = parse_tool_calls(one + tail, fmt, ["f"])
         assert [(c.name, c.arguments) for c in whole.calls] == [("f", '{"a": 1}')], tail

@@ -110,8 +110,8 @@ def _tool_calls_lark(spec: dict[str, Any]) -> str:
         raise ConstraintError("format field args_marker must be a string")
     rules, extra = [], []
     for i, tool in enumerate(tools):
-        if fmt.get("xml_params"):  # Qwen3-Coder: one tag per argument
-            rule, aux = _xml_call_rules(tool, i, options)
+        if fmt.get("xml"):  # Qwen3-Coder, GLM: one tag per argument
+            rule, aux = _xml_call_rules(tool, i, fmt["xml"], options)
             rules.append(rule)
             extra += aux
             continue
@@ -154,13 +154,22 @@ def _tool_calls_lark(spec: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _xml_call_rules(tool: dict[str, Any], index: int, options: dict[str, Any]) -> tuple[str, list[str]]:
-    """Tool `index` as an xml_params call: `<function=NAME>\\n`, then its properties in the
-    schema's order (the required ones always, the others maybe), each `<parameter=KEY>\\n`,
-    its value and `\\n</parameter>\\n`, then `</function>`. A string property's value is
-    bare text up to its closing tag; any other is JSON under the property's schema (with the
-    parameters' `$defs` / `definitions` beside it, for its references). Returns the tool's
-    rule and the rules it uses."""
+def _xml_call_rules(tool: dict[str, Any], index: int, tags: dict[str, Any],
+                    options: dict[str, Any]) -> tuple[str, list[str]]:
+    """Tool `index` as a call with one tag per argument, written as `tags` say (server.tools
+    XmlTags: function_open, name, name_close, then per argument key_open, key, key_close, the
+    value and value_close, then function_close): its properties in the schema's order (the
+    required ones always, the others maybe). A string property's value is bare text up to its
+    closing tag (an enum: one of its values); any other is JSON under the property's schema
+    (with the parameters' `$defs` / `definitions` beside it, for its references). Returns the
+    tool's rule and the rules it uses."""
+    try:
+        opening, name_close, key_open, key_close, value_close, closing = (
+            str(tags[k]) for k in ("function_open", "name_close", "key_open", "key_close",
+                                   "value_close", "function_close"))
+    except (KeyError, TypeError):
+        raise ConstraintError("format field xml needs the tags of a call") from None
+    newline = "\n" if tags.get("value_newlines") else ""
     name, params = _tool_parameters(tool, index)
     props = params.get("properties") or {}
     if not isinstance(props, dict):
@@ -169,10 +178,10 @@ def _xml_call_rules(tool: dict[str, Any], index: int, options: dict[str, Any]) -
     defs: dict[str, Any] = {k: params[k] for k in ("$defs", "definitions") if k in params}
     parts: list[str] = []
     extra: list[str] = []
+    close_tag = _lark_str(newline + value_close)
     for j, (key, prop) in enumerate(props.items()):
         rule = f"tool_{index}_p{j}"
-        open_tag = _lark_str(f"<parameter={key}>\n")
-        close_tag = _lark_str("\n</parameter>\n")
+        open_tag = _lark_str(key_open + key + key_close + newline)
         if isinstance(prop, dict) and prop.get("type") == "string":
             if isinstance(prop.get("enum"), list) and all(isinstance(e, str) for e in prop["enum"]):
                 choices = " | ".join(_lark_str(e) for e in prop["enum"]) or '""'
@@ -184,8 +193,8 @@ def _xml_call_rules(tool: dict[str, Any], index: int, options: dict[str, Any]) -
             schema = {**_schema(prop, f"tool {name!r} parameter {key!r}"), **defs, "x-guidance": options}
             extra.append(f"{rule}: {open_tag} %json {json.dumps(schema, ensure_ascii=False)} {close_tag}")
         parts.append(rule if key in required else f"{rule}?")
-    head = _lark_str(f"<function={name}>\n")
-    return f"tool_{index}: {head} {' '.join(parts)} {_lark_str('</function>')}", extra
+    head = _lark_str(opening + name + name_close)
+    return f"tool_{index}: {head} {' '.join(parts)} {_lark_str(closing)}", extra
 
 
 def _call_slots(spec: dict[str, Any]) -> int:
