@@ -556,8 +556,9 @@ class ToolCallParser:
         self._obj_raw = marker
 
     def _scan_calls(self, buf: str, i: int, events: list[Event]) -> int:
-        """Between calls: skip whitespace, separators and closers until "{" (a name right after
-        the marker, in an args_marker format) or other text."""
+        """Between calls: skip whitespace, separators and closers until a call begins ("{" of a
+        JSON call; the name right after the marker, or a function tag, in the formats without
+        the JSON wrapper) or other text."""
         end = self.fmt.end_marker
         while i < len(buf):
             ch = buf[i]
