@@ -10,6 +10,7 @@ previous_response_id, GET, background + cancel), /tokenize, /detokenize, /metric
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import anthropic
@@ -75,6 +76,29 @@ def _reassemble_chat_stream(stream):
     for tc in first_delta_of.values():
         assert tc.id and tc.type == "function" and tc.function.name and tc.function.arguments == ""
     return content, [calls[i] for i in sorted(calls)], finish
+
+
+@contextlib.contextmanager
+def _family(template: str):
+    """A server over a fake engine whose chat template is `template`: (engine, OpenAI client)."""
+    fake2 = FakeEngine()
+    fake2.model.chat_template = template
+    with ServerThread(create_app(fake2, ServerConfig())) as s:
+        yield fake2, openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+
+
+def _whole_and_streamed(fake2, client, text: str, msgs, tools):
+    """The scripted answer `text` asked for whole, then streamed token by token: the whole
+    response's choice, its calls as (name, arguments), and the streamed content, after checking
+    that the stream's calls and finish reason are the whole response's."""
+    fake2.reset(script=scripted(fake2, text))
+    choice = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools).choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    fake2.reset(script=scripted(fake2, text), tokens_per_event=1)
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, stream=True)
+    content, streamed, finish = _reassemble_chat_stream(stream)
+    assert ([(c["name"], c["arguments"]) for c in streamed], finish) == (calls, "tool_calls")
+    return choice, calls, content
 
 
 # -- chat completions with tools ------------------------------------------------------------------
@@ -252,26 +276,15 @@ def test_mistral_v11_calls_parse_and_their_history_renders():
     whole; a history whose ids came from elsewhere (`call_1`, Anthropic's `toolu_...`) renders
     with ids it accepts, a call and its result keeping the same one; `required` constrains to
     the same wire format."""
-    fake2 = FakeEngine()
-    fake2.model.chat_template = MISTRAL_V11_TEMPLATE
     text = ('Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": [1, 2]}'
             '[TOOL_CALLS]count[CALL_ID]a1B2c3D4e[ARGS]{"n": 3}')
-    fake2.reset(script=scripted(fake2, text))
-    with ServerThread(create_app(fake2, ServerConfig())) as s:
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+    with _family(MISTRAL_V11_TEMPLATE) as (fake2, client):
         msgs = [{"role": "user", "content": "weather in Paris?"}]
-        whole = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, COUNT])
-        choice = whole.choices[0]
-        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        choice, calls, content = _whole_and_streamed(fake2, client, text, msgs, [WEATHER, COUNT])
         assert calls == [("get_weather", '{"city": "Paris", "days": [1, 2]}'), ("count", '{"n": 3}')]
         assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
         assert all(len(c.id) == 9 and c.id.isalnum() for c in choice.message.tool_calls)
-        fake2.reset(script=scripted(fake2, text), tokens_per_event=1)
-        stream = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, COUNT],
-                                                stream=True)
-        content, streamed, finish = _reassemble_chat_stream(stream)
-        assert (content, [(c["name"], c["arguments"]) for c in streamed], finish) == (
-            "Checking.", calls, "tool_calls")
+        assert content == "Checking."
 
         # the history, as the client sends it back (our ids) and with ids from elsewhere
         ours = choice.message.tool_calls[0].id
@@ -321,29 +334,19 @@ def test_qwen3_coder_calls_parse_typed_and_their_history_renders():
     come back as JSON arguments typed by the tool's schema (a string that looks like a number
     stays a string, a list is a list), streamed as whole; earlier calls render in the same
     format; `required` constrains to it."""
-    fake2 = FakeEngine()
-    fake2.model.chat_template = QWEN3_CODER_TEMPLATE
     days = {**WEATHER["function"]["parameters"],
             "properties": {"city": {"type": "string"}, "days": {"type": "array"}}}
     tools = [{"type": "function", "function": {**WEATHER["function"], "parameters": days}}, COUNT]
     text = ("I will check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n2024\n</parameter>\n"
             "<parameter=days>\n[1, 2]\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
             "<function=count>\n<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>")
-    fake2.reset(script=scripted(fake2, text))
-    with ServerThread(create_app(fake2, ServerConfig())) as s:
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+    with _family(QWEN3_CODER_TEMPLATE) as (fake2, client):
         msgs = [{"role": "user", "content": "weather?"}]
-        whole = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools)
-        choice = whole.choices[0]
-        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        choice, calls, content = _whole_and_streamed(fake2, client, text, msgs, tools)
         assert calls == [("get_weather", '{"city": "2024", "days": [1, 2]}'), ("count", '{"n": 3}')]
         assert choice.finish_reason == "tool_calls" and choice.message.content.strip() == "I will check."
         prompt = fake2.tokenizer.decode(fake2.submits[-1].prompt_ids)
         assert "<tools><function><name>get_weather</name>" in prompt  # the template's own tools
-        fake2.reset(script=scripted(fake2, text), tokens_per_event=1)
-        stream = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, stream=True)
-        content, streamed, finish = _reassemble_chat_stream(stream)
-        assert ([(c["name"], c["arguments"]) for c in streamed], finish) == (calls, "tool_calls")
         assert content.strip() == "I will check."
 
         history = msgs + [
@@ -383,24 +386,14 @@ def test_glm_calls_parse_typed_and_their_history_renders():
     """GLM's family: `<tool_call>NAME` with `<arg_key>`/`<arg_value>` pairs, newline-separated
     (4.5/4.6) or written compact (4.7), come back as typed JSON arguments; earlier calls render
     in the template's format; `required` constrains to it."""
-    fake2 = FakeEngine()
-    fake2.model.chat_template = GLM_TEMPLATE
     text = ("Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
             "<arg_key>days</arg_key>\n<arg_value>[1, 2]</arg_value>\n</tool_call>"
             "<tool_call>count<arg_key>n</arg_key><arg_value>3</arg_value></tool_call>")
-    fake2.reset(script=scripted(fake2, text))
-    with ServerThread(create_app(fake2, ServerConfig())) as s:
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+    with _family(GLM_TEMPLATE) as (fake2, client):
         msgs = [{"role": "user", "content": "weather?"}]
-        choice = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, COUNT]).choices[0]
-        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        choice, calls, _ = _whole_and_streamed(fake2, client, text, msgs, [WEATHER, COUNT])
         assert calls == [("get_weather", '{"city": "Paris", "days": [1, 2]}'), ("count", '{"n": 3}')]
         assert choice.finish_reason == "tool_calls" and choice.message.content.strip() == "Checking."
-        fake2.reset(script=scripted(fake2, text), tokens_per_event=1)
-        stream = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, COUNT],
-                                                stream=True)
-        _, streamed, finish = _reassemble_chat_stream(stream)
-        assert ([(c["name"], c["arguments"]) for c in streamed], finish) == (calls, "tool_calls")
 
         history = msgs + [
             {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
