@@ -500,10 +500,7 @@ class Runner:
         if constrained:
             if masks is None:
                 mx.async_eval(logits)  # the forward runs while the grammar engine fills masks
-                masks = _grammar_masks(constrained, *logits.shape)
-                for _, i in constrained:
-                    if i not in masks[1]:
-                        _note_mask(batch.rows[i], masks[0][i])
+                masks = _noted_masks(batch, constrained, int(logits.shape[-1]))
             bitmask, errors = masks
         out = sample(_masked(logits, bitmask).astype(mx.float32), sampler)
         batch.sampler = sampler.record(out.tokens)
@@ -533,10 +530,7 @@ class Runner:
         errors: dict[int, str] = {}
         if constrained:  # column 0 under the grammar (constrained rows have no drafts)
             mx.async_eval(logits)
-            bitmask, errors = _grammar_masks(constrained, *logits[:, 0, :].shape)
-            for _, i in constrained:
-                if i not in errors:
-                    _note_mask(batch.rows[i], bitmask[i])
+            bitmask, errors = _noted_masks(batch, constrained, int(logits.shape[-1]))
             first = _masked(logits[:, 0, :], bitmask)
             logits = mx.concatenate([first[:, None], logits[:, 1:]], axis=1)
         sampler = batch.sampler
@@ -615,6 +609,16 @@ def _grammar_masks(
     return bitmask, _fill_masks(constrained, bitmask)
 
 
+def _noted_masks(batch: RunningBatch, constrained: list[tuple[Any, int]],
+                 vocab: int) -> tuple[np.ndarray, dict[int, str]]:
+    """`_grammar_masks` at the rows' current states, each recorded on its row (`_note_mask`)."""
+    bitmask, errors = _grammar_masks(constrained, len(batch), vocab)
+    for _, i in constrained:
+        if i not in errors:
+            _note_mask(batch.rows[i], bitmask[i])
+    return bitmask, errors
+
+
 def _masked(logits: mx.array, bitmask: np.ndarray | None) -> mx.array:
     """-inf on every token `bitmask` forbids; free rows pass through bit for bit."""
     if bitmask is None:
@@ -658,9 +662,9 @@ def _changed_masks(step: InFlight, batch: RunningBatch | None,
             missing.append(i)
         elif b not in masks[1]:
             now[i] = masks[0][b]
-    if missing:
-        bitmask = np.full((len(missing), step.bitmask.shape[1]), -1, np.int32)
-        errors = _fill_masks([(step.rows[i].constraint, k) for k, i in enumerate(missing)], bitmask)
+    if missing:  # as wide as the step's masks, to compare with them
+        bitmask, errors = _grammar_masks([(step.rows[i].constraint, k) for k, i in enumerate(missing)],
+                                         len(missing), step.bitmask.shape[1] * 32)
         now.update((i, bitmask[k]) for k, i in enumerate(missing) if k not in errors)
     changed = {}
     for i, mask in now.items():

@@ -285,7 +285,6 @@ class SamplerState:
         out.steps, out.counts, out.seen = self.steps + tokens.shape[1], counts, seen
         return out
 
-
     def replace_last(self, rows: mx.array, old: mx.array, new: mx.array, before: SamplerState,
                      before_rows: Sequence[int]) -> SamplerState:
         """The last draw of `rows` ([N] int32) is `new` instead of the `old` it recorded: their
