@@ -691,19 +691,14 @@ class ToolCallParser:
     def _xml_close(self, events: list[Event], complete: bool) -> None:
         call = self.calls[-1]
         string_open, self._xml_string_open = self._xml_string_open, False
-        if self._repeat is not None and not complete:  # the cut-off start of a repeat: dropped
-            self.calls.pop()
-            self._repeat = None
+        if self._repeat is not None and not complete:  # the cut-off start of a repeat, before
+            self._end_call(events, complete)  # its closing "}" could release it
             return
         # cut off: the arguments that were whole, a string value as far as it came
         tail = ('"' if string_open else "") + ("}" if call.arguments else "{}")
         call.arguments += tail
         self._call_event(CallArgs(len(self.calls) - 1, tail), events)
-        if self._repeat is not None and self._repeats(call, exact=True):
-            self.calls.pop()
-            self._repeat = None
-            return
-        self._call_event(CallEnd(len(self.calls) - 1), events)
+        self._end_call(events, complete)
 
     def _scan_object(self, buf: str, i: int, events: list[Event]) -> int:
         obj = self._obj
@@ -784,8 +779,13 @@ class ToolCallParser:
             call.arguments = "{}"
             self._call_event(CallArgs(len(self.calls) - 1, "{}"), events)
         self._obj = None
-        if self._repeat is not None and (not complete or self._repeats(call, exact=True)):
-            self.calls.pop()  # a repeat of an earlier call (or the cut-off start of one): dropped
+        self._end_call(events, complete)
+
+    def _end_call(self, events: list[Event], complete: bool) -> None:
+        """The current call's end: dropped where it repeats an earlier call of this turn (or is
+        the cut-off start of one), else its CallEnd."""
+        if self._repeat is not None and (not complete or self._repeats(self.calls[-1], exact=True)):
+            self.calls.pop()
             self._repeat = None
             return
         self._call_event(CallEnd(len(self.calls) - 1), events)
