@@ -1,6 +1,7 @@
 """/v1/chat/completions for agents: tools, tool_choice, parallel_tool_calls, response_format, and
 reasoning_content. `server.openai_api.chat_completions` hands a request here when it uses any of
-these (or the model thinks in tags); plain chat stays on the plain path.
+these (or the model thinks in tags, or writes gpt-oss's harmony channels); plain chat stays on
+the plain path.
 
 Streaming follows OpenAI: a tool call's first delta carries its index, id, type and name with
 empty arguments; later deltas carry argument fragments only; the last chunk's finish_reason is
@@ -18,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 from server.errors import bad_request, error_body
 from server.generation import Generation, GenerationError, start_all, usage_numbers
+from server.harmony import is_harmony
 from server.openai_api import (
     SYSTEM_FINGERPRINT,
     AppState,
@@ -56,6 +58,7 @@ def wants_agent_path(body: ChatCompletionRequest, model: ServedModel) -> bool:
         or body.functions
         or (rf and rf.get("type") not in (None, "text"))
         or model_thinks(template, model.tokenizer)
+        or is_harmony(template)
     )
 
 

@@ -14,7 +14,10 @@ Only a tag at the start of the output (after whitespace) opens reasoning; later 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+from server.tools import partial_suffix
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -40,6 +43,13 @@ def model_thinks(template: str | None, tokenizer: Any) -> bool:
 def prompt_opens_thinking(prompt_text: str) -> bool:
     tail = prompt_text.rstrip()
     return tail.endswith(THINK_OPEN)
+
+
+@dataclass(slots=True)
+class ReasoningEvent:
+    """A piece of a turn's reasoning (server.turn's events)."""
+
+    text: str
 
 
 class ReasoningSplitter:
@@ -69,7 +79,7 @@ class ReasoningSplitter:
                     buf = buf[i + len(THINK_CLOSE):]
                     self.state = "after"
                 else:
-                    keep = _partial_suffix(buf, THINK_CLOSE)
+                    keep = partial_suffix(buf, (THINK_CLOSE,))
                     _add(out, "reasoning", buf[: len(buf) - keep])
                     self._held = buf[len(buf) - keep:]
                     return out
@@ -95,13 +105,6 @@ def _add(out: list[tuple[str, str]], kind: str, text: str) -> None:
             out[-1] = (kind, out[-1][1] + text)
         else:
             out.append((kind, text))
-
-
-def _partial_suffix(buf: str, tag: str) -> int:
-    for k in range(min(len(tag) - 1, len(buf)), 0, -1):
-        if buf.endswith(tag[:k]):
-            return k
-    return 0
 
 
 def split_reasoning(text: str, *, in_reasoning: bool = False) -> tuple[str | None, str]:

@@ -14,6 +14,10 @@ A `ToolFormat` says how a model family writes calls; the registry (`FORMATS`) ho
     glm          <tool_call>f\\n<arg_key>city</arg_key>\\n<arg_value>Paris</arg_value>\\n</tool_call>
                  (GLM-4.5/4.6; glm_compact: the same without newlines, GLM-4.7+)
 
+and apart from them `HARMONY` (gpt-oss: `<|channel|>commentary to=functions.f <|constrain|>json
+<|message|>{...}<|call|>` among channels for reasoning and answer), whose output server.harmony
+parses; its format here is what a forced call writes.
+
 `format_for_template(template)` picks one by what the chat template itself writes; a template
 that does not handle `tools` at all (the bundled tinycoder's plain ChatML) gets Hermes, and the
 tools are rendered into the system prompt by `tools_system_prompt` (the documented fallback).
@@ -89,6 +93,8 @@ class ToolFormat:
     call_id_length: int = 0
     # an argument per tag (Qwen3-Coder, GLM): how a call's name and arguments are written
     xml: XmlTags | None = None
+    # a call ends the output (harmony's <|call|>): one call a turn
+    one_call: bool = False
 
     def new_call_id(self) -> str:
         if self.call_id_length:
@@ -181,6 +187,14 @@ GLM = ToolFormat(
 GLM_COMPACT = dataclasses.replace(
     GLM, name="glm_compact", separator="",
     xml=XmlTags("", "", "<arg_key>", "</arg_key><arg_value>", "</arg_value>", "</tool_call>"))
+# gpt-oss: its output is parsed by server.harmony; this is how a forced call is written
+HARMONY = ToolFormat(
+    name="harmony",
+    start_markers=(),
+    call_open="<|channel|>commentary to=functions.",
+    args_marker=" <|constrain|>json<|message|>",
+    one_call=True,
+)
 FORMATS: dict[str, ToolFormat] = {
     f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_V11, QWEN3_CODER, GLM, GLM_COMPACT)}
 _ALNUM = string.ascii_letters + string.digits
@@ -205,6 +219,8 @@ def template_handles_tools(template: str | None) -> bool:
 def format_for_template(template: str | None) -> ToolFormat:
     """The call format a chat template's family uses (Hermes when it shows none)."""
     t = template or ""
+    if "<|channel|>" in t:
+        return HARMONY
     if "[TOOL_CALLS]" in t:
         return MISTRAL_V11 if "[ARGS]" in t else MISTRAL
     if "<function=" in t and "<parameter=" in t:
@@ -546,7 +562,7 @@ class ToolCallParser:
             self._emit_text(rest[:best], events)
             self._open_section(marker)
             return i + best + len(marker)
-        keep = _partial_suffix(rest, markers)
+        keep = partial_suffix(rest, markers)
         self._emit_text(rest[: len(rest) - keep], events)
         self._held = rest[len(rest) - keep :]
         return len(buf)
@@ -901,7 +917,7 @@ class _XmlCall:
             self._take(len(self._value_end))
             self.key = None
             return "close", text[:-1] if newlines and text.endswith("\n") else text
-        keep = _partial_suffix(self.buf, [("\n" if newlines else "") + self._value_end])
+        keep = partial_suffix(self.buf, [("\n" if newlines else "") + self._value_end])
         if keep == len(self.buf):
             return None
         return "text", self._take(len(self.buf) - keep)
@@ -948,7 +964,9 @@ def _xml_value(raw: str, schema: Any) -> Any:
 _NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_-.")
 
 
-def _partial_suffix(buf: str, markers: Sequence[str]) -> int:
+def partial_suffix(buf: str, markers: Sequence[str]) -> int:
+    """How many characters at the end of `buf` may begin one of `markers` (held back until
+    the next text decides)."""
     best = 0
     for m in markers:
         for k in range(min(len(m) - 1, len(buf)), best, -1):

@@ -13,7 +13,8 @@ their text, gets them folded into the next user message (`fold_system_messages`)
 call arguments as objects, the Hugging Face convention); others get the tools in the system
 prompt and the tool history as Hermes text (server.tools). Each choice's text goes through the
 reasoning splitter, then the tool-call parser, both incremental, so streamed and whole responses
-are the same events.
+are the same events; gpt-oss's harmony output goes through its channel parser (server.harmony)
+instead, which gives the same events.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from typing import Any, cast
 
 from server.errors import APIError, bad_request
 from server.generation import Delta, Generation, TokenLogprob, stream_all
+from server.harmony import HarmonyParser, is_harmony
 from server.prompts import ServedModel, encode, render_chat
-from server.reasoning import ReasoningSplitter, model_thinks, prompt_opens_thinking
+from server.reasoning import ReasoningEvent, ReasoningSplitter, model_thinks, prompt_opens_thinking
 from server.tools import (
     CallArgs,
     CallEnd,
@@ -87,15 +89,19 @@ class TurnPlan:
     starts_in_reasoning: bool
     skip_special_tokens: bool = True
     tool_schemas: dict[str, Any] = field(default_factory=dict)  # name -> parameters
+    harmony: bool = False  # gpt-oss's channels (server.harmony) instead of the splitter and parser
 
 
 def _for_native_template(messages: list[dict[str, Any]], fmt: ToolFormat) -> list[dict[str, Any]]:
     """Templates that handle tools expect call arguments as objects, not JSON text; a family
     whose templates accept only certain call ids (Mistral's) gets ids it accepts, the same in a
-    call and in the tool result answering it (`template_call_id`)."""
+    call and in the tool result answering it (`template_call_id`); gpt-oss's template reads an
+    assistant message's reasoning as `thinking` (clients send it back as `reasoning_content`)."""
     length = fmt.call_id_length
     out = []
     for m in messages:
+        if fmt.name == "harmony" and m.get("reasoning_content") and not m.get("thinking"):
+            m = dict(m, thinking=m["reasoning_content"])
         calls = m.get("tool_calls")
         if calls:
             m = dict(m)
@@ -222,7 +228,7 @@ def plan_turn(
     ids = encode(model, text, add_special_tokens=False, param=param)  # checked in server.params
     if use_tools and choice.mode in ("required", "function"):
         forced = [f for f in functions if choice.mode == "required" or f["name"] == choice.name]
-        constraint = fmt.constraint(forced, parallel=parallel and choice.mode == "required")
+        constraint = fmt.constraint(forced, parallel=parallel and choice.mode == "required" and not fmt.one_call)
     elif (use_tools and choice.mode == "auto" and constraint is None and fmt.lazy_trigger
           and any(f.get("strict") for f in functions)):
         # strict tools: text stays free, calls follow the schemas (grammar rows get no
@@ -230,6 +236,7 @@ def plan_turn(
         # only where asked)
         constraint = fmt.constraint(functions, parallel=parallel, lazy=True)
     special = set(getattr(model.tokenizer, "all_special_tokens", []) or [])
+    harmony = is_harmony(template)
     thinks = model_thinks(template, model.tokenizer)
     return TurnPlan(
         prompt_ids=ids,
@@ -240,16 +247,13 @@ def plan_turn(
         constraint=constraint,
         thinks=thinks,
         starts_in_reasoning=thinks and prompt_opens_thinking(text),
-        skip_special_tokens=not (use_tools and any(m in special for m in fmt.start_markers)),
+        # harmony's channels and tool-call markers are special tokens: its parser needs them
+        skip_special_tokens=not (harmony or (use_tools and any(m in special for m in fmt.start_markers))),
+        harmony=harmony,
     )
 
 
 # -- output -----------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class ReasoningEvent:
-    text: str
 
 
 TurnEvent = ReasoningEvent | Event
@@ -259,22 +263,30 @@ class TurnOutput:
     """One choice's text → reasoning / content / tool-call events (incremental)."""
 
     def __init__(self, plan: TurnPlan, parallel: bool = True):
-        self.splitter = ReasoningSplitter(in_reasoning=plan.starts_in_reasoning) if plan.thinks else None
+        tools_on = plan.fmt is not None
+        self.harmony = HarmonyParser(plan.tool_names if tools_on else None) if plan.harmony else None
+        self.splitter = (ReasoningSplitter(in_reasoning=plan.starts_in_reasoning)
+                         if plan.thinks and not plan.harmony else None)
         self.parser = (ToolCallParser(plan.fmt, plan.tool_names, plan.tool_schemas)
-                       if plan.fmt is not None else None)
+                       if plan.fmt is not None and not plan.harmony else None)
         self.parallel = parallel
         self.reasoning: list[str] = []
         self.content: list[str] = []
 
     @property
     def calls(self) -> list[ToolCall]:
-        calls = self.parser.calls if self.parser is not None else []
+        source = self.harmony or self.parser
+        calls = source.calls if source is not None else []
         return calls if self.parallel else calls[:1]
 
     def feed(self, text: str) -> list[TurnEvent]:
+        if self.harmony is not None:
+            return self._keep(self.harmony.feed(text))
         return self._route(self.splitter.feed(text) if self.splitter else [("content", text)], final=False)
 
     def finish(self) -> list[TurnEvent]:
+        if self.harmony is not None:
+            return self._keep(self.harmony.finish())
         parts = self.splitter.finish() if self.splitter else []
         return self._route(parts, final=True)
 
@@ -282,21 +294,21 @@ class TurnOutput:
         out: list[TurnEvent] = []
         for kind, text in parts:
             if kind == "reasoning":
-                self.reasoning.append(text)
-                out.append(ReasoningEvent(text))
+                out.extend(self._keep([ReasoningEvent(text)]))
             elif self.parser is None:
-                self.content.append(text)
-                out.append(TextEvent(text))
+                out.extend(self._keep([TextEvent(text)]))
             else:
                 out.extend(self._keep(self.parser.feed(text)))
         if final and self.parser is not None:
             out.extend(self._keep(self.parser.finish()))
         return out
 
-    def _keep(self, events: list[Event]) -> list[TurnEvent]:
+    def _keep(self, events: Sequence[TurnEvent]) -> list[TurnEvent]:
         kept: list[TurnEvent] = []
         for e in events:
-            if isinstance(e, TextEvent):
+            if isinstance(e, ReasoningEvent):
+                self.reasoning.append(e.text)
+            elif isinstance(e, TextEvent):
                 self.content.append(e.text)
             elif not self.parallel and isinstance(e, (CallStart, CallArgs, CallEnd)) and e.index > 0:
                 continue  # parallel_tool_calls=false: the first call only
@@ -309,7 +321,7 @@ class TurnOutput:
 
     @property
     def reasoning_text(self) -> str | None:
-        return "".join(self.reasoning) if self.splitter is not None and self.reasoning else None
+        return "".join(self.reasoning) if self.reasoning else None
 
 
 @dataclass(slots=True)

@@ -411,6 +411,66 @@ def test_glm_calls_parse_typed_and_their_history_renders():
         assert spec["format"]["xml"]["key_open"] == "<arg_key>" and spec["format"]["call_open"] == "<tool_call>"
 
 
+# the wire format of gpt-oss's harmony template: channels, calls addressed to functions.NAME,
+# tool results from functions.NAME, the reasoning of a call's turn as `thinking`
+HARMONY_TEMPLATE = (
+    "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
+    "{%- if tools %}<|start|>developer<|message|>namespace functions { "
+    "{% for t in tools %}type {{ t.function.name }} = (_: any) => any; {% endfor %}}<|end|>{% endif -%}"
+    "{%- set ns = namespace(last='') %}{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}"
+    "{%- if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>{% endif -%}"
+    "{%- set c = m.tool_calls[0].function %}{% set ns.last = c.name -%}"
+    "<|start|>assistant to=functions.{{ c.name }}<|channel|>commentary json<|message|>"
+    "{{ c.arguments | tojson }}<|call|>"
+    "{%- elif m.role == 'tool' %}<|start|>functions.{{ ns.last }} to=assistant<|channel|>commentary"
+    "<|message|>{{ m.content }}<|end|>"
+    "{%- elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"
+    "{%- else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+
+def test_harmony_channels_become_reasoning_answers_and_calls():
+    """gpt-oss: analysis is reasoning_content, final the answer (plain chat too), a message to
+    functions.NAME a tool call, streamed as whole; the history renders calls in the template's
+    own way with their reasoning; `required` constrains to one call in its wire format."""
+    call = ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
+            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>')
+    answer = ("<|channel|>analysis<|message|>Say hi.<|end|><|start|>assistant<|channel|>final"
+              "<|message|>Hello there!<|return|>")
+    with _family(HARMONY_TEMPLATE) as (fake2, client):
+        msgs = [{"role": "user", "content": "weather in Paris?"}]
+        choice, calls, content = _whole_and_streamed(fake2, client, call, msgs, [WEATHER, COUNT])
+        assert calls == [("get_weather", '{"city": "Paris"}')] and content == ""
+        assert choice.message.content is None
+        assert choice.message.model_extra["reasoning_content"] == "Need the weather."
+
+        fake2.reset(script=scripted(fake2, answer))
+        msg = client.chat.completions.create(model=MODEL, messages=msgs).choices[0].message
+        assert (msg.content, msg.model_extra["reasoning_content"]) == ("Hello there!", "Say hi.")
+
+        history = msgs + [
+            {"role": "assistant", "content": None, "reasoning_content": "Need the weather.",
+             "tool_calls": [{"id": "call_1", "type": "function",
+                             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]
+        fake2.reset(script=scripted(fake2, answer))
+        client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER])
+        prompt = fake2.tokenizer.decode(fake2.submits[-1].prompt_ids)
+        assert ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant to=functions.'
+                'get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>') in prompt
+        assert prompt.endswith("<|start|>functions.get_weather to=assistant<|channel|>commentary"
+                               "<|message|>sunny<|end|><|start|>assistant")
+
+        fake2.reset(script=scripted(fake2, call))
+        client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, COUNT], tool_choice="required")
+        spec = fake2.submits[-1].params.constraint
+        assert (spec["format"]["call_open"], spec["format"]["args_marker"], spec["parallel"]) == (
+            "<|channel|>commentary to=functions.", " <|constrain|>json<|message|>", False)
+
+
 def test_reasoning_effort_reaches_the_chat_template():
     """OpenAI's reasoning effort (chat's `reasoning_effort`, Responses' `reasoning.effort`) is
     the template's `reasoning_effort` variable (gpt-oss reads it), "none" also turns Qwen3's
