@@ -23,7 +23,7 @@ from pydantic import BaseModel
 pytest.importorskip("llguidance")
 
 from engine.constrain import ConstraintError, compile_constraint, fill_masks, new_bitmask  # noqa: E402
-from server.tools import FORMATS, HERMES, MISTRAL, ToolFormat  # noqa: E402
+from server.tools import FORMATS, HARMONY, HERMES, MISTRAL, ToolFormat  # noqa: E402
 from tests.tool_text import calls_text  # noqa: E402
 
 WEATHER = {
@@ -261,3 +261,39 @@ def test_a_lazy_spec_needs_its_trigger_and_names_a_bad_tool(lm):
     with pytest.raises(ConstraintError) as err:
         _compile(lm, HERMES, [WEATHER, {"name": "broken", "parameters": {"type": "objectx"}}], lazy=True)
     assert str(err.value).startswith("tool 'broken' parameters:")
+
+
+def test_markup_that_is_a_special_token_is_written_as_that_token(lm):
+    """A format whose markers are special tokens of the tokenizer (as Mistral's [TOOL_CALLS] and
+    [ARGS] are in its own): the grammar allows those tokens, not the marker spelled out in text,
+    forced and after free text (lazy)."""
+    fmt = ToolFormat(name="special", start_markers=("<|im_start|>",), call_open="<|im_start|>",
+                     args_marker="<|im_end|>")
+    opened, args = 1, 2  # the bundled tokenizer's <|im_start|>, <|im_end|>
+    assert lm.tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [opened, args]
+    call = [opened, *lm.tokenizer.encode("search", add_special_tokens=False), args,
+            *lm.tokenizer.encode('{"query": "csv"}', add_special_tokens=False)]
+    for lazy, lead in ((False, []), (True, lm.tokenizer.encode("Let me look.", add_special_tokens=False))):
+        c = _compile(lm, fmt, [WEATHER, SEARCH], lazy=lazy)
+        for t in lead:
+            assert t in _allowed(lm, c) and c.consume(t)
+        if not lazy:
+            assert _allowed(lm, c) == {opened}  # not "<", "|", ... as text
+        for t in call:
+            assert t in _allowed(lm, c) and c.consume(t)
+        assert c.matcher.is_accepting()
+        # after the marker the call follows the tools
+        c = _compile(lm, fmt, [WEATHER, SEARCH], lazy=lazy)
+        assert all(c.consume(t) for t in [*lead, opened])
+        assert not _feed(lm, c, "get_time")
+
+
+def test_a_forced_harmony_call_is_one_call_to_a_function(lm):
+    """gpt-oss: the commentary header addressed to functions.NAME, then the arguments as JSON;
+    one call (the format's <|call|> ends the output), and only the tools' schemas."""
+    call = calls_text(HARMONY, [PARIS])
+    assert call.startswith("<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{")
+    assert accepts(lm, HARMONY, [WEATHER, SEARCH], call, parallel=False)
+    assert not accepts(lm, HARMONY, [WEATHER, SEARCH], calls_text(HARMONY, [PARIS, QUERY]), parallel=False)
+    assert not accepts(lm, HARMONY, [WEATHER, SEARCH], calls_text(HARMONY, [("get_weather", {"city": "Oslo"})]),
+                       parallel=False)

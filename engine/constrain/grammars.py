@@ -17,12 +17,17 @@ it writes the trigger (a prefix of list_open + call_open), which may never come:
 followed by calls that the grammar then holds to the tools' schemas (an llguidance lazy lexeme,
 so the trigger is found across token boundaries). It is what `strict` tools ask for when the
 model may also answer in text.
+
+Markup that is a special token of the model's tokenizer (Mistral's `[TOOL_CALLS]` and `[ARGS]`,
+harmony's `<|channel|>`) is written as that token, never spelled out in text; a special-token
+trigger ends the free text by itself. The tags of argument-per-tag formats stay text.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from engine.constrain.base import ConstraintError
@@ -50,6 +55,18 @@ def _schema(value: Any, where: str) -> dict[str, Any]:
 
 def _lark_str(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
+
+
+def _lark_text(text: str, special: Mapping[str, int]) -> str:
+    """`text` as grammar items: the special tokens in it (`special`: the tokenizer's, text → id)
+    as those tokens, the rest as text. A quoted "[TOOL_CALLS]" would make the model spell the
+    marker out in ordinary tokens, which it was never trained to do, and never allow the one
+    token it writes."""
+    found = sorted((t for t in special if t and t in text), key=len, reverse=True)
+    if not found:
+        return _lark_str(text)
+    pieces = re.split("(" + "|".join(map(re.escape, found)) + ")", text)
+    return " ".join(f"<[{special[p]}]>" if p in special else _lark_str(p) for p in pieces if p)
 
 
 def _json_grammar(schema: dict[str, Any], *, lenient: bool) -> str:
@@ -89,7 +106,7 @@ def tool_call_schema(tool: dict[str, Any], name_key: str, args_key: str, index: 
     }
 
 
-def _tool_calls_lark(spec: dict[str, Any]) -> str:
+def _tool_calls_lark(spec: dict[str, Any], special: Mapping[str, int]) -> str:
     tools = spec.get("tools")
     if not isinstance(tools, list) or not tools:
         raise ConstraintError("a tool_calls constraint needs a non-empty 'tools' list")
@@ -118,7 +135,7 @@ def _tool_calls_lark(spec: dict[str, Any]) -> str:
         if args_marker:  # Mistral v11+: the name, the marker, the arguments object
             name, params = _tool_parameters(tool, i)
             schema = {**params, "x-guidance": options}
-            rules.append(f"tool_{i}: {_lark_str(name + args_marker)} %json "
+            rules.append(f"tool_{i}: {_lark_str(name)} {_lark_text(args_marker, special)} %json "
                          f"{json.dumps(schema, ensure_ascii=False)}")
             continue
         schema = {**tool_call_schema(tool, name_key, args_key, i), "x-guidance": options}
@@ -131,17 +148,21 @@ def _tool_calls_lark(spec: dict[str, Any]) -> str:
         trigger = spec.get("trigger")
         if not isinstance(trigger, str) or not trigger or not first_open.startswith(trigger):
             raise ConstraintError("a lazy tool_calls constraint needs a 'trigger' that opens its first call")
-        head = f"TEXT | trig {_lark_str(first_open[len(trigger):])}"
-        free = [f"trig[lazy]: TEXT {_lark_str(trigger)}", "TEXT: /(.|\\n)*/"]
+        rest = _lark_text(first_open[len(trigger):], special)
+        if trigger in special:  # the token itself ends the text (no text contains it)
+            head, free = f"TEXT | TEXT <[{special[trigger]}]> {rest}", ["TEXT: /(.|\\n)*/"]
+        else:
+            head = f"TEXT | trig {rest}"
+            free = [f"trig[lazy]: TEXT {_lark_str(trigger)}", "TEXT: /(.|\\n)*/"]
     else:
-        head, free = _lark_str(first_open), []
-    opened, closed = _lark_str(parts["call_open"]), _lark_str(parts["call_close"])
-    sep = _lark_str(parts["separator"])
+        head, free = _lark_text(first_open, special), []
+    opened, closed = _lark_text(parts["call_open"], special), _lark_text(parts["call_close"], special)
+    sep = _lark_text(parts["separator"], special)
     more = ""
     for k in range(slots - 1, 0, -1):  # call_0 (sep call_1 (sep call_2)?)?: at most `slots` calls
         more = f" ({sep} {opened} {CALL_CAPTURE}_{k} {closed}{more})?"
     lines = [
-        f"start: {head} {CALL_CAPTURE}_0 {closed}{more} {_lark_str(parts['list_close'])}",
+        f"start: {head} {CALL_CAPTURE}_0 {closed}{more} {_lark_text(parts['list_close'], special)}",
         f"body: {body}",
         *rules,  # tool i's rule is on line FIRST_TOOL_LINE + i (tool_error relies on it)
         *free,
@@ -229,8 +250,9 @@ def tool_error(spec: Any, message: str) -> str:
     return rest
 
 
-def grammar_of(spec: Any) -> str:
-    """The llguidance grammar for a spec; ConstraintError for anything malformed."""
+def grammar_of(spec: Any, special: Mapping[str, int] | None = None) -> str:
+    """The llguidance grammar for a spec; ConstraintError for anything malformed. `special`: the
+    tokenizer's special tokens (text → id), which a tool-call format's markup is written in."""
     import llguidance
 
     if not isinstance(spec, dict):
@@ -251,7 +273,7 @@ def grammar_of(spec: Any) -> str:
             raise ConstraintError("a lark constraint needs a string 'grammar'")
         return llguidance.LLMatcher.grammar_from_lark(grammar)
     if kind == "tool_calls":
-        return llguidance.LLMatcher.grammar_from_lark(_tool_calls_lark(spec))
+        return llguidance.LLMatcher.grammar_from_lark(_tool_calls_lark(spec, special or {}))
     raise ConstraintError(
         f"unknown constraint type {kind!r}; expected json_schema, json_object, regex, lark or tool_calls"
     )

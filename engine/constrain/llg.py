@@ -39,6 +39,21 @@ def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> An
         return lltok
 
 
+_specials: dict[int, dict[str, int]] = {}  # by id(tokenizer), like _tokenizers
+
+
+def special_tokens(tokenizer: Any) -> dict[str, int]:
+    """The tokenizer's special tokens, text → id (what grammars write markup in)."""
+    key = id(tokenizer)
+    with _lock:
+        found = _specials.get(key)
+        if found is None:
+            added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+            found = {str(t): int(i) for i, t in added.items() if getattr(t, "special", False)}
+            _specials[key] = found
+        return found
+
+
 def _get_executor() -> Any:
     global _executor
     import llguidance
@@ -104,7 +119,7 @@ def compile_constraint(
     failing the row on the engine thread."""
     import llguidance
 
-    grammar = grammar_of(spec)
+    grammar = grammar_of(spec, special_tokens(tokenizer) if tokenizer is not None else None)
     lltok = _ll_tokenizer(tokenizer, vocab_size, eos_ids)
     # an invalid grammar leaves the matcher in its error state, with the message
     # LLMatcher.validate_grammar would give (compiling it only once)
