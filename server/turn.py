@@ -27,9 +27,16 @@ from typing import Any, cast
 
 from server.errors import APIError, bad_request
 from server.generation import Delta, Generation, TokenLogprob, stream_all
-from server.harmony import HarmonyParser, is_harmony
+from server.harmony import HARMONY_ANALYSIS, HARMONY_FINAL, HARMONY_NEXT, HarmonyParser, is_harmony
 from server.prompts import ServedModel, encode, render_chat
-from server.reasoning import ReasoningEvent, ReasoningSplitter, model_thinks, prompt_opens_thinking
+from server.reasoning import (
+    THINK_CLOSE,
+    THINK_OPEN,
+    ReasoningEvent,
+    ReasoningSplitter,
+    model_thinks,
+    prompt_opens_thinking,
+)
 from server.tools import (
     CallArgs,
     CallEnd,
@@ -238,19 +245,37 @@ def plan_turn(
     special = set(getattr(model.tokenizer, "all_special_tokens", []) or [])
     harmony = is_harmony(template)
     thinks = model_thinks(template, model.tokenizer)
+    opened = thinks and prompt_opens_thinking(text)
     return TurnPlan(
         prompt_ids=ids,
         prompt_text=text,
         fmt=fmt if use_tools else None,
         tool_names=[f["name"] for f in functions],
         tool_schemas={f["name"]: f.get("parameters") for f in functions},
-        constraint=constraint,
+        constraint=_reasoning_first(constraint, harmony=harmony, thinks=thinks, opened=opened),
         thinks=thinks,
-        starts_in_reasoning=thinks and prompt_opens_thinking(text),
+        starts_in_reasoning=opened,
         # harmony's channels and tool-call markers are special tokens: its parser needs them
         skip_special_tokens=not (harmony or (use_tools and any(m in special for m in fmt.start_markers))),
         harmony=harmony,
     )
+
+
+def _reasoning_first(constraint: dict[str, Any] | None, *, harmony: bool, thinks: bool,
+                     opened: bool) -> dict[str, Any] | None:
+    """A reasoning model's constrained answer (JSON, a forced call) comes after its reasoning,
+    which stays free (engine.constrain's `reasoning`): held from the first token, the answer
+    would land in the reasoning where the prompt opened it, and the model could not think."""
+    if (constraint is None or constraint.get("lazy")
+            or constraint.get("type") not in ("json_schema", "json_object", "tool_calls")):
+        return constraint
+    if harmony:
+        answer = "" if constraint["type"] == "tool_calls" else HARMONY_FINAL  # a call has its header
+        return {**constraint, "reasoning": {"open": HARMONY_ANALYSIS, "close": HARMONY_NEXT,
+                                            "prefix": answer}}
+    if thinks:
+        return {**constraint, "reasoning": {"open": THINK_OPEN, "close": THINK_CLOSE, "opened": opened}}
+    return constraint
 
 
 # -- output -----------------------------------------------------------------------------------

@@ -251,6 +251,14 @@ def test_reasoning_split_when_the_template_thinks(fake):
                 content += c.delta.content or ""
                 reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
         assert (reasoning, content) == ("The user wants a greeting.", "Hello there!")
+        # a JSON answer comes after the reasoning the prompt opened
+        fake2.reset(script=scripted(fake2, 'Numbers.</think>\n\n{"n": 4}'))
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                           response_format={"type": "json_object"})
+        assert (r.choices[0].message.content, r.choices[0].message.model_extra["reasoning_content"]) == (
+            '{"n": 4}', "Numbers.")
+        assert fake2.submits[-1].params.constraint == {
+            "type": "json_object", "reasoning": {"open": "<think>", "close": "</think>", "opened": True}}
 
 
 # the wire format of Mistral's v11+ templates (Mistral Small 3.1+, Devstral, Magistral),
@@ -469,6 +477,16 @@ def test_harmony_channels_become_reasoning_answers_and_calls():
         spec = fake2.submits[-1].params.constraint
         assert (spec["format"]["call_open"], spec["format"]["args_marker"], spec["parallel"]) == (
             "<|channel|>commentary to=functions.", " <|constrain|>json<|message|>", False)
+        analysis = {"open": "<|channel|>analysis<|message|>", "close": "<|end|><|start|>assistant"}
+        assert spec["reasoning"] == {**analysis, "prefix": ""}
+
+        # a JSON answer: after the analysis, in the final channel
+        fake2.reset(script=scripted(fake2, answer.replace("Hello there!", '{"n": 4}')))
+        msg = client.chat.completions.create(model=MODEL, messages=msgs, response_format={"type": "json_object"}
+                                             ).choices[0].message
+        assert (msg.content, msg.model_extra["reasoning_content"]) == ('{"n": 4}', "Say hi.")
+        assert fake2.submits[-1].params.constraint["reasoning"] == {
+            **analysis, "prefix": "<|channel|>final<|message|>"}
 
 
 def test_reasoning_effort_reaches_the_chat_template():

@@ -297,3 +297,56 @@ def test_a_forced_harmony_call_is_one_call_to_a_function(lm):
     assert not accepts(lm, HARMONY, [WEATHER, SEARCH], calls_text(HARMONY, [PARIS, QUERY]), parallel=False)
     assert not accepts(lm, HARMONY, [WEATHER, SEARCH], calls_text(HARMONY, [("get_weather", {"city": "Oslo"})]),
                        parallel=False)
+
+
+def _accepts_spec(lm, spec: dict[str, Any], text: str, lead: list[int] = ()) -> bool:
+    c = compile_constraint(spec, lm.tokenizer, lm.vocab_size, lm.eos_token_ids)
+    if not all(t in _allowed(lm, c) and c.consume(t) for t in lead) or not _feed(lm, c, text):
+        return False
+    return c.matcher.is_accepting() and bool(_allowed(lm, c) & set(lm.eos_token_ids))
+
+
+THINK = {"open": "<think>", "close": "</think>"}
+HARMONY_REASONING = {"open": "<|channel|>analysis<|message|>", "close": "<|end|><|start|>assistant",
+                     "prefix": "<|channel|>final<|message|>"}
+
+
+def test_reasoning_may_come_before_the_constrained_answer(lm):
+    """A reasoning model's constrained answer (JSON, a forced call) comes after its reasoning:
+    free text inside the markers, then the answer the grammar holds; the reasoning is optional
+    unless the prompt opened it, and nothing but the answer may follow it."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    spec = {"type": "json_schema", "schema": schema, "strict": True, "reasoning": THINK}
+    thought = "<think>The user wants {a}; maybe a = 1? </thinking> is not the end.</think>\n\n"
+    assert _accepts_spec(lm, spec, thought + '{"a": 1}')
+    assert _accepts_spec(lm, spec, '{"a": 1}')  # no reasoning
+    assert not _accepts_spec(lm, spec, thought + '{"a": "x"}')
+    assert not _accepts_spec(lm, spec, 'Sure: {"a": 1}')  # text that is not reasoning
+    opened = {**spec, "reasoning": {**THINK, "opened": True}}
+    assert _accepts_spec(lm, opened, 'so a = 1</think>{"a": 1}')
+    assert not _accepts_spec(lm, opened, '{"a": 1}')  # the opened reasoning must close first
+    # harmony: the analysis channel, then the answer in the final channel
+    harmony = {**spec, "reasoning": HARMONY_REASONING}
+    assert _accepts_spec(lm, harmony, '<|channel|>analysis<|message|>a = 1<|end|><|start|>assistant'
+                                      '<|channel|>final<|message|>{"a": 1}')
+    assert _accepts_spec(lm, harmony, '<|channel|>final<|message|>{"a": 1}')
+    assert not _accepts_spec(lm, harmony, '{"a": 1}')
+    # a forced call after reasoning, its tool error still named
+    calls = {**HERMES.constraint([WEATHER], parallel=False), "reasoning": THINK}
+    assert _accepts_spec(lm, calls, "<think>Paris, 3 days.</think>\n" + calls_text(HERMES, [PARIS]))
+    assert not _accepts_spec(lm, calls, "<think>Paris.</think>\n" + calls_text(HERMES, [QUERY]))
+    with pytest.raises(ConstraintError) as err:
+        compile_constraint({**HERMES.constraint([{"name": "broken", "parameters": {"type": "objectx"}}],
+                                                parallel=False), "reasoning": THINK},
+                           lm.tokenizer, lm.vocab_size, lm.eos_token_ids)
+    assert str(err.value).startswith("tool 'broken' parameters:")
+
+
+def test_a_reasoning_close_that_is_a_special_token_ends_it_by_that_token(lm):
+    spec = {"type": "json_object", "reasoning": {"open": "<think>", "close": "<|im_end|>"}}
+    text = lm.tokenizer.encode("<think>hm, an object", add_special_tokens=False)
+    assert _accepts_spec(lm, spec, '{"k": 2}', lead=[*text, 2])
+    with pytest.raises(ConstraintError, match="reasoning"):
+        compile_constraint({"type": "regex", "pattern": "a+", "reasoning": THINK},
+                           lm.tokenizer, lm.vocab_size, lm.eos_token_ids)

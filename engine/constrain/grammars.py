@@ -21,6 +21,11 @@ model may also answer in text.
 Markup that is a special token of the model's tokenizer (Mistral's `[TOOL_CALLS]` and `[ARGS]`,
 harmony's `<|channel|>`) is written as that token, never spelled out in text; a special-token
 trigger ends the free text by itself. The tags of argument-per-tag formats stay text.
+
+A spec with `"reasoning": {"open": "<think>", "close": "</think>", "opened": false, "prefix": ""}`
+(JSON and eager tool calls) lets a reasoning model think first: free text between the markers
+(optional, or required and without `open` where the prompt opened it), then `prefix` and the
+answer.
 """
 
 from __future__ import annotations
@@ -250,6 +255,49 @@ def tool_error(spec: Any, message: str) -> str:
     return rest
 
 
+def _answer_lark(spec: dict[str, Any], special: Mapping[str, int]) -> str:
+    """The Lark grammar of a spec that can follow reasoning (its start rule on the first line)."""
+    kind = spec.get("type")
+    if kind in ("json_schema", "json_object"):
+        schema = _schema(spec.get("schema"), "'schema'") if kind == "json_schema" else {"type": "object"}
+        lenient = kind == "json_schema" and not spec.get("strict", True)
+        options = dict(JSON_OPTIONS, lenient=lenient)
+        return f"start: %json {json.dumps({**schema, 'x-guidance': options}, ensure_ascii=False)}\n"
+    if kind == "tool_calls" and not spec.get("lazy"):
+        return _tool_calls_lark(spec, special)
+    raise ConstraintError("'reasoning' goes with json_schema, json_object and (not lazy) tool_calls constraints")
+
+
+def _after_reasoning(lark: str, reasoning: Any, special: Mapping[str, int]) -> str:
+    """`lark` (its start rule on the first line) after the model's reasoning: `reasoning` is
+    {"open", "close", "opened", "prefix"}: the reasoning is `open`, free text, `close` (when
+    the prompt `opened` it, the text and `close` only, and then they must come), then `prefix`
+    (harmony's final-channel header) and the answer. The reasoning's text ends at the first
+    `close`; a close that begins with a special token ends it by that token."""
+    if not isinstance(reasoning, dict):
+        raise ConstraintError("'reasoning' must be an object")
+    opening, close, prefix = (reasoning.get(k, "") for k in ("open", "close", "prefix"))
+    if not all(isinstance(v, str) for v in (opening, close, prefix)) or not close or not (
+            opening or reasoning.get("opened")):
+        raise ConstraintError("'reasoning' needs string 'open' (unless 'opened') and 'close' markers")
+    head, _, rest = lark.partition("\n")
+    if not head.startswith("start:"):
+        raise ConstraintError("the answer's grammar must begin with its start rule")
+    if any(close.startswith(t) for t in special):
+        body, rules = f"REASON_TEXT {_lark_text(close, special)}", ["REASON_TEXT: /(.|\\n)*/"]
+    else:
+        body = "reason_text"
+        rules = [f"reason_text[lazy]: REASON_TEXT {_lark_str(close)}", "REASON_TEXT: /(.|\\n)*/"]
+    reason = body if reasoning.get("opened") else f"({_lark_text(opening, special)} {body})?"
+    return "\n".join([
+        "answer:" + head[len("start:"):],  # the answer's rules keep their lines (tool_error)
+        rest.rstrip("\n"),
+        f"start: {reason} GAP? {_lark_text(prefix, special)} answer",
+        "GAP: /[ \\t\\r\\n]+/",
+        *rules,
+    ]) + "\n"
+
+
 def grammar_of(spec: Any, special: Mapping[str, int] | None = None) -> str:
     """The llguidance grammar for a spec; ConstraintError for anything malformed. `special`: the
     tokenizer's special tokens (text → id), which a tool-call format's markup is written in."""
@@ -258,6 +306,9 @@ def grammar_of(spec: Any, special: Mapping[str, int] | None = None) -> str:
     if not isinstance(spec, dict):
         raise ConstraintError("a constraint must be an object with a 'type'")
     kind = spec.get("type")
+    if spec.get("reasoning") is not None:
+        lark = _after_reasoning(_answer_lark(spec, special or {}), spec["reasoning"], special or {})
+        return llguidance.LLMatcher.grammar_from_lark(lark)
     if kind == "json_schema":
         return _json_grammar(_schema(spec.get("schema"), "'schema'"), lenient=not spec.get("strict", True))
     if kind == "json_object":
