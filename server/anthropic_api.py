@@ -42,6 +42,7 @@ from server.generation import (
     start_all,
     usage_numbers,
 )
+from server.harmony import HARMONY_ANALYSIS, HARMONY_FINAL, HARMONY_NEXT
 from server.openai_api import app_state
 from server.params import SamplingRequest, build_params
 from server.prepare import off_loop
@@ -314,14 +315,18 @@ def _continues_assistant(body: CountTokensRequest, msgs: list[dict[str, Any]]) -
 
 
 def _think_budget(body: MessagesRequest, plan: TurnPlan, model: ServedModel) -> ThinkBudget | None:
-    """`thinking: {type: enabled, budget_tokens: N}` on a model that writes <think> reasoning:
-    after N output tokens an unclosed reasoning is closed and the answer follows."""
+    """`thinking: {type: enabled, budget_tokens: N}` on a model that writes <think> reasoning
+    (or gpt-oss's analysis channel): after N output tokens an unclosed reasoning is closed and
+    the answer follows."""
     thinking = body.thinking or {}
     budget = thinking.get("budget_tokens")
-    if thinking.get("type") != "enabled" or not plan.thinks:
+    if thinking.get("type") != "enabled" or not (plan.thinks or plan.harmony):
         return None
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
         raise bad_request("thinking.budget_tokens must be a positive integer")
+    if plan.harmony:
+        close = model.tokenizer.encode(HARMONY_NEXT + HARMONY_FINAL, add_special_tokens=False)
+        return ThinkBudget(budget, list(close), False, HARMONY_ANALYSIS, HARMONY_NEXT)
     close = model.tokenizer.encode("\n" + THINK_CLOSE + "\n\n", add_special_tokens=False)
     return ThinkBudget(budget, list(close), plan.starts_in_reasoning)
 

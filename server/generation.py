@@ -74,7 +74,9 @@ class ChoiceSpec:
 class ThinkBudget:
     tokens: int  # output tokens the reasoning may take
     close_ids: list[int]  # the closing tag's tokens ("\n</think>\n\n")
-    starts_in_reasoning: bool  # the prompt opened the reasoning (else "<think>" must come first)
+    starts_in_reasoning: bool  # the prompt opened the reasoning (else `opening` must come first)
+    opening: str = THINK_OPEN  # what opens and closes the reasoning in the text (harmony:
+    closing: str = THINK_CLOSE  # the analysis channel's header and its <|end|>)
 
 
 @dataclass(slots=True)
@@ -294,18 +296,18 @@ class Generation:
         seen = self._seen + text
         if not self._opened:  # the answer must start with the tag
             head = seen.lstrip()
-            if head.startswith(THINK_OPEN):
-                self._opened, seen = True, head[len(THINK_OPEN):]
-            elif THINK_OPEN.startswith(head):  # "", "<", "<th": not decided yet
+            if head.startswith(budget.opening):
+                self._opened, seen = True, head[len(budget.opening):]
+            elif budget.opening.startswith(head):  # "", "<", "<th": not decided yet
                 self._seen = seen
                 return False
             else:
                 self._budget_spent = True  # no reasoning: nothing to watch
                 return False
-        if THINK_CLOSE in seen:
+        if budget.closing in seen:
             self._budget_spent = True  # the model closed it itself
             return False
-        self._seen = seen[-(len(THINK_CLOSE) - 1):]  # a tag cut between two events
+        self._seen = seen[-(len(budget.closing) - 1):]  # a tag cut between two events
         return self.pipeline.num_tokens >= budget.tokens
 
     async def _close_reasoning(self) -> Delta:
@@ -321,11 +323,14 @@ class Generation:
         left = None if limit is None else limit - self.pipeline.num_tokens
         if left is None or left > 0:
             self._req_id = f"{self.spec.req_id}-answer"
+            constraint = request.params.constraint
+            if isinstance(constraint, dict) and "reasoning" in constraint:  # the answer is next
+                constraint = {k: v for k, v in constraint.items() if k != "reasoning"}
             try:
                 self._stream = await self.client.submit(dataclasses.replace(
                     request, req_id=self._req_id,
                     prompt_ids=list(self.spec.prompt_ids) + self.pipeline.token_ids,
-                    params=dataclasses.replace(request.params, max_tokens=left)))
+                    params=dataclasses.replace(request.params, max_tokens=left, constraint=constraint)))
                 return Delta(self.spec.index, text, lps)
             except EngineError as exc:  # the context is full, or the queue: the answer ends here
                 log.info("%s: the answer after the reasoning budget was refused: %s",

@@ -729,6 +729,33 @@ def test_messages_thinking_budget_closes_the_reasoning():
         assert plain.content[-1].text == "Hello there!" and len(fake2.submits) == 1
 
 
+def test_messages_thinking_budget_closes_harmony_analysis():
+    """gpt-oss: the budget watches the analysis channel; past it, the analysis is ended and the
+    final channel opened as the model would have, and a constrained answer (a forced call)
+    continues without the reasoning part of its grammar."""
+    fake2 = FakeEngine()
+    fake2.model.chat_template = HARMONY_TEMPLATE
+    tok = fake2.tokenizer
+    close = tok.encode("<|end|><|start|>assistant<|channel|>final<|message|>", add_special_tokens=False)
+    rambling = tok.encode("<|channel|>analysis<|message|>" + " and then" * 40, add_special_tokens=False)
+    answer = tok.encode("Hello there!<|return|>", add_special_tokens=False)
+    fake2.reset(script=lambda r: (answer if r.prompt_ids[-len(close):] == close else rambling) + [fake2.eos_id])
+    thinking = {"type": "enabled", "budget_tokens": 12}
+    convo = [{"role": "user", "content": "hi"}]
+    with ServerThread(create_app(fake2, ServerConfig())) as s:
+        client = anthropic.Anthropic(base_url=s.url, api_key="x", max_retries=0)
+        msg = client.messages.create(model=MODEL, max_tokens=100, thinking=thinking, messages=convo)
+        assert [b.type for b in msg.content] == ["thinking", "text"] and msg.content[1].text == "Hello there!"
+        first, second = fake2.submits[-2:]
+        assert second.prompt_ids == first.prompt_ids + rambling[:12] + close
+        tool = {"name": "get_weather", "input_schema": {"type": "object"}}
+        client.messages.create(model=MODEL, max_tokens=100, thinking=thinking, messages=convo, tools=[tool],
+                               tool_choice={"type": "any"})
+        first, second = fake2.submits[-2:]
+        assert "reasoning" in first.params.constraint and "reasoning" not in second.params.constraint
+        assert second.params.constraint["format"] == first.params.constraint["format"]
+
+
 def test_messages_count_tokens_and_errors(fake, claude, server):
     n = claude.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hello there"}])
     assert n.input_tokens > 3
