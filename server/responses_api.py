@@ -5,7 +5,9 @@ Input items become chat messages for `server.turn` (messages; function_call → 
 call; function_call_output → a tool message); output items are reasoning, message and
 function_call. Tools: function tools; namespace tools (Codex's grouping of MCP tools) unpacked
 into their functions, which the prompt names `namespace + name` and function_call items give back
-as `name` and `namespace`; hosted tools (web_search, image_generation, ...) and other types this
+as `name` and `namespace`; custom tools (free-text input, such as Codex's apply_patch) offered as
+a function of one string argument, `input`, and given back as custom_tool_call items (input
+items of that type go back into the prompt the same way); hosted tools (web_search, image_generation, ...) and other types this
 server cannot run are left out of the prompt, logged once per type. A whole answer is written by
 the same item writer as a stream, so both have the same output items.
 
@@ -178,7 +180,15 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind == "custom_tool_call":  # a custom tool's free-text input, as its function's argument
+            call = {"id": str(item.get("call_id") or ""), "type": "function",
+                    "function": {"name": str(item.get("name") or ""),
+                                 "arguments": json.dumps({CUSTOM_INPUT: str(item.get("input") or "")})}}
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
             text = output if isinstance(output, str) else json.dumps(output)
             out.append({"role": "tool", "tool_call_id": str(item.get("call_id") or ""), "content": text})
@@ -196,6 +206,7 @@ class ToolSet:
 
     functions: list[dict[str, Any]] = field(default_factory=list)
     namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)
+    custom: set[str] = field(default_factory=set)  # custom tools: called with free text
 
     def call_name(self, flat: str) -> dict[str, str]:
         """A function_call item's name fields: {"name"} or {"name", "namespace"}."""
@@ -244,12 +255,44 @@ def tool_set(body: ResponsesRequest) -> ToolSet:
             out.functions.append(_function_spec(t, where, t.get("name")))
         elif t["type"] == "namespace":
             _unpack_namespace(t, where, out)
+        elif t["type"] == "custom":
+            out.functions.append(_custom_spec(t, where))
+            out.custom.add(out.functions[-1]["name"])
         else:
             _not_run(t["type"])
     if len({f["name"] for f in out.functions}) != len(out.functions):
         raise bad_request("tools: tool names must be unique (a namespace's tools count as "
                           "namespace + name)", "tools")
     return out
+
+
+CUSTOM_INPUT = "input"  # the one argument a custom tool is offered with
+
+
+def _custom_spec(t: dict[str, Any], where: str) -> dict[str, Any]:
+    """A custom tool (free-text input, e.g. Codex's apply_patch) as the function the model is
+    trained to call: one string argument, `input`, with the tool's grammar, if it has one, in
+    its description (the grammar is not enforced)."""
+    fmt = t.get("format")
+    description = str(t.get("description") or "")
+    if isinstance(fmt, dict) and fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
+        syntax = fmt.get("syntax") or "lark"
+        description += f"\n\nThe input must follow this {syntax} grammar:\n{fmt['definition']}"
+    params = {"type": "object", "additionalProperties": False, "required": [CUSTOM_INPUT],
+              "properties": {CUSTOM_INPUT: {"type": "string", "description": "The tool's input, as free text."}}}
+    return _function_spec({"description": description.strip() or None, "parameters": params}, where, t.get("name"))
+
+
+def _custom_input(arguments: str) -> str:
+    """A custom tool call's input back from its function arguments (the raw text when the model
+    wrote something else)."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    if isinstance(value, dict) and isinstance(value.get(CUSTOM_INPUT), str):
+        return value[CUSTOM_INPUT]
+    return arguments
 
 
 def _unpack_namespace(t: dict[str, Any], where: str, out: ToolSet) -> None:
@@ -272,9 +315,11 @@ def _unpack_namespace(t: dict[str, Any], where: str, out: ToolSet) -> None:
 
 def _tool_choice(value: Any) -> Any:
     """A tool_choice naming a namespaced function ({"type": "function", "namespace", "name"})
-    names it by its flat name."""
+    names it by its flat name; one naming a custom tool names its function."""
     if isinstance(value, dict) and isinstance(value.get("namespace"), str) and isinstance(value.get("name"), str):
         return {"type": "function", "name": flat_name(value["namespace"], value["name"])}
+    if isinstance(value, dict) and value.get("type") == "custom":
+        return {"type": "function", "name": value.get("name")}
     return value
 
 
@@ -287,13 +332,14 @@ def _new(prefix: str) -> str:
 
 def _set_status(item: dict[str, Any], cut: bool) -> None:
     """A finished item's status. `cut`: the output limit ended the response with this item
-    open. A message cut so is "incomplete"; a function call is "incomplete" when its arguments
+    open. A message or custom tool call cut so is "incomplete"; a function call is "incomplete" when its arguments
     are no JSON object (cut inside them, or malformed), whatever ended it; else "completed".
     Reasoning items have none."""
     kind = item["type"]
     if kind == "reasoning":
         item.pop("status", None)
-    elif (kind == "message" and cut) or (kind == "function_call" and not _is_json_object(item["arguments"])):
+    elif (kind in ("message", "custom_tool_call") and cut) or (
+            kind == "function_call" and not _is_json_object(item["arguments"])):
         item["status"] = "incomplete"
     else:
         item["status"] = "completed"
@@ -623,6 +669,11 @@ class _ItemWriter:
                           text=item["content"][0]["text"]))
         elif item["type"] == "function_call":
             out.append(ev("response.function_call_arguments.done", **where, arguments=item["arguments"]))
+        elif item["type"] == "custom_tool_call":  # its input is known once its arguments are whole
+            item["input"] = _custom_input(self.result.calls[-1].arguments)
+            if item["input"]:
+                out.append(ev("response.custom_tool_call_input.delta", **where, delta=item["input"]))
+            out.append(ev("response.custom_tool_call_input.done", **where, input=item["input"]))
         _set_status(item, cut)
         self.items.append(item)
         out.append(ev("response.output_item.done", output_index=self.out_index, item=item))
@@ -652,8 +703,13 @@ class _ItemWriter:
         elif isinstance(e, CallStart):
             self.pending_ws = ""
             self.result.calls.append(ToolCall(e.id, e.name, ""))
-            out = self._open({"type": "function_call", "id": "fc_" + e.id.removeprefix("call_"), "call_id": e.id,
-                              **self.tools.call_name(e.name), "arguments": "", "status": "in_progress"})
+            key = e.id.removeprefix("call_")
+            if e.name in self.tools.custom:
+                out = self._open({"type": "custom_tool_call", "id": "ctc_" + key, "call_id": e.id, "name": e.name,
+                                  "input": "", "status": "in_progress"})
+            else:
+                out = self._open({"type": "function_call", "id": "fc_" + key, "call_id": e.id,
+                                  **self.tools.call_name(e.name), "arguments": "", "status": "in_progress"})
         elif isinstance(e, CallArgs):
             out = self._args(e)
         elif isinstance(e, CallEnd):

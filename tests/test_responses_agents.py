@@ -103,6 +103,52 @@ def test_a_namespaced_call_goes_back_into_the_prompt_and_can_be_forced(fake, ser
     assert [t["name"] for t in spec["tools"]] == ["mcp__weather__get_forecast"]
 
 
+PATCH = {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch.",
+         "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch" /(.|\\n)*/'}}
+PATCH_TEXT = "*** Begin Patch\n*** Add File: a.txt\n+hi \"there\"\n*** End Patch"
+
+
+def test_custom_tools_are_called_with_free_text_streamed_and_whole(fake, server):
+    """A custom tool (Codex's apply_patch) is offered as a function of one string argument and
+    comes back as a custom_tool_call with the raw input; its input items go back into the prompt
+    the same way, and tool_choice can name it."""
+    call = ('<tool_call>\n' + json.dumps({"name": "apply_patch", "arguments": {"input": PATCH_TEXT}})
+            + '\n</tool_call>')
+    fake.reset(script=scripted(fake, call))
+    r = post(server, input="add a.txt", tools=[PATCH, SHELL])
+    assert r.status_code == 200, r.text
+    item = r.json()["output"][-1]
+    assert (item["type"], item["name"], item["input"], item["status"]) == (
+        "custom_tool_call", "apply_patch", PATCH_TEXT, "completed")
+    assert item["id"].startswith("ctc_") and item["call_id"]
+    prompt = fake.tokenizer.decode(fake.submits[-1].prompt_ids)
+    assert '"apply_patch"' in prompt and '"input"' in prompt and "*** Begin Patch" in prompt  # its grammar
+
+    fake.reset(script=scripted(fake, call), tokens_per_event=1)
+    evs = events(server, input="add a.txt", tools=[PATCH, SHELL])
+    kinds = [e["type"] for e in evs]
+    assert "response.function_call_arguments.delta" not in kinds
+    deltas = "".join(e["delta"] for e in evs if e["type"] == "response.custom_tool_call_input.delta")
+    done = next(e for e in evs if e["type"] == "response.custom_tool_call_input.done")
+    assert deltas == done["input"] == PATCH_TEXT
+    assert evs[-1]["response"]["output"][-1] == {**item, "id": evs[-1]["response"]["output"][-1]["id"],
+                                                 "call_id": evs[-1]["response"]["output"][-1]["call_id"]}
+
+    fake.reset(script=scripted(fake, "Done."))
+    r = post(server, tools=[PATCH], input=[
+        {"type": "message", "role": "user", "content": "add a.txt"},
+        {"type": "custom_tool_call", "call_id": "call_7", "name": "apply_patch", "input": PATCH_TEXT},
+        {"type": "custom_tool_call_output", "call_id": "call_7", "output": "Success."}])
+    assert r.status_code == 200, r.text
+    prompt = fake.tokenizer.decode(fake.submits[-1].prompt_ids)
+    assert json.dumps({"name": "apply_patch", "arguments": {"input": PATCH_TEXT}}) in prompt
+    assert "Success." in prompt
+    fake.reset(script=scripted(fake, call))
+    r = post(server, tools=[PATCH, SHELL], input="x", tool_choice={"type": "custom", "name": "apply_patch"})
+    assert r.status_code == 200, r.text
+    assert [t["name"] for t in fake.submits[-1].params.constraint["tools"]] == ["apply_patch"]
+
+
 def test_hosted_tools_are_logged_once_per_type(fake, server, caplog):
     responses_api._NOT_RUN_LOGGED.clear()
     with caplog.at_level(logging.WARNING, logger="mlxd.server"):
