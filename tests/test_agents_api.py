@@ -11,7 +11,9 @@ previous_response_id, GET, background + cancel), /tokenize, /detokenize, /metric
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
+from collections.abc import Sequence
 
 import anthropic
 import httpx
@@ -79,10 +81,17 @@ def _reassemble_chat_stream(stream):
 
 
 @contextlib.contextmanager
-def _family(template: str):
-    """A server over a fake engine whose chat template is `template`: (engine, OpenAI client)."""
+def _family(template: str, special: Sequence[str] = (), stop: Sequence[str] = ()):
+    """A server over a fake engine whose chat template is `template`: (engine, OpenAI client).
+    `special`: markers the tokenizer gets as special tokens of their own; `stop`: those of them
+    that end the output, as a model's generation_config.json says."""
     fake2 = FakeEngine()
     fake2.model.chat_template = template
+    if special:
+        tok = copy.deepcopy(fake2.tokenizer)  # the shared one stays as it is
+        tok.add_special_tokens({"additional_special_tokens": list(special)})
+        fake2.tokenizer = fake2.model.tokenizer = tok
+        fake2.model.eos_token_ids = (fake2.eos_id, *tok.convert_tokens_to_ids(list(stop)))
     with ServerThread(create_app(fake2, ServerConfig())) as s:
         yield fake2, openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
 
@@ -447,7 +456,9 @@ def test_harmony_channels_become_reasoning_answers_and_calls():
             'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>')
     answer = ("<|channel|>analysis<|message|>Say hi.<|end|><|start|>assistant<|channel|>final"
               "<|message|>Hello there!<|return|>")
-    with _family(HARMONY_TEMPLATE) as (fake2, client):
+    markers = ["<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>"]
+    with _family(HARMONY_TEMPLATE, special=markers, stop=["<|call|>", "<|return|>"]) as (fake2, client):
+        assert len(fake2.tokenizer.encode("<|channel|>", add_special_tokens=False)) == 1
         msgs = [{"role": "user", "content": "weather in Paris?"}]
         choice, calls, content = _whole_and_streamed(fake2, client, call, msgs, [WEATHER, COUNT])
         assert calls == [("get_weather", '{"city": "Paris"}')] and content == ""
