@@ -174,20 +174,10 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             name = str(item.get("name") or "")
             if isinstance(item.get("namespace"), str) and item["namespace"]:
                 name = flat_name(item["namespace"], name)
-            call = {"id": str(item.get("call_id") or ""), "type": "function",
-                    "function": {"name": name, "arguments": str(item.get("arguments") or "{}")}}
-            if out and out[-1]["role"] == "assistant":
-                out[-1].setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            _add_call(out, item, name, str(item.get("arguments") or "{}"))
         elif kind == "custom_tool_call":  # a custom tool's free-text input, as its function's argument
-            call = {"id": str(item.get("call_id") or ""), "type": "function",
-                    "function": {"name": str(item.get("name") or ""),
-                                 "arguments": json.dumps({CUSTOM_INPUT: str(item.get("input") or "")})}}
-            if out and out[-1]["role"] == "assistant":
-                out[-1].setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            _add_call(out, item, str(item.get("name") or ""),
+                      json.dumps({CUSTOM_INPUT: str(item.get("input") or "")}))
         elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
             text = output if isinstance(output, str) else json.dumps(output)
@@ -197,6 +187,16 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         else:
             raise bad_request(f"{where}: input items of type {kind!r} are not supported", where)
     return out
+
+
+def _add_call(out: list[dict[str, Any]], item: dict[str, Any], name: str, arguments: str) -> None:
+    """A call input item as a tool call of the assistant message it belongs to."""
+    call = {"id": str(item.get("call_id") or ""), "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+    if out and out[-1]["role"] == "assistant":
+        out[-1].setdefault("tool_calls", []).append(call)
+    else:
+        out.append({"role": "assistant", "content": "", "tool_calls": [call]})
 
 
 @dataclass(slots=True)
