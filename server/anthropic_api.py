@@ -216,7 +216,10 @@ def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
     """Anthropic messages → chat messages. A `system` message inside `messages` (Anthropic's
     mid-conversation system messages, which Claude Code sends; see
     https://platform.claude.com/docs/en/build-with-claude/mid-conversation-system-messages)
-    stays where it stands; `server.turn` folds it for templates that refuse it there."""
+    stays where it stands; `server.turn` folds it for templates that refuse it there. An
+    assistant message's thinking blocks become its `reasoning_content`, which templates that
+    show the reasoning of the current tool loop (Qwen3's; gpt-oss's as `thinking`) render, so
+    the prompt repeats what the model wrote and the prefix cache holds through it."""
     out: list[dict[str, Any]] = []
     system = system_text(body.system)
     if system:
@@ -231,6 +234,7 @@ def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
         blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
+        reasoning: list[str] = []
         for j, b in enumerate(blocks):
             where = f"messages[{i}].content[{j}]"
             kind = b.get("type")
@@ -240,14 +244,18 @@ def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
             elif kind == "tool_result" and m.role == "user":
                 out.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id") or ""),
                             "content": _tool_result_text(b.get("content"), where)})
-            elif kind in ("thinking", "redacted_thinking") and m.role == "assistant":
-                continue  # earlier reasoning is not replayed into the prompt
+            elif kind == "thinking" and m.role == "assistant":
+                reasoning.append(str(b.get("thinking") or ""))
+            elif kind == "redacted_thinking" and m.role == "assistant":
+                continue  # no text to show
             else:
                 texts.append(_block_text(b, where))
         if texts or calls or (not blocks):
             msg: dict[str, Any] = {"role": m.role, "content": "".join(texts)}
             if calls:
                 msg["tool_calls"] = calls
+            if "".join(reasoning):
+                msg["reasoning_content"] = "".join(reasoning)
             out.append(msg)
     return out
 

@@ -161,6 +161,7 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     if isinstance(body.input, str):
         return [{"role": "user", "content": body.input}]
     out: list[dict[str, Any]] = []
+    reasoning = ""  # a reasoning item's text, for the assistant message after it
     for i, item in enumerate(body.input):
         where = f"input[{i}]"
         kind = item.get("type", "message")
@@ -182,11 +183,27 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             output = item.get("output")
             text = output if isinstance(output, str) else json.dumps(output)
             out.append({"role": "tool", "tool_call_id": str(item.get("call_id") or ""), "content": text})
-        elif kind in ("reasoning", "item_reference"):
-            continue  # earlier reasoning is not replayed; references are resolved by id only
+        elif kind == "reasoning":
+            reasoning += _reasoning_text(item)
+            continue
+        elif kind == "item_reference":
+            continue  # references are resolved by id only
         else:
             raise bad_request(f"{where}: input items of type {kind!r} are not supported", where)
+        if reasoning and out[-1]["role"] == "assistant":
+            out[-1]["reasoning_content"] = out[-1].get("reasoning_content", "") + reasoning
+        reasoning = ""
     return out
+
+
+def _reasoning_text(item: dict[str, Any]) -> str:
+    """A reasoning input item's text (its reasoning_text parts, as mlxd gives them out; else its
+    summary): the next assistant message's `reasoning_content`, which templates that show the
+    current tool loop's reasoning render (encrypted content is OpenAI's own and skipped)."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list):
+        return ""
+    return "".join(str(p.get("text") or "") for p in parts if isinstance(p, dict))
 
 
 def _add_call(out: list[dict[str, Any]], item: dict[str, Any], name: str, arguments: str) -> None:

@@ -211,3 +211,32 @@ def test_usage_splits_input_and_cache_reads_streamed_and_whole(fake, claude, ser
     with claude.messages.stream(**body) as s:
         got = s.get_final_message().usage
     assert {k: getattr(got, k) for k in want} == want
+
+
+# Qwen3's way with the current tool loop's reasoning: shown before the assistant's content
+REASONING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}"
+    "{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{# tools #}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_thinking_blocks_reach_the_template_as_reasoning_content(fake, claude):
+    """Claude Code sends its thinking blocks back in a tool loop: they reach the template as the
+    message's reasoning_content (redacted ones have no text and are left out)."""
+    fake.reset(script=scripted(fake, "ok"))
+    fake.model.chat_template = REASONING_TEMPLATE
+    msgs = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "Need the tool.", "signature": "x"},
+            {"type": "redacted_thinking", "data": "opaque"},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]},
+    ]
+    claude.messages.create(model=MODEL, max_tokens=5, messages=msgs, tools=TOOLS)
+    prompt = fake.tokenizer.decode(fake.submits[-1].prompt_ids)
+    assert "<|im_start|>assistant\n<think>\nNeed the tool.\n</think>\n\n<tool_call>get_weather</tool_call>" in prompt
+    assert "opaque" not in prompt

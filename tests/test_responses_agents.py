@@ -149,6 +149,29 @@ def test_custom_tools_are_called_with_free_text_streamed_and_whole(fake, server)
     assert [t["name"] for t in fake.submits[-1].params.constraint["tools"]] == ["apply_patch"]
 
 
+def test_reasoning_items_reach_the_template_with_the_call_after_them(fake, server):
+    """Codex sends the reasoning items mlxd gave out back with the calls: their text reaches the
+    template as the next assistant message's reasoning_content."""
+    fake.reset(script=scripted(fake, "ok"))
+    fake.model.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}<think>"
+        "{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}{% for c in m.tool_calls or [] %}"
+        "<tool_call>{{ c.function.name }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}{# tools #}"
+        "<|im_start|>assistant\n")
+    try:
+        r = post(server, tools=[SHELL], input=[
+            {"type": "message", "role": "user", "content": "list files"},
+            {"type": "reasoning", "id": "rs_1", "summary": [],
+             "content": [{"type": "reasoning_text", "text": "Use ls."}]},
+            {"type": "function_call", "call_id": "call_1", "name": "shell", "arguments": '{"command": ["ls"]}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "a.txt"}])
+    finally:
+        fake.model.chat_template = None
+    assert r.status_code == 200, r.text
+    prompt = fake.tokenizer.decode(fake.submits[-1].prompt_ids)
+    assert "<|im_start|>assistant\n<think>Use ls.</think><tool_call>shell</tool_call>" in prompt
+
+
 def test_hosted_tools_are_logged_once_per_type(fake, server, caplog):
     responses_api._NOT_RUN_LOGGED.clear()
     with caplog.at_level(logging.WARNING, logger="mlxd.server"):
