@@ -341,6 +341,9 @@ def test_reasoning_may_come_before_the_constrained_answer(lm):
                                                 parallel=False), "reasoning": THINK},
                            lm.tokenizer, lm.vocab_size, lm.eos_token_ids)
     assert str(err.value).startswith("tool 'broken' parameters:")
+    with pytest.raises(ConstraintError) as err:
+        compile_constraint({**spec, "schema": {"type": "objectx"}}, lm.tokenizer, lm.vocab_size, lm.eos_token_ids)
+    assert str(err.value) == "Invalid type: objectx"  # as without reasoning: no grammar position
 
 
 def test_a_reasoning_close_that_is_a_special_token_ends_it_by_that_token(lm):

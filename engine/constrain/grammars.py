@@ -239,14 +239,16 @@ _LARK_AT = re.compile(r"^at (\d+)\(\d+\): (?:failed to compile JSON schema: )?")
 
 
 def tool_error(spec: Any, message: str) -> str:
-    """A grammar-engine error about the tool-call grammar, said about the tool it concerns
-    ("tool 'f' parameters: Invalid type: objectx") instead of a position in a grammar the client
-    never wrote."""
-    if not isinstance(spec, dict) or spec.get("type") != "tool_calls":
+    """A grammar-engine error about a grammar mlxd wrote around the client's schemas, said about
+    the tool it concerns ("tool 'f' parameters: Invalid type: objectx"), or about the schema,
+    instead of a position in a grammar the client never wrote."""
+    if not isinstance(spec, dict) or (spec.get("type") != "tool_calls" and "reasoning" not in spec):
         return message
     at = _LARK_AT.match(message)
     if at is None:
         return message
+    if spec.get("type") != "tool_calls":  # a JSON answer after reasoning: its schema's error
+        return message[at.end():]
     index = int(at.group(1)) - FIRST_TOOL_LINE
     tools = spec.get("tools") or []
     rest = message[at.end():]
