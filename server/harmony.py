@@ -10,10 +10,11 @@ each a header, `<|message|>`, a body and an end token:
 
 The header names the message's channel and, for a tool call, its recipient (`to=functions.NAME`,
 written before or after the channel). Bodies go by channel: `analysis` is reasoning; `final`, and
-`commentary` without a recipient (a preamble the user is shown), are the answer's text; a message
-to a function is a call whose arguments are its body, streamed as written. `<|call|>` and
-`<|return|>` end the output (they are end-of-sequence tokens, so normally the engine has already
-stopped there); `<|end|>` ends one message and another follows.
+`commentary` without a recipient (a preamble the user is shown), are the answer's text (a blank
+line between two such messages); a message to a function is a call whose arguments are its body,
+streamed as written. `<|call|>` and `<|return|>` end the output (they are end-of-sequence tokens,
+so normally the engine has already stopped there); `<|end|>` ends one message and another
+follows.
 
 The markers are special tokens: the output must be detokenized with them kept. Output with no
 header at all (a constrained JSON answer, a model that skipped its channel) is answer text. A
@@ -69,6 +70,8 @@ class HarmonyParser:
         self.calls: list[ToolCall] = []
         self._state = "header"  # header | body | done
         self._kind = ""  # the body's: reasoning | text | call
+        self._text_seen = False  # an earlier message gave answer text (a preamble)
+        self._gap = False  # ... so this one's text starts after a blank line
         self._buf = ""  # the header so far, or body text that may begin an end marker
 
     def feed(self, text: str) -> list[HarmonyEvent]:
@@ -121,6 +124,7 @@ class HarmonyParser:
             events.append(CallStart(len(self.calls) - 1, self.calls[-1].id, name))
         else:
             self._kind = "reasoning" if channel == "analysis" and not recipient else "text"
+            self._gap = self._kind == "text" and self._text_seen
 
     def _body(self, buf: str, events: list[HarmonyEvent]) -> str:
         hits = [(j, m) for m in _BODY_ENDS if (j := buf.find(m)) >= 0]
@@ -144,7 +148,8 @@ class HarmonyParser:
         elif self._kind == "reasoning":
             events.append(ReasoningEvent(text))
         else:
-            events.append(TextEvent(text))
+            events.append(TextEvent("\n\n" + text if self._gap else text))
+            self._text_seen, self._gap = True, False
 
     def _close(self, events: list[HarmonyEvent]) -> None:
         if self._kind == "call":

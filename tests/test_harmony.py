@@ -44,7 +44,7 @@ def test_channels_split_into_reasoning_answer_and_calls():
     assert _run(CALL_OUTPUT) == ("The user wants Paris; call the tool.", "",
                                  [("get_weather", '{"city": "Paris", "days": [1, 2]}')])
     assert _run(ANSWER_OUTPUT) == ("Easy: 2 < 3 and <|end is not a marker.",
-                                   "Let me think aloud.It is sunny in <b>Paris</b>.", [])
+                                   "Let me think aloud.\n\nIt is sunny in <b>Paris</b>.", [])
     # the recipient before the channel (how templates render a call in the history)
     assert _run(' to=functions.count<|channel|>commentary json<|message|>{"n": 3}<|call|>')[2] == [
         ("count", '{"n": 3}')]
