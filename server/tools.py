@@ -78,7 +78,8 @@ class ToolFormat:
     start_markers: tuple[str, ...]  # text that opens a tool-call section
     end_marker: str = ""  # text that closes one call's section ("" = none)
     args_keys: tuple[str, ...] = ("arguments",)  # accepted keys for the arguments, first = written
-    at_start_only: bool = False  # a bare "{" opens calls only at the start of the output
+    # a bare "{" (or one in a ``` fence) at the start of the output opens calls too
+    at_start_only: bool = False
     # for the constraint that forces a call (engine.constrain tool_calls spec)
     list_open: str = ""
     call_open: str = ""
@@ -139,6 +140,7 @@ HERMES = ToolFormat(
     name="hermes",
     start_markers=("<tool_call>",),
     end_marker="</tool_call>",
+    at_start_only=True,  # Qwen2.5(-Coder) often writes its call bare, or in a ```json fence
     call_open="<tool_call>\n",
     call_close="\n</tool_call>",
     separator="\n",
@@ -489,6 +491,7 @@ class ToolCallParser:
         self._repeat: list[Event] | None = None
         self._name = ""  # args_marker formats: the name read so far
         self._in_id = False  # ... reading the model's own call id (after id_marker)
+        self._fenced = False  # the calls began in a ``` fence (at_start_only), closed by one
 
     # public ----------------------------------------------------------------------------------
     def feed(self, text: str) -> list[Event]:
@@ -549,14 +552,18 @@ class ToolCallParser:
             if j >= 0 and (best < 0 or j < best):
                 best, marker = j, m
         bare = self.fmt.at_start_only and not self._seen_text and not self.calls
-        if bare:  # Llama 3: a "{" before any content opens the calls
+        if bare:  # Llama 3, Qwen2.5: a "{" before any content opens the calls, bare or fenced
             k = len(rest) - len(rest.lstrip())
-            if k < len(rest) and rest[k] == "{" and (best < 0 or k < best):
+            lead = rest[k:]
+            fence = next((f for f in _FENCES if lead.startswith(f)), "")
+            after = lead[len(fence):].lstrip()
+            if after.startswith("{") and (best < 0 or k < best):
                 self._emit_text(rest[:k], events)
-                self._open_section("")
-                return i + k
-            if k == len(rest):  # only whitespace so far: hold it, a "{" may follow
-                self._held = rest
+                self._open_section(fence)
+                self._fenced = bool(fence)
+                return i + k + len(fence)
+            if (not after if fence else not lead or any(f.startswith(lead) for f in _FENCES)):
+                self._held = rest  # whitespace or a fence so far: a "{" may follow
                 return len(buf)
         if best >= 0:
             self._emit_text(rest[:best], events)
@@ -601,7 +608,7 @@ class ToolCallParser:
                 self._obj_raw += ch
                 i += 1
                 continue
-            for m in (end, *self.fmt.start_markers):
+            for m in (end, *self.fmt.start_markers, *((_FENCE,) if self._fenced else ())):
                 if m and buf.startswith(m, i):
                     self._obj_raw += m
                     i += len(m)
@@ -831,6 +838,8 @@ class ToolCallParser:
                 self._seen_text = True
 
 
+_FENCE = "```"
+_FENCES = (_FENCE + "json\n", _FENCE + "\n")  # the fences a bare call may come in
 _TAG = re.compile(r"</?[^<>\s]+>")
 
 

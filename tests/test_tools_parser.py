@@ -276,3 +276,27 @@ def test_xml_string_arguments_stream_as_they_are_written():
     assert json.loads(args) == {"path": "a.py", "content": body} == json.loads(parser.calls[0].arguments)
     cut = parse_tool_calls(text[: text.index("return")], FORMATS["qwen3_coder"], ["write"], schemas)
     assert json.loads(cut.calls[0].arguments) == {"path": "a.py", "content": "def f():\n    "}
+
+
+BARE = '{"name": "get_weather", "arguments": ' + ARGS_A + "}"
+BARE_CASES = [  # (output, content, calls): Qwen2.5(-Coder) writes its Hermes calls bare or fenced
+    (BARE, "", ["get_weather"]),
+    ("\n```json\n" + BARE + "\n```", "\n", ["get_weather"]),
+    ("```\n" + BARE + "\n```\nDone.", "Done.", ["get_weather"]),
+    ('{"answer": 42}', '{"answer": 42}', []),  # JSON that is no call stays text
+    ('```json\n{"name": "nope", "arguments": {}}\n```', '```json\n{"name": "nope", "arguments": {}}\n```', []),
+    ("```python\nprint({1: 2})\n```", "```python\nprint({1: 2})\n```", []),
+    ("Sure: " + BARE, "Sure: " + BARE, []),  # only at the start
+]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(range(len(BARE_CASES))), st.lists(st.integers(0, 400), max_size=10))
+def test_hermes_calls_written_bare_or_fenced_at_the_start(case, cuts):
+    text, content, names = BARE_CASES[case]
+    cuts = sorted({c % (len(text) + 1) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    _, events = _stream(HERMES, pieces)
+    got_text, calls = _reassemble(events)
+    assert (got_text, [c["name"] for c in calls]) == (content, names)
+    assert all(c["arguments"] == ARGS_A for c in calls)
