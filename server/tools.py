@@ -96,6 +96,7 @@ class ToolFormat:
     xml: XmlTags | None = None
     # a call ends the output (harmony's <|call|>): one call a turn
     one_call: bool = False
+    compact_json: bool = False  # forced arguments without spaces, as the family writes them
 
     def new_call_id(self) -> str:
         if self.call_id_length:
@@ -127,6 +128,7 @@ class ToolFormat:
                 "args_key": self.args_keys[0],
                 "args_marker": self.args_marker,
                 "xml": None if self.xml is None else dataclasses.asdict(self.xml),
+                "compact_json": self.compact_json,
             },
             "parallel": parallel,
             "max_calls": max_calls,
@@ -196,6 +198,7 @@ HARMONY = ToolFormat(
     call_open="<|channel|>commentary to=functions.",
     args_marker=" <|constrain|>json<|message|>",
     one_call=True,
+    compact_json=True,
 )
 FORMATS: dict[str, ToolFormat] = {
     f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_V11, QWEN3_CODER, GLM, GLM_COMPACT)}

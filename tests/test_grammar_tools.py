@@ -293,7 +293,10 @@ def test_a_forced_harmony_call_is_one_call_to_a_function(lm):
     one call (the format's <|call|> ends the output), and only the tools' schemas."""
     call = calls_text(HARMONY, [PARIS])
     assert call.startswith("<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{")
+    assert call.endswith('{"city":"Paris","days":3}')  # compact, as gpt-oss writes JSON
     assert accepts(lm, HARMONY, [WEATHER, SEARCH], call, parallel=False)
+    spaced = call.replace('{"city":"Paris","days":3}', '{"city": "Paris", "days": 3}')
+    assert not accepts(lm, HARMONY, [WEATHER, SEARCH], spaced, parallel=False)
     assert not accepts(lm, HARMONY, [WEATHER, SEARCH], calls_text(HARMONY, [PARIS, QUERY]), parallel=False)
     assert not accepts(lm, HARMONY, [WEATHER, SEARCH], calls_text(HARMONY, [("get_weather", {"city": "Oslo"})]),
                        parallel=False)

@@ -23,8 +23,9 @@ def calls_text(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str:
     """The calls one after another, as the format writes them."""
     if fmt.xml is not None:
         return fmt.separator.join(tagged_call(fmt, n, a) for n, a in calls)
-    if fmt.args_marker:  # Mistral v11+: no JSON wrapper
-        return "".join(fmt.call_open + n + fmt.args_marker + json.dumps(a) for n, a in calls)
+    if fmt.args_marker:  # Mistral v11+, harmony: no JSON wrapper
+        seps = (",", ":") if fmt.compact_json else None
+        return "".join(fmt.call_open + n + fmt.args_marker + json.dumps(a, separators=seps) for n, a in calls)
     key = fmt.args_keys[0]
     objs = [fmt.call_open + json.dumps({"name": n, key: a}) + fmt.call_close for n, a in calls]
     return fmt.list_open + fmt.separator.join(objs) + fmt.list_close

@@ -127,6 +127,8 @@ def _tool_calls_lark(spec: dict[str, Any], special: Mapping[str, int]) -> str:
     args_key = fmt.get("args_key", "arguments")
     lenient = bool(spec.get("lenient", True))
     options = dict(JSON_OPTIONS, lenient=lenient)
+    if fmt.get("compact_json"):  # the family writes JSON without spaces (gpt-oss)
+        options.update(item_separator=",", key_separator=":")
     args_marker = fmt.get("args_marker") or ""
     if not isinstance(args_marker, str):
         raise ConstraintError("format field args_marker must be a string")
