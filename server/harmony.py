@@ -28,6 +28,7 @@ import re
 from collections.abc import Sequence
 
 from server.reasoning import ReasoningEvent
+from server.stops import partial_suffix
 from server.tools import (
     CallArgs,
     CallEnd,
@@ -36,7 +37,6 @@ from server.tools import (
     TextEvent,
     ToolCall,
     new_call_id,
-    partial_suffix,
 )
 
 CHANNEL = "<|channel|>"

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from server.tools import partial_suffix
+from server.stops import partial_suffix
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"

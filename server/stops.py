@@ -44,7 +44,7 @@ class StopMatcher:
             self.matched = stop
             self._held = ""
             return buf[:end] if self.include_stop else buf[:start]
-        keep = self._partial_suffix(buf)
+        keep = partial_suffix(buf, self.stops)
         self._held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep]
 
@@ -53,12 +53,15 @@ class StopMatcher:
         out, self._held = self._held, ""
         return "" if self.matched is not None else out
 
-    def _partial_suffix(self, buf: str) -> int:
-        """Length of the longest suffix of `buf` that is a proper prefix of a stop string."""
-        best = 0
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(buf)), best, -1):
-                if buf.endswith(stop[:k]):
-                    best = k
-                    break
-        return best
+
+def partial_suffix(buf: str, markers: Sequence[str]) -> int:
+    """Length of the longest suffix of `buf` that is a proper prefix of one of `markers`: text
+    held back until the next delta decides it (stop strings here; tool-call, reasoning and
+    channel markers in server.tools, server.reasoning and server.harmony)."""
+    best = 0
+    for m in markers:
+        for k in range(min(len(m) - 1, len(buf)), best, -1):
+            if buf.endswith(m[:k]):
+                best = k
+                break
+    return best

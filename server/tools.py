@@ -53,6 +53,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from server.stops import partial_suffix
+
 # -- formats --------------------------------------------------------------------------------
 
 
@@ -974,18 +976,6 @@ def _xml_value(raw: str, schema: Any) -> Any:
 
 
 _NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_-.")
-
-
-def partial_suffix(buf: str, markers: Sequence[str]) -> int:
-    """How many characters at the end of `buf` may begin one of `markers` (held back until
-    the next text decides)."""
-    best = 0
-    for m in markers:
-        for k in range(min(len(m) - 1, len(buf)), best, -1):
-            if buf.endswith(m[:k]):
-                best = k
-                break
-    return best
 
 
 def _merge_text(events: list[Event]) -> list[Event]:
