@@ -259,15 +259,25 @@ def tool_error(spec: Any, message: str) -> str:
     return rest
 
 
+def _json_answer(spec: dict[str, Any]) -> tuple[dict[str, Any], bool] | None:
+    """A JSON spec's schema and whether it is compiled leniently (json_object: any object,
+    strictly); None for the other kinds."""
+    kind = spec.get("type")
+    if kind == "json_schema":
+        return _schema(spec.get("schema"), "'schema'"), not spec.get("strict", True)
+    if kind == "json_object":
+        return {"type": "object"}, False
+    return None
+
+
 def _answer_lark(spec: dict[str, Any], special: Mapping[str, int]) -> str:
     """The Lark grammar of a spec that can follow reasoning (its start rule on the first line)."""
-    kind = spec.get("type")
-    if kind in ("json_schema", "json_object"):
-        schema = _schema(spec.get("schema"), "'schema'") if kind == "json_schema" else {"type": "object"}
-        lenient = kind == "json_schema" and not spec.get("strict", True)
+    json_answer = _json_answer(spec)
+    if json_answer is not None:
+        schema, lenient = json_answer
         options = dict(JSON_OPTIONS, lenient=lenient)
         return f"start: %json {json.dumps({**schema, 'x-guidance': options}, ensure_ascii=False)}\n"
-    if kind == "tool_calls" and not spec.get("lazy"):
+    if spec.get("type") == "tool_calls" and not spec.get("lazy"):
         return _tool_calls_lark(spec, special)
     raise ConstraintError("'reasoning' goes with json_schema, json_object and (not lazy) tool_calls constraints")
 
@@ -287,11 +297,12 @@ def _after_reasoning(lark: str, reasoning: Any, special: Mapping[str, int]) -> s
     head, _, rest = lark.partition("\n")
     if not head.startswith("start:"):
         raise ConstraintError("the answer's grammar must begin with its start rule")
+    rules = ["REASON_TEXT: /(.|\\n)*/"]
     if any(close.startswith(t) for t in special):
-        body, rules = f"REASON_TEXT {_lark_text(close, special)}", ["REASON_TEXT: /(.|\\n)*/"]
+        body = f"REASON_TEXT {_lark_text(close, special)}"
     else:
         body = "reason_text"
-        rules = [f"reason_text[lazy]: REASON_TEXT {_lark_str(close)}", "REASON_TEXT: /(.|\\n)*/"]
+        rules.append(f"reason_text[lazy]: REASON_TEXT {_lark_str(close)}")
     reason = body if reasoning.get("opened") else f"({_lark_text(opening, special)} {body})?"
     return "\n".join([
         "answer:" + head[len("start:"):],  # the answer's rules keep their lines (tool_error)
@@ -310,13 +321,14 @@ def grammar_of(spec: Any, special: Mapping[str, int] | None = None) -> str:
     if not isinstance(spec, dict):
         raise ConstraintError("a constraint must be an object with a 'type'")
     kind = spec.get("type")
+    special = special or {}
     if spec.get("reasoning") is not None:
-        lark = _after_reasoning(_answer_lark(spec, special or {}), spec["reasoning"], special or {})
-        return llguidance.LLMatcher.grammar_from_lark(lark)
-    if kind == "json_schema":
-        return _json_grammar(_schema(spec.get("schema"), "'schema'"), lenient=not spec.get("strict", True))
-    if kind == "json_object":
-        return _json_grammar({"type": "object"}, lenient=False)
+        return llguidance.LLMatcher.grammar_from_lark(
+            _after_reasoning(_answer_lark(spec, special), spec["reasoning"], special))
+    json_answer = _json_answer(spec)
+    if json_answer is not None:
+        schema, lenient = json_answer
+        return _json_grammar(schema, lenient=lenient)
     if kind == "regex":
         pattern = spec.get("pattern")
         if not isinstance(pattern, str):
@@ -328,7 +340,7 @@ def grammar_of(spec: Any, special: Mapping[str, int] | None = None) -> str:
             raise ConstraintError("a lark constraint needs a string 'grammar'")
         return llguidance.LLMatcher.grammar_from_lark(grammar)
     if kind == "tool_calls":
-        return llguidance.LLMatcher.grammar_from_lark(_tool_calls_lark(spec, special or {}))
+        return llguidance.LLMatcher.grammar_from_lark(_tool_calls_lark(spec, special))
     raise ConstraintError(
         f"unknown constraint type {kind!r}; expected json_schema, json_object, regex, lark or tool_calls"
     )
