@@ -254,8 +254,8 @@ def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
             msg: dict[str, Any] = {"role": m.role, "content": "".join(texts)}
             if calls:
                 msg["tool_calls"] = calls
-            if "".join(reasoning):
-                msg["reasoning_content"] = "".join(reasoning)
+            if thought := "".join(reasoning):
+                msg["reasoning_content"] = thought
             out.append(msg)
     return out
 
