@@ -110,6 +110,27 @@ def _whole_and_streamed(fake2, client, text: str, msgs, tools):
     return choice, calls, content
 
 
+def _after_call(msgs, arguments: str, call_id: str = "call_1", **assistant):
+    """`msgs`, then an assistant call of get_weather with `arguments` and its result "sunny"."""
+    call = {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    return msgs + [{"role": "assistant", "content": None, **assistant, "tool_calls": [call]},
+                   {"role": "tool", "tool_call_id": call_id, "content": "sunny"}]
+
+
+def _rendered(fake2, client, msgs, tools, answer: str = "Sunny."):
+    """The request for `msgs` (the engine answers `answer`) and the prompt the template made."""
+    fake2.reset(script=scripted(fake2, answer))
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools)
+    return r, fake2.tokenizer.decode(fake2.submits[-1].prompt_ids)
+
+
+def _forced(fake2, client, msgs, tools, answer: str):
+    """The engine constraint of a tool_choice="required" request (the engine answers `answer`)."""
+    fake2.reset(script=scripted(fake2, answer))
+    client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, tool_choice="required")
+    return fake2.submits[-1].params.constraint
+
+
 # -- chat completions with tools ------------------------------------------------------------------
 
 
@@ -306,24 +327,15 @@ def test_mistral_v11_calls_parse_and_their_history_renders():
         # the history, as the client sends it back (our ids) and with ids from elsewhere
         ours = choice.message.tool_calls[0].id
         for cid in (ours, "call_1", "toolu_01A09q90qw90lq917835lq9"):
-            history = msgs + [
-                {"role": "assistant", "content": None, "tool_calls": [{"id": cid, "type": "function",
-                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-                {"role": "tool", "tool_call_id": cid, "content": "sunny"},
-            ]
-            fake2.reset(script=scripted(fake2, "Sunny."))
-            r = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER])
+            r, prompt = _rendered(fake2, client, _after_call(msgs, '{"city": "Paris"}', cid), [WEATHER])
             assert r.choices[0].message.content == "Sunny."
-            prompt = fake2.tokenizer.decode(fake2.submits[-1].prompt_ids)
             head, _, rest = prompt.partition("[TOOL_CALLS]get_weather[CALL_ID]")
             sent = rest[:9]
             assert sent.isalnum() and rest[9:].startswith('[ARGS]{"city": "Paris"}'), prompt
             assert f"[TOOL_RESULTS]{sent}[TOOL_CONTENT]sunny" in prompt
             assert cid != ours or sent == ours  # ours pass unchanged
 
-        fake2.reset(script=scripted(fake2, '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'))
-        client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER], tool_choice="required")
-        fmt = fake2.submits[-1].params.constraint["format"]
+        fmt = _forced(fake2, client, msgs, [WEATHER], '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}')["format"]
         assert (fmt["call_open"], fmt["args_marker"]) == ("[TOOL_CALLS]", "[ARGS]")
 
 
@@ -366,20 +378,11 @@ def test_qwen3_coder_calls_parse_typed_and_their_history_renders():
         assert "<tools><function><name>get_weather</name>" in prompt  # the template's own tools
         assert content.strip() == "I will check."
 
-        history = msgs + [
-            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": [3]}'}}]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-        ]
-        fake2.reset(script=scripted(fake2, "Sunny."))
-        client.chat.completions.create(model=MODEL, messages=history, tools=tools)
-        prompt = fake2.tokenizer.decode(fake2.submits[-1].prompt_ids)
+        _, prompt = _rendered(fake2, client, _after_call(msgs, '{"city": "Oslo", "days": [3]}'), tools)
         assert ("<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n[3]\n"
                 "</parameter>\n</function>") in prompt
 
-        fake2.reset(script=scripted(fake2, "<tool_call>\n<function=count>\n</function>\n</tool_call>"))
-        client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, tool_choice="required")
-        spec = fake2.submits[-1].params.constraint
+        spec = _forced(fake2, client, msgs, tools, "<tool_call>\n<function=count>\n</function>\n</tool_call>")
         assert spec["format"]["xml"]["function_open"] == "<function=" and spec["format"]["call_open"] == "<tool_call>\n"
 
 
@@ -412,19 +415,10 @@ def test_glm_calls_parse_typed_and_their_history_renders():
         assert calls == [("get_weather", '{"city": "Paris", "days": [1, 2]}'), ("count", '{"n": 3}')]
         assert choice.finish_reason == "tool_calls" and choice.message.content.strip() == "Checking."
 
-        history = msgs + [
-            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-        ]
-        fake2.reset(script=scripted(fake2, "Sunny."))
-        client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER])
-        prompt = fake2.tokenizer.decode(fake2.submits[-1].prompt_ids)
+        _, prompt = _rendered(fake2, client, _after_call(msgs, '{"city": "Oslo"}'), [WEATHER])
         assert "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n</tool_call>" in prompt
 
-        fake2.reset(script=scripted(fake2, "<tool_call>count\n</tool_call>"))
-        client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER], tool_choice="required")
-        spec = fake2.submits[-1].params.constraint
+        spec = _forced(fake2, client, msgs, [WEATHER], "<tool_call>count\n</tool_call>")
         assert spec["format"]["xml"]["key_open"] == "<arg_key>" and spec["format"]["call_open"] == "<tool_call>"
 
 
@@ -469,23 +463,14 @@ def test_harmony_channels_become_reasoning_answers_and_calls():
         msg = client.chat.completions.create(model=MODEL, messages=msgs).choices[0].message
         assert (msg.content, msg.model_extra["reasoning_content"]) == ("Hello there!", "Say hi.")
 
-        history = msgs + [
-            {"role": "assistant", "content": None, "reasoning_content": "Need the weather.",
-             "tool_calls": [{"id": "call_1", "type": "function",
-                             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-        ]
-        fake2.reset(script=scripted(fake2, answer))
-        client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER])
-        prompt = fake2.tokenizer.decode(fake2.submits[-1].prompt_ids)
+        history = _after_call(msgs, '{"city": "Paris"}', reasoning_content="Need the weather.")
+        _, prompt = _rendered(fake2, client, history, [WEATHER], answer)
         assert ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant to=functions.'
                 'get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>') in prompt
         assert prompt.endswith("<|start|>functions.get_weather to=assistant<|channel|>commentary"
                                "<|message|>sunny<|end|><|start|>assistant")
 
-        fake2.reset(script=scripted(fake2, call))
-        client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, COUNT], tool_choice="required")
-        spec = fake2.submits[-1].params.constraint
+        spec = _forced(fake2, client, msgs, [WEATHER, COUNT], call)
         assert (spec["format"]["call_open"], spec["format"]["args_marker"], spec["parallel"]) == (
             "<|channel|>commentary to=functions.", " <|constrain|>json<|message|>", False)
         analysis = {"open": "<|channel|>analysis<|message|>", "close": "<|end|><|start|>assistant"}

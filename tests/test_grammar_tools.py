@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -105,12 +106,10 @@ def _feed(lm, c, text: str) -> bool:
     return True
 
 
-def accepts(lm, fmt: ToolFormat, tools: list[dict[str, Any]], text: str, **kw: Any) -> bool:
-    """`text` is a complete output of the grammar: every token allowed, and then it may end."""
-    c = _compile(lm, fmt, tools, **kw)
-    if not _feed(lm, c, text):
-        return False
-    return c.matcher.is_accepting() and bool(_allowed(lm, c) & set(lm.eos_token_ids))
+def accepts(lm, fmt: ToolFormat, tools: list[dict[str, Any]], text: str, parallel: bool = True,
+            max_calls: int = 4, lazy: bool = False) -> bool:
+    """`text` is a complete output of the format's grammar: every token allowed, then the end."""
+    return _accepts_spec(lm, fmt.constraint(tools, parallel=parallel, max_calls=max_calls, lazy=lazy), text)
 
 
 def _unclosed(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str:
@@ -302,7 +301,9 @@ def test_a_forced_harmony_call_is_one_call_to_a_function(lm):
                        parallel=False)
 
 
-def _accepts_spec(lm, spec: dict[str, Any], text: str, lead: list[int] = ()) -> bool:
+def _accepts_spec(lm, spec: dict[str, Any], text: str, lead: Sequence[int] = ()) -> bool:
+    """The tokens `lead`, then `text`, are a complete output of the spec's grammar: every token
+    allowed, and then it may end."""
     c = compile_constraint(spec, lm.tokenizer, lm.vocab_size, lm.eos_token_ids)
     if not all(t in _allowed(lm, c) and c.consume(t) for t in lead) or not _feed(lm, c, text):
         return False
