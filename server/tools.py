@@ -99,6 +99,9 @@ class ToolFormat:
     # a call ends the output (harmony's <|call|>): one call a turn
     one_call: bool = False
     compact_json: bool = False  # forced arguments without spaces, as the family writes them
+    # no marker opens calls inside free text (harmony: a call and a text answer each open with
+    # their own header): the answer is a call, or this prefix and text (the spec's `or_text`)
+    text_answer: str = ""
 
     def new_call_id(self) -> str:
         if self.call_id_length:
@@ -116,7 +119,8 @@ class ToolFormat:
         self, tools: Sequence[dict[str, Any]], parallel: bool, max_calls: int = 4, lazy: bool = False
     ) -> dict[str, Any]:
         """The engine's plain-data spec forcing one (or, if parallel, up to max_calls) valid calls;
-        `lazy`: free text unless the output opens calls (`lazy_trigger`), which are then valid."""
+        `lazy`: free text unless the output opens calls (`lazy_trigger`), which are then valid;
+        for a format with `text_answer`, calls or that prefix and free text."""
         spec = {
             "type": "tool_calls",
             "tools": [{"name": t["name"], "parameters": t.get("parameters")} for t in tools],
@@ -135,7 +139,9 @@ class ToolFormat:
             "parallel": parallel,
             "max_calls": max_calls,
         }
-        if lazy:
+        if lazy and self.text_answer:
+            spec["or_text"] = self.text_answer
+        elif lazy:
             spec.update(lazy=True, trigger=self.lazy_trigger)
         return spec
 
@@ -201,6 +207,7 @@ HARMONY = ToolFormat(
     args_marker=" <|constrain|>json<|message|>",
     one_call=True,
     compact_json=True,
+    text_answer="<|channel|>final<|message|>",
 )
 FORMATS: dict[str, ToolFormat] = {
     f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_V11, QWEN3_CODER, GLM, GLM_COMPACT)}

@@ -236,12 +236,12 @@ def plan_turn(
     if use_tools and choice.mode in ("required", "function"):
         forced = [f for f in functions if choice.mode == "required" or f["name"] == choice.name]
         constraint = fmt.constraint(forced, parallel=parallel and choice.mode == "required" and not fmt.one_call)
-    elif (use_tools and choice.mode == "auto" and constraint is None and fmt.lazy_trigger
+    elif (use_tools and choice.mode == "auto" and constraint is None and (fmt.lazy_trigger or fmt.text_answer)
           and any(f.get("strict") for f in functions)):
         # strict tools: text stays free, calls follow the schemas (grammar rows get no
         # speculative drafts, and their batch waits for each step while a call is written:
         # only where asked)
-        constraint = fmt.constraint(functions, parallel=parallel, lazy=True)
+        constraint = fmt.constraint(functions, parallel=parallel and not fmt.one_call, lazy=True)
     special = set(getattr(model.tokenizer, "all_special_tokens", []) or [])
     harmony = is_harmony(template)
     thinks = model_thinks(template, model.tokenizer)

@@ -484,6 +484,17 @@ def test_harmony_channels_become_reasoning_answers_and_calls():
         assert fake2.submits[-1].params.constraint["reasoning"] == {
             **analysis, "prefix": "<|channel|>final<|message|>"}
 
+        # strict tools, tool_choice auto: after the analysis, a final answer or one held call
+        fake2.reset(script=scripted(fake2, call))
+        strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+        got = client.chat.completions.create(model=MODEL, messages=msgs, tools=[strict]).choices[0].message
+        assert [(c.function.name, c.function.arguments) for c in got.tool_calls] == [
+            ("get_weather", '{"city": "Paris"}')]
+        spec = fake2.submits[-1].params.constraint
+        assert (spec["type"], spec["or_text"], spec["parallel"], spec["reasoning"]) == (
+            "tool_calls", "<|channel|>final<|message|>", False, {**analysis, "prefix": ""})
+        assert "lazy" not in spec
+
 
 def test_reasoning_effort_reaches_the_chat_template():
     """OpenAI's reasoning effort (chat's `reasoning_effort`, Responses' `reasoning.effort`) is

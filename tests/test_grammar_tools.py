@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -348,6 +349,34 @@ def test_reasoning_may_come_before_the_constrained_answer(lm):
     with pytest.raises(ConstraintError) as err:
         compile_constraint({**spec, "schema": {"type": "objectx"}}, lm.tokenizer, lm.vocab_size, lm.eos_token_ids)
     assert str(err.value) == "Invalid type: objectx"  # as without reasoning: no grammar position
+
+
+def test_harmony_strict_tools_in_auto_mode_answer_in_text_or_call(lm):
+    """gpt-oss with strict tools and tool_choice auto: after its optional analysis, either a
+    final-channel answer in free text or one call held to the tools' schemas."""
+    spec = HARMONY.constraint([WEATHER, SEARCH], parallel=False, lazy=True)
+    assert spec["or_text"] == "<|channel|>final<|message|>" and "lazy" not in spec
+    spec = {**spec, "reasoning": {**HARMONY_REASONING, "prefix": ""}}
+    analysis = "<|channel|>analysis<|message|>Weather, or just say hi?<|end|><|start|>assistant"
+    final = "<|channel|>final<|message|>Hi! It is {sunny} <|channel|> today.\n"
+    call = calls_text(HARMONY, [PARIS])
+    for text in (analysis + final, final, analysis + call, call):
+        assert _accepts_spec(lm, spec, text), text
+    assert not _accepts_spec(lm, spec, analysis + calls_text(HARMONY, [("get_weather", {"city": "Oslo"})]))
+    assert not _accepts_spec(lm, spec, analysis + "Hi!")  # an answer opens its channel
+    assert not _accepts_spec(lm, spec, call + call)  # one call
+    # the header's marker a special token (as <|channel|> is in gpt-oss's tokenizer): a text
+    # answer cannot write it, so it cannot open a call unchecked
+    fmt = dataclasses.replace(HARMONY, call_open=HARMONY.call_open.replace("<|channel|>", "<|im_start|>"),
+                              text_answer=HARMONY.text_answer.replace("<|channel|>", "<|im_start|>"))
+    c = compile_constraint(fmt.constraint([WEATHER], parallel=False, lazy=True),
+                           lm.tokenizer, lm.vocab_size, lm.eos_token_ids)
+    assert _allowed(lm, c) == {1} and c.consume(1)  # the bundled tokenizer's <|im_start|>
+    assert _feed(lm, c, "final<|message|>Hi there.")
+    assert 1 not in _allowed(lm, c) and set(lm.eos_token_ids) & _allowed(lm, c)
+    with pytest.raises(ConstraintError, match="or_text"):
+        compile_constraint({**HERMES.constraint([WEATHER], parallel=False, lazy=True), "or_text": "x"},
+                           lm.tokenizer, lm.vocab_size, lm.eos_token_ids)
 
 
 def test_a_reasoning_close_that_is_a_special_token_ends_it_by_that_token(lm):

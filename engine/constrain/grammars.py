@@ -22,6 +22,10 @@ Markup that is a special token of the model's tokenizer (Mistral's `[TOOL_CALLS]
 harmony's `<|channel|>`) is written as that token, never spelled out in text; a special-token
 trigger ends the free text by itself. The tags of argument-per-tag formats stay text.
 
+An eager spec with `"or_text": PREFIX` lets the answer be text instead: PREFIX, then free text
+(gpt-oss's final channel, where its calls and its text answers both open with a header and no
+marker opens calls inside free text).
+
 A spec with `"reasoning": {"open": "<think>", "close": "</think>", "opened": false, "prefix": ""}`
 (JSON and eager tool calls) lets a reasoning model think first: free text between the markers
 (optional, or required and without `open` where the prompt opened it), then `prefix` and the
@@ -163,13 +167,19 @@ def _tool_calls_lark(spec: dict[str, Any], special: Mapping[str, int]) -> str:
             free = [f"trig[lazy]: TEXT {_lark_str(trigger)}", "TEXT: /(.|\\n)*/"]
     else:
         head, free = _lark_text(first_open, special), []
+    or_text = spec.get("or_text")
+    if or_text is not None:
+        if not isinstance(or_text, str) or not or_text or spec.get("lazy"):
+            raise ConstraintError("'or_text' must be a non-empty string (and the constraint not lazy)")
+        free = ["TEXT: /(.|\\n)*/"]
     opened, closed = _lark_text(parts["call_open"], special), _lark_text(parts["call_close"], special)
     sep = _lark_text(parts["separator"], special)
     more = ""
     for k in range(slots - 1, 0, -1):  # call_0 (sep call_1 (sep call_2)?)?: at most `slots` calls
         more = f" ({sep} {opened} {CALL_CAPTURE}_{k} {closed}{more})?"
+    calls = f"{head} {CALL_CAPTURE}_0 {closed}{more} {_lark_text(parts['list_close'], special)}"
     lines = [
-        f"start: {head} {CALL_CAPTURE}_0 {closed}{more} {_lark_text(parts['list_close'], special)}",
+        f"start: {calls}" if or_text is None else f"start: {_lark_text(or_text, special)} TEXT | {calls}",
         f"body: {body}",
         *rules,  # tool i's rule is on line FIRST_TOOL_LINE + i (tool_error relies on it)
         *free,
