@@ -289,15 +289,21 @@ CUSTOM_INPUT = "input"  # the one argument a custom tool is offered with
 def _custom_spec(t: dict[str, Any], where: str) -> dict[str, Any]:
     """A custom tool (free-text input, e.g. Codex's apply_patch) as the function the model is
     trained to call: one string argument, `input`, with the tool's grammar, if it has one, in
-    its description (the grammar is not enforced)."""
+    its description. A regex grammar is also enforced (the argument's whole text must match it;
+    the function is strict); a Lark grammar is not."""
     fmt = t.get("format")
     description = str(t.get("description") or "")
+    prop: dict[str, Any] = {"type": "string", "description": "The tool's input, as free text."}
+    strict = None
     if isinstance(fmt, dict) and fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
         syntax = fmt.get("syntax") or "lark"
         description += f"\n\nThe input must follow this {syntax} grammar:\n{fmt['definition']}"
+        if syntax == "regex":  # a JSON-schema pattern matches anywhere in the string: anchored
+            prop["pattern"], strict = f"^(?:{fmt['definition']})$", True
     params = {"type": "object", "additionalProperties": False, "required": [CUSTOM_INPUT],
-              "properties": {CUSTOM_INPUT: {"type": "string", "description": "The tool's input, as free text."}}}
-    return _function_spec({"description": description.strip() or None, "parameters": params}, where, t.get("name"))
+              "properties": {CUSTOM_INPUT: prop}}
+    return _function_spec({"description": description.strip() or None, "parameters": params, "strict": strict},
+                          where, t.get("name"))
 
 
 def _custom_input(arguments: str) -> str:

@@ -379,6 +379,24 @@ def test_harmony_strict_tools_in_auto_mode_answer_in_text_or_call(lm):
                            lm.tokenizer, lm.vocab_size, lm.eos_token_ids)
 
 
+def test_a_custom_tools_regex_grammar_holds_its_whole_input(lm):
+    """A Responses custom tool with a regex grammar: its one argument must match the whole
+    regex (not a substring, as a JSON-schema pattern alone would), in auto mode too (strict)."""
+    from server.responses_api import ResponsesRequest, tool_set
+
+    custom = {"type": "custom", "name": "calc", "description": "Arithmetic.",
+              "format": {"type": "grammar", "syntax": "regex", "definition": "(add|sub) [0-9]+"}}
+    tools = tool_set(ResponsesRequest(input="x", tools=[custom])).functions
+    assert tools[0]["strict"] and "(add|sub) [0-9]+" in tools[0]["description"]
+    for lazy in (False, True):
+        spec = HERMES.constraint(tools, parallel=False, lazy=lazy)
+        assert _accepts_spec(lm, spec, calls_text(HERMES, [("calc", {"input": "add 12"})]))
+        for bad in ("add 12 and 3", "so add 12", "mul 3", "add 12\n"):
+            assert not _accepts_spec(lm, spec, calls_text(HERMES, [("calc", {"input": bad})])), bad
+    lark = {**custom, "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "x"'}}
+    assert not tool_set(ResponsesRequest(input="x", tools=[lark])).functions[0]["strict"]
+
+
 def test_a_reasoning_close_that_is_a_special_token_ends_it_by_that_token(lm):
     spec = {"type": "json_object", "reasoning": {"open": "<think>", "close": "<|im_end|>"}}
     text = lm.tokenizer.encode("<think>hm, an object", add_special_tokens=False)
