@@ -14,7 +14,9 @@ Workloads (prompts from ../shared/data/tinycoder-dev.jsonl):
 
 Modes: `plain` (no speculation, the peer), `draft` / `ngram` (adaptive: the engine decides per
 step whether and how far to speculate), `draft-k` / `ngram-k` (always the full
-`--num-draft-tokens`, to show what speculation costs or gains unguarded). Each mode runs in a
+`--num-draft-tokens`, to show what speculation costs or gains unguarded), `prediction` (the
+server's default: drafts only from predicted outputs; the edit workload's requests carry the
+function renamed as their prediction, the others none). Each mode runs in a
 fresh engine on the same loaded weights after a warm-up, every engine on the one thread they all
 share (as a server's engine keeps its thread: what MLX builds per thread and shape on a GPU is
 built once, not in every timed run). `--repeats` runs rounds of every mode
@@ -48,7 +50,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from bench import common
 
@@ -56,8 +58,16 @@ if TYPE_CHECKING:
     from engine.loader import LoadedModel
     from engine.spec import SpecConfig
 
+class Prompt(NamedTuple):
+    ids: list[int]
+    max_tokens: int
+    # the answer expected (OpenAI's predicted outputs), sent in the `prediction` mode only
+    prediction: list[int] | None = None
+
+
 MODES = {
     "plain": None,
+    "prediction": ("prediction", True),
     "draft": ("draft", True),
     "draft-k": ("draft", False),
     "ngram": ("ngram", True),
@@ -163,8 +173,9 @@ def code_prompts(rows: list[dict[str, Any]], tok: Any, n: int) -> list[list[int]
 WORKLOADS = {"chat": chat_prompts, "code": code_prompts}
 
 
-def edit_prompts(rows: list[dict[str, Any]], tok: Any, n: int) -> list[tuple[list[int], int]]:
-    """(prompt, max_tokens): a function from the dev chats, asked back under a new name."""
+def edit_prompts(rows: list[dict[str, Any]], tok: Any, n: int) -> list[Prompt]:
+    """A function from the dev chats, asked back under a new name; its prediction is the
+    function renamed."""
     funcs = []
     for r in rows:
         if r["kind"] != "chat":
@@ -180,7 +191,9 @@ def edit_prompts(rows: list[dict[str, Any]], tok: Any, n: int) -> list[tuple[lis
         text = tok.apply_chat_template(
             [{"role": "user", "content": msg}], add_generation_prompt=True, tokenize=False
         )
-        out.append((tok.encode(text), min(len(tok.encode(f)) + 24, 512)))
+        renamed = f.replace(name.group(1), new, 1) if name else f
+        out.append(Prompt(tok.encode(text), min(len(tok.encode(f)) + 24, 512),
+                          tok.encode(renamed, add_special_tokens=False)))
     return out
 
 
@@ -188,7 +201,7 @@ def edit_prompts(rows: list[dict[str, Any]], tok: Any, n: int) -> list[tuple[lis
 def run_workload(
     lm: LoadedModel,
     spec: SpecConfig | None,
-    prompts: list[tuple[list[int], int]],
+    prompts: list[Prompt],
     concurrency: int,
     temperature: float,
 ) -> dict[str, Any]:
@@ -210,9 +223,10 @@ def run_workload(
         if i >= len(prompts):
             return
         state["next"] += 1
-        ids, max_tokens = prompts[i]
+        ids, max_tokens, prediction = prompts[i]
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=1000 + i)
-        req = Request(f"r{i}", list(ids), params)
+        predicted = spec is not None and spec.method == "prediction"
+        req = Request(f"r{i}", list(ids), params, prediction_ids=prediction if predicted else None)
         submitted[req.req_id] = time.perf_counter()
         eng.add(req, sink)
 
@@ -291,7 +305,7 @@ def warm_up(
     lm: LoadedModel,
     draft: LoadedModel | None,
     args: argparse.Namespace,
-    prompts: list[tuple[list[int], int]],
+    prompts: list[Prompt],
     concurrency: int,
     modes: list[str],
 ) -> float:
@@ -312,8 +326,8 @@ def warm_up(
 
 
 def sized(
-    prompts: list[tuple[list[int], int]], concurrency: int, seconds: float, per_request: float
-) -> list[tuple[list[int], int]]:
+    prompts: list[Prompt], concurrency: int, seconds: float, per_request: float
+) -> list[Prompt]:
     """The prompt list repeated or cut so that a plain run lasts about `seconds` (a multiple of
     the concurrency, at least one request per stream)."""
     n = max(concurrency, int(seconds / max(per_request, 1e-6) + 0.5))
@@ -325,7 +339,7 @@ def compare(
     lm: LoadedModel,
     draft: LoadedModel | None,
     args: argparse.Namespace,
-    prompts: list[tuple[list[int], int]],
+    prompts: list[Prompt],
     concurrency: int,
     modes: list[str],
     label: str,
@@ -400,7 +414,7 @@ def compare(
     }
 
 
-def lookup_replay(prompts: list[tuple[list[int], int]], outputs: list[list[int]], ceiling: int,
+def lookup_replay(prompts: list[Prompt], outputs: list[list[int]], ceiling: int,
                   step_ms: dict[str, float]) -> dict[str, Any]:
     """What n-gram prompt lookup can give on these requests, whatever decides when to use it.
 
@@ -421,7 +435,7 @@ def lookup_replay(prompts: list[tuple[list[int], int]], outputs: list[list[int]]
     cfg = SpecConfig()
     tokens = plain = rounds = accepted = drafted = 0
     widths: list[int] = []
-    for (prompt, max_tokens), out in zip(prompts, outputs, strict=True):
+    for (prompt, max_tokens, _), out in zip(prompts, outputs, strict=True):
         index = NGramIndex(cfg.ngram_min, cfg.ngram_max)
         # the first token comes from the prefill, the second from the plain step the row joins in
         context = list(prompt) + out[:2]
@@ -574,7 +588,7 @@ def cmd_spec(args: argparse.Namespace) -> int:
         raise SystemExit(f"unknown workloads {sorted(set(workloads) - set(WORKLOADS))} "
                          f"(known: {', '.join(WORKLOADS)})")
     if not args.warmup:  # every kernel shape once, briefly (not measured)
-        warm = [(ids, 16) for ids in chat_prompts(rows, tok, 2) + code_prompts(rows, tok, 2)]
+        warm = [Prompt(ids, 16) for ids in chat_prompts(rows, tok, 2) + code_prompts(rows, tok, 2)]
         for mode in ("plain", "draft-k" if draft else "", "ngram-k"):
             if mode:
                 run_workload(lm, spec_config(mode, args, draft), warm, 4, args.temperature)
@@ -583,7 +597,7 @@ def cmd_spec(args: argparse.Namespace) -> int:
     for workload in workloads:
         for c in common.int_list(args.concurrency):
             n = c * args.requests_per_stream
-            prompts = [(ids, args.max_tokens) for ids in WORKLOADS[workload](rows, tok, n)]
+            prompts = [Prompt(ids, args.max_tokens) for ids in WORKLOADS[workload](rows, tok, n)]
             groups.append((workload, c, modes, prompts))
     edit_modes = [m for m in args.edit_modes.split(",") if m]
     for c in [int(x) for x in args.edit_concurrency.split(",") if x and edit_modes]:

@@ -234,6 +234,7 @@ class Engine(EngineThread):
             if cfg.prefix_cache_bytes != 0 else NoPrefix(make, chunk)
         )
         self.runner = Runner(model, kv, self.spec, self.prefix)
+        self.spec = self.runner.spec  # NoSpec where an optional speculation cannot run
         self.runner.on_first = self._first_tokens
         if buckets_prefill_shapes(make(0)):  # MLX-CUDA: few prefill shapes, each built once
             self.runner.bucket_widths = True
@@ -518,7 +519,7 @@ class Engine(EngineThread):
         if warm is None:
             from kernels.common import gpu_backend
 
-            warm = gpu_backend() is not None
+            warm = gpu_backend() is not None and cfg.method != "prediction"
         if warm:
             try:
                 spec.warm_up(self.runner, self.loaded.vocab_size)

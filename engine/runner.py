@@ -180,8 +180,10 @@ class Runner:
         prepare_model(model)  # once: recurrent mixers step through padding / rollback
         kvb.check_supported(model, self.kv)  # quantized KV: fail at start, not per request
         self.spec = spec or NoSpec()
-        if not isinstance(self.spec, NoSpec) and (why := speculation_blocker(model)):
-            raise UnsupportedArchitecture(why)  # at start-up, not in every request
+        if isinstance(self.spec, Speculation) and (why := speculation_blocker(model)):
+            if not self.spec.optional:
+                raise UnsupportedArchitecture(why)  # at start-up, not in every request
+            self.spec = NoSpec()  # predictions only: the requests' predictions go unused
         self.prefix = prefix or NoPrefix(self.new_caches)
         self._inflight: InFlight | None = None
         self._held = 0  # a width chosen while a step was in flight: the next decode's

@@ -341,9 +341,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "(default: MLX's own limit, at most a tenth of --memory-budget); the "
                         "engine also empties this cache and trims malloc when it goes idle")
     g = p.add_argument_group("speculative decoding")
-    g.add_argument("--spec", default=None, choices=["none", "draft", "ngram"],
-                   help="drafter: a draft model (--draft-model) or n-gram prompt lookup "
-                        "(default: draft when --draft-model is given, else none)")
+    g.add_argument("--spec", default=None, choices=["none", "prediction", "draft", "ngram"],
+                   help="drafter: a draft model (--draft-model), n-gram prompt lookup, only the "
+                        "requests' predicted outputs (`prediction`), or none at all (default: "
+                        "draft when --draft-model is given, else prediction)")
     g.add_argument("--draft-model", default=None,
                    help="draft model directory (same tokenizer as --model)")
     g.add_argument("--num-draft-tokens", type=_int_in(1, MAX_DRAFT_TOKENS), default=None,
@@ -369,7 +370,7 @@ def _check_combinations(parser: argparse.ArgumentParser, args: argparse.Namespac
     _split_models(parser, args)
     if args.spec == "draft" and not args.draft_model:
         parser.error("argument --spec: draft needs --draft-model PATH")
-    if args.draft_model and args.spec in ("none", "ngram"):
+    if args.draft_model and args.spec in ("none", "prediction", "ngram"):
         parser.error(f"argument --draft-model: not used with --spec {args.spec}")
     if args.api_key is None:
         env = os.environ.get("MLXD_API_KEY", "")

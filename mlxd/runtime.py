@@ -142,8 +142,9 @@ def _pool_client(opts: dict[str, Any], config: Any, adapters: list[tuple[str, st
 
 
 def _spec_config(opts: dict[str, Any]) -> Any:
-    """--spec / --draft-model / --num-draft-tokens -> engine.spec.SpecConfig (None: off)."""
-    method = opts.get("spec") or ("draft" if opts.get("draft_model") else "none")
+    """--spec / --draft-model / --num-draft-tokens -> engine.spec.SpecConfig (None: off); by
+    default the requests' predicted outputs are drafted from (nothing else)."""
+    method = opts.get("spec") or ("draft" if opts.get("draft_model") else "prediction")
     if method == "none":
         return None
     from engine.spec import SpecConfig

@@ -91,7 +91,7 @@ def test_unsupported_architectures_are_a_clear_error_at_load(arch):
 def test_speculation_is_refused_at_start_where_rollback_cannot_work(arch):
     """Recurrent mixers the stepping wrapper cannot take (jamba's `(x, cache)`, rwkv7's
     `v_first`): an engine with speculation on refuses to start, with the reason; one without
-    serves; and the sweep's n-gram check reports the refusal as the expected outcome."""
+    serves, as does one with the default's predictions-only drafting (without it); and the sweep's n-gram check reports the refusal as the expected outcome."""
     from engine.core import Engine, EngineConfig
     from engine.models import prepare_model, speculation_blocker
     from engine.scheduler import SchedulerConfig
@@ -104,6 +104,9 @@ def test_speculation_is_refused_at_start_where_rollback_cannot_work(arch):
     with pytest.raises(ValueError, match=f"not supported for architecture {arch}.*without --spec"):
         Engine(harness.lm, EngineConfig(SchedulerConfig(), spec=SpecConfig("ngram")))
     Engine(harness.lm, EngineConfig(SchedulerConfig())).stop()
+    eng = Engine(harness.lm, EngineConfig(SchedulerConfig(), spec=SpecConfig("prediction")))
+    assert eng.stats().spec is None  # the default's predictions-only drafting goes without
+    eng.stop()
     res = sweep.run_one(arch, checks=("load", "ngram"))
     assert res.checks["ngram"].ok is True
     assert res.checks["ngram"].reason.startswith("refused: speculative decoding is not supported")

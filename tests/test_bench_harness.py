@@ -171,7 +171,7 @@ def test_spec_runs_every_engine_on_one_thread(monkeypatch):
 
     monkeypatch.setattr(Engine, "__init__", record_init)
     monkeypatch.setattr(Engine, "_loop", record_loop)
-    prompts = [([1, 2, 3, 4, 5], 6), ([7, 8, 9], 4)]
+    prompts = [spec.Prompt([1, 2, 3, 4, 5], 6), spec.Prompt([7, 8, 9], 4)]
     outs = [spec.run_workload(lm, None, prompts, 2, 0.0) for _ in range(3)]
     assert [o["tokens"] for o in outs] == [10, 10, 10]
     assert len(threads) == 3 and len({t for pair in threads for t in pair}) == 1
@@ -183,7 +183,7 @@ def test_spec_toy_plain_against_ngram(tmp_path: Path, dev_jsonl: Path):
     rc = main(["spec", "--data", str(dev_jsonl), "--workloads", "code", "--concurrency", "1",
                "--requests-per-stream",
                "2", "--max-tokens", "10", "--modes", "plain,ngram-k", "--edit-modes",
-               "plain,ngram-k", "--edit-concurrency", "1", "--edit-requests", "1",
+               "plain,ngram-k,prediction", "--edit-concurrency", "1", "--edit-requests", "1",
                "--dtype", "float32", "--out", str(out)])
     assert rc == 0
     result = _result(out / "spec.json", "spec")
@@ -200,6 +200,9 @@ def test_spec_toy_plain_against_ngram(tmp_path: Path, dev_jsonl: Path):
         # every token but the prefill's first, per request
         assert replay["tokens"] == plain["tokens"] - group["num_requests"]
         assert replay["plain_steps"] + replay["rounds"] <= replay["tokens"]
+    predicted = result["results"][1]["modes"]["prediction"]  # the edit's renamed function
+    assert predicted["tokens"] == result["results"][1]["modes"]["plain"]["tokens"]
+    assert predicted["spec"]["method"] == "prediction" and predicted["spec"]["drafted_tokens"] > 0
     _png(out / "spec.png")
 
 
@@ -208,17 +211,17 @@ def test_lookup_replay_counts_a_copied_stretch():
     then the suffix `6 7 8` is found in the prompt and its 4 continuations are all accepted (5
     tokens for one verify of width 5); `13` was never seen, so the last step is plain. With a
     plain step of 10 ms and a width-5 verify of 15 ms, 7 tokens cost 35 ms instead of 70."""
-    from bench.spec import lookup_replay
+    from bench.spec import Prompt, lookup_replay
 
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6]
     out = [7, 8, 9, 10, 11, 12, 13, 14]
-    replay = lookup_replay([(prompt, 64)], [out], 4, {"1x1": 10.0, "1x5": 15.0, "4x1": 99.0})
+    replay = lookup_replay([Prompt(prompt, 64)], [out], 4, {"1x1": 10.0, "1x5": 15.0, "4x1": 99.0})
     assert replay == {"tokens": 7, "plain_steps": 2, "rounds": 1, "acceptance_rate": 1.0,
                       "tokens_per_round": 5.0, "mean_verify_width": 5.0,
                       "decode_bound_ratio": 2.0}
     # a ceiling of 2: 9 10 (+11), then 12 5 of which 12 is accepted (+13), then plain; two
     # verifies of width 3 at the interpolated 12.5 ms
-    two = lookup_replay([(prompt, 64)], [out], 2, {"1x1": 10.0, "1x5": 15.0})
+    two = lookup_replay([Prompt(prompt, 64)], [out], 2, {"1x1": 10.0, "1x5": 15.0})
     assert (two["rounds"], two["plain_steps"], two["tokens_per_round"]) == (2, 2, 2.5)
     assert two["acceptance_rate"] == 0.75
     assert two["decode_bound_ratio"] == round(70 / (2 * 10 + 2 * 12.5), 3)
@@ -237,7 +240,7 @@ def test_spec_run_reports_a_failed_request_instead_of_waiting(monkeypatch):
     monkeypatch.setattr(Runner, "run", broken)
     lm = load_model(str(DEFAULT_MODEL_DIR), dtype="float32")
     with pytest.raises(RuntimeError, match="a request failed"):
-        bench_spec.run_workload(lm, None, [([1, 2, 3], 4), ([4, 5, 6], 4)], 1, 0.0)
+        bench_spec.run_workload(lm, None, [bench_spec.Prompt([1, 2, 3], 4), bench_spec.Prompt([4, 5, 6], 4)], 1, 0.0)
 
 
 def test_kv_memory_toy(tmp_path: Path):

@@ -44,8 +44,9 @@ def _streamed(url: str, model: str, **kw) -> tuple[str, dict]:
     return text, usage
 
 
-@pytest.mark.parametrize("spec", [SpecConfig("ngram", num_draft_tokens=4, adaptive=False), None],
-                         ids=["ngram", "no-speculation"])
+@pytest.mark.parametrize("spec", [SpecConfig("ngram", num_draft_tokens=4, adaptive=False),
+                                  SpecConfig("prediction", num_draft_tokens=4, adaptive=False), None],
+                         ids=["ngram", "prediction", "no-speculation"])
 def test_a_predicted_output_leaves_the_answer_unchanged_and_is_counted(tinycoder_path, spec):
     lm = load_model(str(tinycoder_path), dtype="float32")
     engine = Engine(lm, EngineConfig(SchedulerConfig(), spec=spec))
@@ -55,6 +56,8 @@ def test_a_predicted_output_leaves_the_answer_unchanged_and_is_counted(tinycoder
         with ServerThread(create_app(client, ServerConfig())) as srv:
             model = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
             plain = _chat(srv.url, model)
+            if spec is not None and spec.method == "prediction":  # no prediction: nothing drafted
+                assert client.stats().spec.spec_steps == 0
             answer = plain["choices"][0]["message"]["content"]
             assert "completion_tokens_details" not in plain["usage"]
             n_pred = len(lm.tokenizer.encode(answer, add_special_tokens=False))

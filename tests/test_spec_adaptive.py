@@ -321,7 +321,7 @@ def test_a_prediction_is_followed_from_its_start_and_rejoined_after_an_edit():
 def test_cli_flags_map_to_spec_config():
     from mlxd.runtime import _spec_config
 
-    assert _spec_config({}) is None
+    assert _spec_config({}).method == "prediction"  # the requests' predicted outputs only
     assert _spec_config({"spec": "none", "draft_model": None}) is None
     cfg = _spec_config({"draft_model": "/m/draft", "num_draft_tokens": 3})
     assert (cfg.method, cfg.draft_model, cfg.num_draft_tokens) == ("draft", "/m/draft", 3)
@@ -357,6 +357,39 @@ def test_a_lookup_that_found_nothing_is_asked_again_at_the_next_step():
     spec.decide(batch)
     assert len(asked) == 2  # asked again at once, not after a hold
     assert real(spec._context(batch, np.array([4])))[0] == 4
+
+
+def test_the_prediction_drafter_drafts_only_from_predictions_and_idles_without_them():
+    """The default drafter (predictions only): while no row has a predicted output it is not
+    asked at all (no lookup, no synchronous step); a row with one gets the prediction's next
+    tokens, a row without none, even where its prompt would offer a copy."""
+    from types import SimpleNamespace
+
+    from engine.spec import build_speculation
+    from engine.spec.decoder import SpecRows
+
+    spec = build_speculation(SpecConfig(method="prediction"), None, vocab_size=100)
+    assert spec.optional and not build_speculation(SpecConfig(method="ngram"), None, vocab_size=100).optional
+    prompt = [10, 11, 12, 13, 14, 15, 16, 17]
+
+    def batch_of(predictions):
+        rows = [SimpleNamespace(request=SimpleNamespace(prompt_ids=prompt), output_ids=[11, 12],
+                                constraint=None, max_new_tokens=64, num_generated=2,
+                                num_prompt_tokens=len(prompt)) for _ in predictions]
+        state = spec.drafter.admit([prompt] * len(rows), False, predictions)
+        return SimpleNamespace(rows=rows, next_tokens=None, sampler=None, spec=SpecRows(len(rows), state))
+
+    asked = []
+    real = spec.drafter.available
+    spec.drafter.available = lambda ctx: asked.append(1) or real(ctx)
+    plain = batch_of([None, None])
+    for _ in range(3):
+        assert spec.decide(plain) == 1 and not spec.sync_plain
+    assert asked == []
+    mixed = batch_of([None, [11, 12, 40, 41, 42, 43]])
+    spec.decide(mixed)
+    assert asked  # a row with a prediction: the lookup runs
+    assert list(real(spec._context(mixed, np.array([4, 4])))) == [0, 4]  # 40 41 42 43 for row 1 only
 
 
 def test_row_contexts_are_extended_in_place_and_follow_the_rows():

@@ -4,7 +4,10 @@
     spec = build_speculation(config, target_model, vocab_size)    # NoSpec when method == "none"
 
 Drafters register by name (engine.spec.base.register_drafter): "draft" (a small model with the
-same tokenizer, engine.spec.draft_model) and "ngram" (prompt lookup, engine.spec.ngram).
+same tokenizer, engine.spec.draft_model), "ngram" (prompt lookup, engine.spec.ngram) and
+"prediction" (only the requests' predicted outputs: the server's default, which costs nothing
+while no request brings one, and which an architecture that cannot roll back simply goes
+without).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from engine.spec.base import (
 )
 from engine.spec.decoder import NoSpec, Round, SpecRows, Speculation
 
-METHODS = ("none", "draft", "ngram")
+METHODS = ("none", "prediction", "draft", "ngram")
 # the ceiling of the draft length when none is given: a draft model's greedy rounds stop where
 # their drafts stop paying (adaptive.py, rule 6), so a deep ceiling costs nothing when they are
 # unsure. N-gram offers are unpriced and its probes go to the ceiling: 16 gained at one to four
@@ -39,7 +42,7 @@ DEFAULT_CEILING = 4
 
 @dataclass(slots=True)
 class SpecConfig:
-    method: str = "none"  # none | draft | ngram (or any registered drafter)
+    method: str = "none"  # none | prediction | draft | ngram (or any registered drafter)
     draft_model: Any = None  # path of the draft model (method "draft"), or a loaded one
     num_draft_tokens: int | None = None  # the ceiling of the draft length (None: CEILINGS)
     adaptive: bool = True  # False: always draft the ceiling (tests)
@@ -47,7 +50,8 @@ class SpecConfig:
     ngram_min: int = 2
     draft_dtype: str = "auto"
     # one speculative round per verify width at engine start (MLX-CUDA's per-engine setup paid
-    # at load): None = when the default device is a GPU; True / False force it on / off
+    # at load): None = when the default device is a GPU and the method is not "prediction"
+    # (which most servers never use: its first round builds them); True / False force it
     warmup: bool | None = None
 
     def __post_init__(self) -> None:
@@ -91,11 +95,13 @@ def build_speculation(
                 f"the draft model's vocabulary ({draft_vocab}) is not the target's ({vocab_size})"
             )
         kwargs["model"] = model
-    elif config.method == "ngram":
+    elif config.method in ("ngram", "prediction"):
         kwargs.update(max_ngram=config.ngram_max, min_ngram=config.ngram_min)
     drafter = make_drafter(config.method, **kwargs)
     ctl = ControllerConfig(max_draft=config.ceiling, adaptive=config.adaptive)
-    return Speculation(target_model, drafter, ctl)
+    spec = Speculation(target_model, drafter, ctl)
+    spec.optional = config.method == "prediction"
+    return spec
 
 
 __all__ = [

@@ -113,6 +113,9 @@ class Speculation:
         self._min_gain: np.ndarray | None = None  # the last decision's (Decision.min_gain)
         self.warmup_seconds = 0.0  # warm_up(): the speculative shapes built at engine start
         self.warmup_ms: dict[int, float] = {}  # verify ms by width, at warm-up
+        # a convenience the engine goes without where the architecture cannot speculate (the
+        # predictions-only default), instead of refusing to start
+        self.optional = False
 
     @property
     def max_draft(self) -> int:
@@ -158,8 +161,12 @@ class Speculation:
         change or a probe is due), not every step: the decision is host work that a pipelined
         plain step would otherwise pay each time (on a GPU a plain step is ~1-2 ms of host
         work, and the choice moves only with the slowly changing costs and acceptance). A
-        lookup drafter that found nothing is asked again at the next step."""
-        if batch.spec is None or not len(batch.rows):
+        lookup drafter that found nothing is asked again at the next step. A drafter with
+        `wants` (predictions only) is not asked at all while no row could get drafts."""
+        wants = getattr(self.drafter, "wants", None)
+        if batch.spec is None or not len(batch.rows) or (
+                wants is not None and not wants(batch.spec.drafter_state)):
+            self.sync_plain = False
             return 1
         ctl = self.controller
         rows = batch.rows  # a new list object whenever rows join or leave (take / concat)

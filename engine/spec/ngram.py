@@ -187,3 +187,21 @@ class NGramDrafter:
             "max_ngram": self.max_ngram,
             "min_ngram": self.min_ngram,
         }
+
+
+@register_drafter("prediction")
+class PredictionDrafter(NGramDrafter):
+    """Drafts only from the rows' predicted outputs (OpenAI's `prediction`), never from their
+    prompts: what a server without a drafter of its own runs, so that a request that brings a
+    prediction is sped up and every other row decodes plainly (`wants` is false while no row
+    has one, and the speculation then does no work at all)."""
+
+    name = "prediction"
+
+    def _lookup(self, state: NGramState, b: int, context: list[int], k: int) -> tuple[list[int], bool]:
+        pred = state.predictions[b]
+        return (pred.lookup(context, k), True) if pred is not None else ([], False)
+
+    def wants(self, state: NGramState) -> bool:
+        """Whether any row could get drafts (has a prediction)."""
+        return any(p is not None for p in state.predictions)
