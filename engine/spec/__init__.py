@@ -99,9 +99,7 @@ def build_speculation(
         kwargs.update(max_ngram=config.ngram_max, min_ngram=config.ngram_min)
     drafter = make_drafter(config.method, **kwargs)
     ctl = ControllerConfig(max_draft=config.ceiling, adaptive=config.adaptive)
-    spec = Speculation(target_model, drafter, ctl)
-    spec.optional = config.method == "prediction"
-    return spec
+    return Speculation(target_model, drafter, ctl, optional=config.method == "prediction")
 
 
 __all__ = [

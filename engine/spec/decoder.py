@@ -92,9 +92,10 @@ class _Totals:
 
 class Speculation:
     """The drafter and the controller that picks each step's verify width (`model`: the
-    target; not needed by the choice, kept for the drafters' construction signature)."""
+    target; not needed by the choice, kept for the drafters' construction signature;
+    `optional`: see the attribute)."""
 
-    def __init__(self, model: Any, drafter: Drafter, config: ControllerConfig) -> None:
+    def __init__(self, model: Any, drafter: Drafter, config: ControllerConfig, optional: bool = False) -> None:
         del model
         self.drafter = drafter
         # a lookup's drafts are a point mass, often wrong off its matches: a lower prior
@@ -115,7 +116,7 @@ class Speculation:
         self.warmup_ms: dict[int, float] = {}  # verify ms by width, at warm-up
         # a convenience the engine goes without where the architecture cannot speculate (the
         # predictions-only default), instead of refusing to start
-        self.optional = False
+        self.optional = optional
 
     @property
     def max_draft(self) -> int:
