@@ -263,11 +263,11 @@ def plan_turn(
 
 def _reasoning_first(constraint: dict[str, Any] | None, *, harmony: bool, thinks: bool,
                      opened: bool) -> dict[str, Any] | None:
-    """A reasoning model's constrained answer (JSON, a forced call) comes after its reasoning,
+    """A reasoning model's constrained answer (JSON, a regex, a forced call) comes after its reasoning,
     which stays free (engine.constrain's `reasoning`): held from the first token, the answer
     would land in the reasoning where the prompt opened it, and the model could not think."""
     if (constraint is None or constraint.get("lazy")
-            or constraint.get("type") not in ("json_schema", "json_object", "tool_calls")):
+            or constraint.get("type") not in ("json_schema", "json_object", "regex", "tool_calls")):
         return constraint
     if harmony:
         answer = "" if constraint["type"] == "tool_calls" else HARMONY_FINAL  # a call has its header

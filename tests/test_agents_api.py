@@ -483,6 +483,11 @@ def test_harmony_channels_become_reasoning_answers_and_calls():
         assert (msg.content, msg.model_extra["reasoning_content"]) == ('{"n": 4}', "Say hi.")
         assert fake2.submits[-1].params.constraint["reasoning"] == {
             **analysis, "prefix": "<|channel|>final<|message|>"}
+        fake2.reset(script=scripted(fake2, answer.replace("Hello there!", "42")))
+        client.chat.completions.create(model=MODEL, messages=msgs,
+                                       response_format={"type": "regex", "pattern": "[0-9]+"})
+        spec = fake2.submits[-1].params.constraint
+        assert (spec["type"], spec["reasoning"]["prefix"]) == ("regex", "<|channel|>final<|message|>")
 
         # strict tools, tool_choice auto: after the analysis, a final answer or one held call
         fake2.reset(script=scripted(fake2, call))

@@ -337,6 +337,14 @@ def test_reasoning_may_come_before_the_constrained_answer(lm):
                                       '<|channel|>final<|message|>{"a": 1}')
     assert _accepts_spec(lm, harmony, '<|channel|>final<|message|>{"a": 1}')
     assert not _accepts_spec(lm, harmony, '{"a": 1}')
+    # a regex answer, the same way (a '/' and a newline in the pattern kept as they are)
+    regex = {"type": "regex", "pattern": "(yes|no)/[0-9]+\n", "reasoning": THINK}
+    assert _accepts_spec(lm, regex, thought + "yes/12\n") and _accepts_spec(lm, regex, "no/3\n")
+    assert not _accepts_spec(lm, regex, thought + "maybe/1\n")
+    assert _accepts_spec(lm, {**regex, "reasoning": HARMONY_REASONING},
+                         "<|channel|>analysis<|message|>hm<|end|><|start|>assistant<|channel|>final<|message|>no/3\n")
+    with pytest.raises(ConstraintError, match="string 'pattern'"):
+        compile_constraint({**regex, "pattern": 3}, lm.tokenizer, lm.vocab_size, lm.eos_token_ids)
     # a forced call after reasoning, its tool error still named
     calls = {**HERMES.constraint([WEATHER], parallel=False), "reasoning": THINK}
     assert _accepts_spec(lm, calls, "<think>Paris, 3 days.</think>\n" + calls_text(HERMES, [PARIS]))
@@ -402,5 +410,5 @@ def test_a_reasoning_close_that_is_a_special_token_ends_it_by_that_token(lm):
     text = lm.tokenizer.encode("<think>hm, an object", add_special_tokens=False)
     assert _accepts_spec(lm, spec, '{"k": 2}', lead=[*text, 2])
     with pytest.raises(ConstraintError, match="reasoning"):
-        compile_constraint({"type": "regex", "pattern": "a+", "reasoning": THINK},
+        compile_constraint({"type": "lark", "grammar": 'start: "a"', "reasoning": THINK},
                            lm.tokenizer, lm.vocab_size, lm.eos_token_ids)

@@ -27,7 +27,7 @@ An eager spec with `"or_text": PREFIX` lets the answer be text instead: PREFIX, 
 marker opens calls inside free text).
 
 A spec with `"reasoning": {"open": "<think>", "close": "</think>", "opened": false, "prefix": ""}`
-(JSON and eager tool calls) lets a reasoning model think first: free text between the markers
+(JSON, regex and eager tool calls) lets a reasoning model think first: free text between the markers
 (optional, or required and without `open` where the prompt opened it), then `prefix` and the
 answer.
 """
@@ -289,7 +289,20 @@ def _answer_lark(spec: dict[str, Any], special: Mapping[str, int]) -> str:
         return f"start: %json {json.dumps({**schema, 'x-guidance': options}, ensure_ascii=False)}\n"
     if spec.get("type") == "tool_calls" and not spec.get("lazy"):
         return _tool_calls_lark(spec, special)
-    raise ConstraintError("'reasoning' goes with json_schema, json_object and (not lazy) tool_calls constraints")
+    if spec.get("type") == "regex":  # llguidance's own rendering: one line, "start: /.../"
+        import llguidance
+
+        grammar = json.loads(llguidance.LLMatcher.grammar_from_regex(_pattern(spec)))
+        return grammar["grammars"][0]["lark_grammar"] + "\n"
+    raise ConstraintError("'reasoning' goes with json_schema, json_object, regex and (not lazy) tool_calls "
+                          "constraints")
+
+
+def _pattern(spec: dict[str, Any]) -> str:
+    pattern = spec.get("pattern")
+    if not isinstance(pattern, str):
+        raise ConstraintError("a regex constraint needs a string 'pattern'")
+    return pattern
 
 
 def _after_reasoning(lark: str, reasoning: Any, special: Mapping[str, int]) -> str:
@@ -340,10 +353,7 @@ def grammar_of(spec: Any, special: Mapping[str, int] | None = None) -> str:
         schema, lenient = json_answer
         return _json_grammar(schema, lenient=lenient)
     if kind == "regex":
-        pattern = spec.get("pattern")
-        if not isinstance(pattern, str):
-            raise ConstraintError("a regex constraint needs a string 'pattern'")
-        return llguidance.LLMatcher.grammar_from_regex(pattern)
+        return llguidance.LLMatcher.grammar_from_regex(_pattern(spec))
     if kind == "lark":
         grammar = spec.get("grammar")
         if not isinstance(grammar, str):
