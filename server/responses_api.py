@@ -474,15 +474,55 @@ async def _prepare(request: Request) -> _Prepared:
     parallel = body.parallel_tool_calls is not False
     fmt = (body.text or {}).get("format")
     effort = (body.reasoning or {}).get("effort")
-    plan = await off_loop(request, plan_turn, model, messages, functions, choice, parallel=parallel,
-                          constraint=response_format_constraint(fmt, "text.format"), param="input",
-                          template_kwargs=effort_template_kwargs(effort, None, "reasoning.effort"))
+    constraint = response_format_constraint(fmt, "text.format")
+    template_kwargs = effort_template_kwargs(effort, None, "reasoning.effort")
+
+    def plan_of(msgs: list[dict[str, Any]]) -> TurnPlan:
+        return plan_turn(model, msgs, functions, choice, parallel=parallel, constraint=constraint,
+                         param="input", template_kwargs=template_kwargs)
+
+    if body.truncation == "auto":
+        plan = await off_loop(request, _fitted, model, messages, plan_of, body.max_output_tokens or 1)
+    else:
+        plan = await off_loop(request, plan_of, messages)
     params = build_params(sampling_request(body, plan), st.config, model, plan.prompt_ids, "input")
     rid = _new("resp")
     spec = ChoiceSpec(index=0, req_id=rid, prompt_ids=plan.prompt_ids, params=params,
                       skip_special_tokens=plan.skip_special_tokens)
     gens = await start_all(st.client, [spec], model)
     return _Prepared(rid, body, plan, parallel, messages, gens, tools, model)
+
+
+def _fitted(model: ServedModel, messages: list[dict[str, Any]],
+            plan_of: Callable[[list[dict[str, Any]]], TurnPlan], room: int) -> TurnPlan:
+    """`truncation: auto`: the plan of the conversation less its oldest turns (a user message
+    and all that answers it, tool calls with their results), as few dropped as make the prompt
+    leave `room` tokens of the context; the leading system messages always stay. Where even
+    the last turn does not fit, the plan of the whole (a context-length 400, as without)."""
+
+    def fits(msgs: list[dict[str, Any]]) -> TurnPlan | None:
+        try:
+            plan = plan_of(msgs)
+        except APIError as exc:
+            if exc.code != "context_length_exceeded":
+                raise
+            return None
+        return plan if len(plan.prompt_ids) + room <= model.context_length else None
+
+    whole = fits(messages)
+    if whole is not None:
+        return whole
+    lead = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    starts = [i for i in range(lead + 1, len(messages)) if messages[i]["role"] == "user"]
+    best, lo, hi = None, 0, len(starts) - 1
+    while lo <= hi:  # the fewest turns dropped (a shorter tail always fits if a longer one does)
+        mid = (lo + hi) // 2
+        plan = fits(messages[:lead] + messages[starts[mid]:])
+        if plan is not None:
+            best, hi = plan, mid - 1
+        else:
+            lo = mid + 1
+    return best if best is not None else plan_of(messages)
 
 
 @router.post("/v1/responses")

@@ -265,3 +265,33 @@ def test_items_keep_the_model_order_and_their_own_ids(fake, server):
         assert [i["type"] for i in items] == ["message", "function_call", "message"]
         assert [i["content"][0]["text"] for i in items if i["type"] == "message"] == ["Checking.", "Done."]
         assert len({i["id"] for i in items}) == 3
+
+
+def test_truncation_auto_drops_the_oldest_turns_that_keep_the_prompt_over_the_context(fake, server):
+    """`truncation: auto`: a conversation longer than the context loses its oldest turns (a call
+    with its output among them), as few as make it fit with room for max_output_tokens; the
+    instructions stay. `disabled` (the default) is the context-length 400."""
+    def said(text: str) -> list[dict]:
+        return [{"type": "message", "role": "user", "content": text}]
+
+    items = [*said("ALPHA " + "one two three four " * 500),
+             {"type": "function_call", "call_id": "call_1", "name": "shell", "arguments": '{"cmd": "ls"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "BRAVO " + "x y " * 400},
+             {"type": "message", "role": "assistant", "content": "Listed."},
+             *said("CHARLIE " + "five six seven " * 300),
+             {"type": "message", "role": "assistant", "content": "Noted."},
+             *said("DELTA: what now?")]
+    body = dict(input=items, tools=[SHELL], instructions="ECHO rules", max_output_tokens=200)
+    r = post(server, **body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    fake.reset(script=scripted(fake, "ok"))
+    r = post(server, **body, truncation="auto")
+    assert r.status_code == 200, r.text
+    assert r.json()["truncation"] == "auto"
+    prompt = fake.tokenizer.decode(fake.submits[-1].prompt_ids)
+    assert "ECHO rules" in prompt and "CHARLIE" in prompt and "DELTA" in prompt
+    assert "ALPHA" not in prompt and "BRAVO" not in prompt and "call_1" not in prompt
+    assert len(fake.submits[-1].prompt_ids) + 200 <= fake.context_length
+    too_big = dict(body, input=said("ECHO " + "eight nine " * 3000), truncation="auto")
+    r = post(server, **too_big)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
