@@ -496,9 +496,11 @@ async def _prepare(request: Request) -> _Prepared:
 def _fitted(model: ServedModel, messages: list[dict[str, Any]],
             plan_of: Callable[[list[dict[str, Any]]], TurnPlan], room: int) -> TurnPlan:
     """`truncation: auto`: the plan of the conversation less its oldest turns (a user message
-    and all that answers it, tool calls with their results), as few dropped as make the prompt
-    leave `room` tokens of the context; the leading system messages always stay. Where even
-    the last turn does not fit, the plan of the whole (a context-length 400, as without)."""
+    and all that answers it), then, within the last turn, less its oldest assistant messages
+    (each with the tool results that answer its calls: an agent's long tool loop), as few
+    dropped as make the prompt leave `room` tokens of the context; the leading system messages
+    and the last user message always stay. Where nothing dropped is enough, the plan of the
+    whole (a context-length 400, as without)."""
 
     def fits(msgs: list[dict[str, Any]]) -> TurnPlan | None:
         try:
@@ -513,11 +515,17 @@ def _fitted(model: ServedModel, messages: list[dict[str, Any]],
     if whole is not None:
         return whole
     lead = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
-    starts = [i for i in range(lead + 1, len(messages)) if messages[i]["role"] == "user"]
-    best, lo, hi = None, 0, len(starts) - 1
-    while lo <= hi:  # the fewest turns dropped (a shorter tail always fits if a longer one does)
+    users = [i for i in range(lead, len(messages)) if messages[i]["role"] == "user"]
+    last = users[-1] if users else lead
+    head = messages[:lead]
+    # from dropping the least to the most: whole turns, then the last turn's oldest replies
+    candidates = [head + messages[u:] for u in users[1:]] + [
+        head + [messages[last]] + messages[a:] for a in range(last + 2, len(messages))
+        if messages[a]["role"] == "assistant" and users]
+    best, lo, hi = None, 0, len(candidates) - 1
+    while lo <= hi:  # the fewest dropped (a shorter tail fits wherever a longer one does)
         mid = (lo + hi) // 2
-        plan = fits(messages[:lead] + messages[starts[mid]:])
+        plan = fits(candidates[mid])
         if plan is not None:
             best, hi = plan, mid - 1
         else:

@@ -269,8 +269,9 @@ def test_items_keep_the_model_order_and_their_own_ids(fake, server):
 
 def test_truncation_auto_drops_the_oldest_turns_that_keep_the_prompt_over_the_context(fake, server):
     """`truncation: auto`: a conversation longer than the context loses its oldest turns (a call
-    with its output among them), as few as make it fit with room for max_output_tokens; the
-    instructions stay. `disabled` (the default) is the context-length 400."""
+    with its output among them), then the last turn's oldest calls with their outputs, as few
+    as make it fit with room for max_output_tokens; the instructions and the last user message
+    stay. `disabled` (the default) is the context-length 400."""
     def said(text: str) -> list[dict]:
         return [{"type": "message", "role": "user", "content": text}]
 
@@ -292,6 +293,16 @@ def test_truncation_auto_drops_the_oldest_turns_that_keep_the_prompt_over_the_co
     assert "ECHO rules" in prompt and "CHARLIE" in prompt and "DELTA" in prompt
     assert "ALPHA" not in prompt and "BRAVO" not in prompt and "call_1" not in prompt
     assert len(fake.submits[-1].prompt_ids) + 200 <= fake.context_length
+    # one user turn, an agent's long tool loop: the oldest calls go with their outputs, the task stays
+    loop = said("TASK: fix the build")
+    for i, word in enumerate(("FOXTROT", "GOLF", "HOTEL")):
+        loop += [{"type": "function_call", "call_id": f"call_{word}", "name": "shell", "arguments": "{}"},
+                 {"type": "function_call_output", "call_id": f"call_{word}", "output": word + " ab " * 700}]
+    fake.reset(script=scripted(fake, "ok"))
+    r = post(server, input=loop, tools=[SHELL], max_output_tokens=200, truncation="auto")
+    assert r.status_code == 200, r.text
+    prompt = fake.tokenizer.decode(fake.submits[-1].prompt_ids)
+    assert "TASK" in prompt and "HOTEL" in prompt and "FOXTROT" not in prompt and "call_FOXTROT" not in prompt
     too_big = dict(body, input=said("ECHO " + "eight nine " * 3000), truncation="auto")
     r = post(server, **too_big)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
