@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from engine.loader import LoadedModel
     from engine.spec import SpecConfig
 
+
 class Prompt(NamedTuple):
     ids: list[int]
     max_tokens: int
