@@ -295,7 +295,7 @@ def test_truncation_auto_drops_the_oldest_turns_that_keep_the_prompt_over_the_co
     assert len(fake.submits[-1].prompt_ids) + 200 <= fake.context_length
     # one user turn, an agent's long tool loop: the oldest calls go with their outputs, the task stays
     loop = said("TASK: fix the build")
-    for i, word in enumerate(("FOXTROT", "GOLF", "HOTEL")):
+    for word in ("FOXTROT", "GOLF", "HOTEL"):
         loop += [{"type": "function_call", "call_id": f"call_{word}", "name": "shell", "arguments": "{}"},
                  {"type": "function_call_output", "call_id": f"call_{word}", "output": word + " ab " * 700}]
     fake.reset(script=scripted(fake, "ok"))
