@@ -502,35 +502,42 @@ def _fitted(model: ServedModel, messages: list[dict[str, Any]],
     and the last user message always stay. Where nothing dropped is enough, the plan of the
     whole (a context-length 400, as without)."""
 
-    def fits(msgs: list[dict[str, Any]]) -> TurnPlan | None:
+    def attempt(msgs: list[dict[str, Any]]) -> tuple[TurnPlan | None, APIError | None]:
         try:
-            plan = plan_of(msgs)
+            return plan_of(msgs), None
         except APIError as exc:
             if exc.code != "context_length_exceeded":
                 raise
-            return None
-        return plan if len(plan.prompt_ids) + room <= model.context_length else None
+            return None, exc
 
-    whole = fits(messages)
-    if whole is not None:
-        return whole
+    def fits(plan: TurnPlan | None) -> bool:
+        return plan is not None and len(plan.prompt_ids) + room <= model.context_length
+
+    whole, error = attempt(messages)
+    if fits(whole):
+        return cast(TurnPlan, whole)
     lead = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
     users = [i for i in range(lead, len(messages)) if messages[i]["role"] == "user"]
     last = users[-1] if users else lead
-    head = messages[:lead]
-    # from dropping the least to the most: whole turns, then the last turn's oldest replies
-    candidates = [head + messages[u:] for u in users[1:]] + [
-        head + [messages[last]] + messages[a:] for a in range(last + 2, len(messages))
-        if messages[a]["role"] == "assistant" and users]
-    best, lo, hi = None, 0, len(candidates) - 1
+    # (start, pinned): messages[start:] after the system messages, and the last user message
+    # before them where it was cut off; from dropping the least to the most: whole turns, then
+    # the last turn's oldest replies
+    cuts = [(u, False) for u in users[1:]] + [
+        (a, True) for a in range(last + 2, len(messages)) if users and messages[a]["role"] == "assistant"]
+    best, lo, hi = None, 0, len(cuts) - 1
     while lo <= hi:  # the fewest dropped (a shorter tail fits wherever a longer one does)
         mid = (lo + hi) // 2
-        plan = fits(candidates[mid])
-        if plan is not None:
+        start, pinned = cuts[mid]
+        plan, _ = attempt(messages[:lead] + ([messages[last]] if pinned else []) + messages[start:])
+        if fits(plan):
             best, hi = plan, mid - 1
         else:
             lo = mid + 1
-    return best if best is not None else plan_of(messages)
+    if best is not None:
+        return best
+    if whole is None:  # the whole conversation's context-length 400
+        raise cast(APIError, error)
+    return whole
 
 
 @router.post("/v1/responses")

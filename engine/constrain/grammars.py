@@ -52,6 +52,7 @@ MAX_TOOLS = 128
 _FORMAT_KEYS = ("list_open", "call_open", "call_close", "separator", "list_close")
 MAX_CALLS = 32  # calls in one tool_calls constraint, and the bound when 'max_calls' is not given
 CALL_CAPTURE = "call"  # call slot k's JSON is captured under the name f"call_{k}"
+ANY_TEXT = "/(.|\\n)*/"  # a free-text lexeme (it never matches a special token)
 
 
 def _schema(value: Any, where: str) -> dict[str, Any]:
@@ -161,17 +162,17 @@ def _tool_calls_lark(spec: dict[str, Any], special: Mapping[str, int]) -> str:
             raise ConstraintError("a lazy tool_calls constraint needs a 'trigger' that opens its first call")
         rest = _lark_text(first_open[len(trigger):], special)
         if trigger in special:  # the token itself ends the text (no text contains it)
-            head, free = f"TEXT | TEXT <[{special[trigger]}]> {rest}", ["TEXT: /(.|\\n)*/"]
+            head, free = f"TEXT | TEXT <[{special[trigger]}]> {rest}", [f"TEXT: {ANY_TEXT}"]
         else:
             head = f"TEXT | trig {rest}"
-            free = [f"trig[lazy]: TEXT {_lark_str(trigger)}", "TEXT: /(.|\\n)*/"]
+            free = [f"trig[lazy]: TEXT {_lark_str(trigger)}", f"TEXT: {ANY_TEXT}"]
     else:
         head, free = _lark_text(first_open, special), []
     or_text = spec.get("or_text")
     if or_text is not None:
         if not isinstance(or_text, str) or not or_text or spec.get("lazy"):
             raise ConstraintError("'or_text' must be a non-empty string (and the constraint not lazy)")
-        free = ["TEXT: /(.|\\n)*/"]
+        free = [f"TEXT: {ANY_TEXT}"]
     opened, closed = _lark_text(parts["call_open"], special), _lark_text(parts["call_close"], special)
     sep = _lark_text(parts["separator"], special)
     more = ""
@@ -184,7 +185,7 @@ def _tool_calls_lark(spec: dict[str, Any], special: Mapping[str, int]) -> str:
         *rules,  # tool i's rule is on line FIRST_TOOL_LINE + i (tool_error relies on it)
         *free,
         *extra,
-        *(["XML_TEXT: /(.|\\n)*/"] if any("XML_TEXT" in r for r in extra) else []),
+        *([f"XML_TEXT: {ANY_TEXT}"] if any("XML_TEXT" in r for r in extra) else []),
         # one named capture per call slot, its JSON: the engine compares each finished call with
         # the earlier ones (the grammar engine keeps one capture of a name repeated back to back)
         *(f'{CALL_CAPTURE}_{k}[capture="{CALL_CAPTURE}_{k}"]: body' for k in range(slots)),
@@ -320,7 +321,7 @@ def _after_reasoning(lark: str, reasoning: Any, special: Mapping[str, int]) -> s
     head, _, rest = lark.partition("\n")
     if not head.startswith("start:"):
         raise ConstraintError("the answer's grammar must begin with its start rule")
-    rules = ["REASON_TEXT: /(.|\\n)*/"]
+    rules = [f"REASON_TEXT: {ANY_TEXT}"]
     if any(close.startswith(t) for t in special):
         body = f"REASON_TEXT {_lark_text(close, special)}"
     else:
