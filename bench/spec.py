@@ -315,9 +315,15 @@ def warm_up(
     sub = prompts[: max(concurrency, 1)]
     for mode in modes:
         run_workload(lm, spec_config(mode, args, draft), sub, concurrency, args.temperature)
-    methods = {choice[0] for m in modes if (choice := MODES[m]) is not None}
-    for method in sorted(methods):
-        for k in range(1, _ceiling(method, args) + 1):
+    # forced lengths build every verify width; a prediction's rows verify the shapes n-gram's
+    # do, and n-gram (unlike a prediction, which these prompts may lack) drafts on every prompt
+    widths: dict[str, int] = {}
+    for m in modes:
+        if (choice := MODES[m]) is not None:
+            forced = "ngram" if choice[0] == "prediction" else choice[0]
+            widths[forced] = max(widths.get(forced, 0), _ceiling(choice[0], args))
+    for method, ceiling in sorted(widths.items()):
+        for k in range(1, ceiling + 1):
             cfg = spec_config(f"{method}-k", args, draft, k)
             run_workload(lm, cfg, sub, concurrency, args.temperature)
     # the rate that sizes the rounds, measured once everything above is compiled (the first

@@ -178,6 +178,27 @@ def test_spec_runs_every_engine_on_one_thread(monkeypatch):
     assert threads[0][0] != threading.get_ident()
 
 
+def test_spec_warm_up_builds_the_verify_widths_of_every_mode(monkeypatch):
+    """The warm-up runs each mode once, then every forced draft length up to each method's
+    ceiling; a prediction's verify widths are built through n-gram, which drafts on prompts
+    that carry no prediction."""
+    from argparse import Namespace
+
+    from bench import spec
+
+    runs: list[tuple[str, int] | None] = []
+
+    def record(lm, cfg, prompts, concurrency, temperature):
+        runs.append(None if cfg is None else (cfg.method, cfg.num_draft_tokens if not cfg.adaptive else 0))
+        return {"wall_s": 1.0}
+
+    monkeypatch.setattr(spec, "run_workload", record)
+    args = Namespace(num_draft_tokens=3, ngram_draft_tokens=None, temperature=0.0)
+    prompts = [spec.Prompt([1, 2, 3], 4)]
+    assert spec.warm_up(None, None, args, prompts, 1, ["plain", "prediction"]) == 1.0
+    assert runs == [None, ("prediction", 0), ("ngram", 1), ("ngram", 2), ("ngram", 3), None]
+
+
 def test_spec_toy_plain_against_ngram(tmp_path: Path, dev_jsonl: Path):
     out = tmp_path / "spec"
     rc = main(["spec", "--data", str(dev_jsonl), "--workloads", "code", "--concurrency", "1",
