@@ -301,6 +301,24 @@ def test_ngram_index_proposes_the_continuation_of_the_latest_longest_match():
     assert idx.num_indexed == len(ctx) - 1  # indexed incrementally, never the live suffix
 
 
+def test_ngram_index_extended_in_any_pieces_is_the_brute_force_index():
+    """Whether a prompt is indexed whole (one pass per n) or a step's few tokens at a time,
+    every n-gram maps to the last position where it ends."""
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        lo = int(rng.integers(1, 4))
+        hi = int(rng.integers(lo, 6))
+        tokens = rng.integers(0, 5, int(rng.integers(0, 70))).tolist()
+        want = {tuple(tokens[e - n + 1 : e + 1]): e
+                for e in range(len(tokens)) for n in range(lo, min(hi, e + 1) + 1)}
+        idx, upto = NGramIndex(lo, hi), 0
+        while upto < len(tokens):
+            upto = min(len(tokens), upto + int(rng.integers(0, 25)))
+            idx.extend(tokens, upto)
+            idx.extend(tokens, upto - 1)  # behind what is indexed: nothing
+        assert idx.ends == want and idx.num_indexed == len(tokens)
+
+
 def test_a_prediction_is_followed_from_its_start_and_rejoined_after_an_edit():
     """While the output is the prediction's beginning its next tokens are proposed (from the
     first output token on); after the output parts from it, the continuation of the longest

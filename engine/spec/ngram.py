@@ -40,11 +40,25 @@ class NGramIndex:
 
     def extend(self, tokens: Sequence[int], upto: int) -> None:
         """Index n-grams ending at positions [num_indexed, upto)."""
+        start = self.num_indexed
+        if upto <= start:
+            return
         ends = self.ends
-        for e in range(self.num_indexed, upto):
-            for n in range(self.min_n, min(self.max_n, e + 1) + 1):
-                ends[tuple(tokens[e - n + 1 : e + 1])] = e
-        self.num_indexed = max(self.num_indexed, upto)
+        if upto - start <= 8:  # a step's few tokens: the plain loop costs less than the slices
+            for e in range(start, upto):
+                for n in range(self.min_n, min(self.max_n, e + 1) + 1):
+                    ends[tuple(tokens[e - n + 1 : e + 1])] = e
+            self.num_indexed = upto
+            return
+        for n in range(self.min_n, self.max_n + 1):
+            first = max(start, n - 1)  # the first end position with n tokens before it
+            if first >= upto:
+                continue
+            # the n-grams ending at first..upto-1, built by zip in C (a prompt's whole index
+            # in one call per n); a later end overwrites an earlier one's, as it must
+            cols = [tokens[first - n + 1 + j : upto - n + 1 + j] for j in range(n)]
+            ends.update(zip(zip(*cols, strict=True), range(first, upto), strict=True))
+        self.num_indexed = upto
 
     def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest earlier occurrence of the context's suffix."""
