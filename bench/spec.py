@@ -7,8 +7,10 @@ speculation, side by side in one run, on the same prompts.
 Workloads (prompts from ../shared/data/tinycoder-dev.jsonl):
   * chat  — chat requests ("Write a Python function ...", ChatML), at each concurrency (closed
             loop: that many requests in flight, `--requests-per-stream` each);
-  * code  — code completions (a file's first lines), likewise (`--workloads` picks among these
-            two; tinycoder-16m target, tinycoder-draft-4m draft by default);
+  * code  — code completions (a file's first lines), likewise;
+  * json  — a list of five JSON records and "person k of the list again", the answer held to
+            a JSON schema (grammar-constrained rows speculating), likewise (`--workloads`
+            picks among these three; tinycoder-16m target, tinycoder-draft-4m draft by default);
   * edit  — "Rewrite this function with the name `f_v2`" with the function in the prompt: the
             answer mostly repeats the prompt, which is what n-gram prompt lookup is for.
 
@@ -64,6 +66,7 @@ class Prompt(NamedTuple):
     max_tokens: int
     # the answer expected (OpenAI's predicted outputs), sent in the `prediction` mode only
     prediction: list[int] | None = None
+    constraint: dict[str, Any] | None = None  # the answer's grammar (SamplingParams.constraint)
 
 
 MODES = {
@@ -171,7 +174,44 @@ def code_prompts(rows: list[dict[str, Any]], tok: Any, n: int) -> list[list[int]
     return [_code_prompt(codes[(i * 13) % len(codes)]["text"], tok) for i in range(n)]
 
 
-WORKLOADS = {"chat": chat_prompts, "code": code_prompts}
+RECORD = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "language": {"enum": ["python", "rust", "go"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "language", "tags", "active"],
+    "additionalProperties": False,
+}
+
+
+def json_prompts(rows: list[dict[str, Any]], tok: Any, n: int) -> list[list[int]]:
+    """n lists of five JSON records, each asking for one of them again; the answer is held to
+    `RECORD`'s schema (`CONSTRAINTS`). Deterministic (a fixed seed)."""
+    import random
+
+    del rows
+    rng = random.Random(0)
+    names = ["Ada", "Linus", "Grace", "Guido", "Barbara", "Ken", "Dennis", "Margaret"]
+    tags = ["db", "web", "ml", "ops", "ui"]
+    out = []
+    for _ in range(n):
+        records = [json.dumps({"name": rng.choice(names), "age": rng.randint(20, 80),
+                               "language": rng.choice(["python", "rust", "go"]),
+                               "tags": rng.sample(tags, 2), "active": rng.random() < 0.5})
+                   for _ in range(5)]
+        k = rng.randrange(5)
+        text = ("people = [\n" + ",\n".join(records) + ",\n]\n"
+                f"# person {k + 1} of the list again:\nperson = ")
+        out.append(tok.encode(text, add_special_tokens=False))
+    return out
+
+
+WORKLOADS = {"chat": chat_prompts, "code": code_prompts, "json": json_prompts}
+CONSTRAINTS = {"json": {"type": "json_schema", "schema": RECORD}}
 
 
 def edit_prompts(rows: list[dict[str, Any]], tok: Any, n: int) -> list[Prompt]:
@@ -224,8 +264,9 @@ def run_workload(
         if i >= len(prompts):
             return
         state["next"] += 1
-        ids, max_tokens, prediction = prompts[i]
-        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=1000 + i)
+        ids, max_tokens, prediction, constraint = prompts[i]
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=1000 + i,
+                                constraint=constraint)
         predicted = spec is not None and spec.method == "prediction"
         req = Request(f"r{i}", list(ids), params, prediction_ids=prediction if predicted else None)
         submitted[req.req_id] = time.perf_counter()
@@ -442,7 +483,7 @@ def lookup_replay(prompts: list[Prompt], outputs: list[list[int]], ceiling: int,
     cfg = SpecConfig()
     tokens = plain = rounds = accepted = drafted = 0
     widths: list[int] = []
-    for (prompt, max_tokens, _), out in zip(prompts, outputs, strict=True):
+    for (prompt, max_tokens, *_), out in zip(prompts, outputs, strict=True):
         index = NGramIndex(cfg.ngram_min, cfg.ngram_max)
         # the first token comes from the prefill, the second from the plain step the row joins in
         context = list(prompt) + out[:2]
@@ -604,7 +645,8 @@ def cmd_spec(args: argparse.Namespace) -> int:
     for workload in workloads:
         for c in common.int_list(args.concurrency):
             n = c * args.requests_per_stream
-            prompts = [Prompt(ids, args.max_tokens) for ids in WORKLOADS[workload](rows, tok, n)]
+            prompts = [Prompt(ids, args.max_tokens, constraint=CONSTRAINTS.get(workload))
+                       for ids in WORKLOADS[workload](rows, tok, n)]
             groups.append((workload, c, modes, prompts))
     edit_modes = [m for m in args.edit_modes.split(",") if m]
     for c in [int(x) for x in args.edit_concurrency.split(",") if x and edit_modes]:

@@ -530,11 +530,15 @@ class Runner:
         _settle(batch.caches)
         constrained = batch.constrained_rows()
         errors: dict[int, str] = {}
-        if constrained:  # column 0 under the grammar (constrained rows have no drafts)
+        if constrained:  # each column under the grammar's state after the drafts before it
             mx.async_eval(logits)
-            bitmask, errors = _noted_masks(batch, constrained, int(logits.shape[-1]))
-            first = _masked(logits[:, 0, :], bitmask)
-            logits = mx.concatenate([first[:, None], logits[:, 1:]], axis=1)
+            bitmask, errors, drafted = _draft_masks(batch, constrained, proposal,
+                                                    int(logits.shape[-1]), K + 1)
+            if drafted:
+                logits = _masked(logits, bitmask)
+            else:  # only column 0 can be drawn from under a grammar: mask that alone
+                first = _masked(logits[:, 0, :], bitmask[:, 0])
+                logits = mx.concatenate([first[:, None], logits[:, 1:]], axis=1)
         sampler = batch.sampler
         if plain_greedy(sampler):  # the verdict on the host: one argmax, then numpy on [B, W]
             tokens = mx.argmax(logits, axis=-1).astype(mx.int32)  # [B, W]
@@ -621,15 +625,60 @@ def _noted_masks(batch: RunningBatch, constrained: list[tuple[Any, int]],
     return bitmask, errors
 
 
+def _draft_masks(batch: RunningBatch, constrained: list[tuple[Any, int]], proposal: Any,
+                 vocab: int, width: int) -> tuple[np.ndarray, dict[int, str], bool]:
+    """The masks of a verify's columns ([B, width, ceil(vocab/32)] int32; free rows all ones),
+    the rows whose grammar failed, and whether any grammar row drafted a token its grammar
+    takes. Column 0 is each grammar's current state (noted on its row, `_note_mask`); column j
+    the state after the row's first j drafts, as far as the grammar takes them. Past the first
+    draft it refuses, a column is left all ones: the target's token before it was drawn under
+    a mask that excludes that draft, so the verdict stops there. Each grammar is advanced over
+    its drafts for the masks and rolled back after; the scheduler feeds it the tokens the
+    verdict keeps."""
+    B = len(batch)
+    bitmask = constrain.new_bitmask(B * width, vocab)
+    errors = {i // width: e for i, e in _fill_masks([(c, i * width) for c, i in constrained],
+                                                    bitmask).items()}
+    for _, i in constrained:
+        if i not in errors:
+            _note_mask(batch.rows[i], bitmask[i * width])
+    drafts = proposal.host_tokens
+    num = proposal.num_drafts
+    if width > 1 and num.max(initial=0) > 0 and drafts is None:
+        drafts = np.array(proposal.tokens)
+    taken = {}  # row -> its drafts the grammar takes (each consumed below, then rolled back)
+    for c, i in constrained:
+        n = int(num[i]) if width > 1 else 0
+        if n and i not in errors:
+            taken[i] = int(c.matcher.validate_tokens(drafts[i, :n].tolist()))
+    consumed = dict.fromkeys(taken, 0)
+    for j in range(1, width):
+        rows = [(c, i) for c, i in constrained if taken.get(i, 0) >= j and i not in errors]
+        if not rows:
+            break
+        for c, i in rows:
+            c.matcher.consume_token(int(drafts[i, j - 1]))
+            consumed[i] += 1
+        failed = _fill_masks([(c, i * width + j) for c, i in rows], bitmask)
+        errors.update((i // width, e) for i, e in failed.items())
+    for c, i in constrained:
+        if consumed.get(i):
+            c.matcher.rollback(consumed[i])
+    return bitmask.reshape(B, width, -1), errors, any(taken.values())
+
+
 def _masked(logits: mx.array, bitmask: np.ndarray | None) -> mx.array:
-    """-inf on every token `bitmask` forbids; free rows pass through bit for bit."""
+    """-inf on every token `bitmask` forbids (`[..., ceil(V/32)]` over `logits`' `[..., V]`);
+    free rows pass through bit for bit."""
     if bitmask is None:
         return logits
     vocab = int(logits.shape[-1])
-    if bitmask.shape[1] * 32 < vocab:  # a head wider than the config's vocabulary: pad allowed
-        pad = np.full((bitmask.shape[0], -(-vocab // 32) - bitmask.shape[1]), -1, np.int32)
-        bitmask = np.concatenate([bitmask, pad], axis=1)
-    allowed = constrain.allowed_from_bitmask(bitmask, vocab)
+    lead = bitmask.shape[:-1]
+    flat = bitmask.reshape(-1, bitmask.shape[-1])
+    if flat.shape[1] * 32 < vocab:  # a head wider than the config's vocabulary: pad allowed
+        pad = np.full((flat.shape[0], -(-vocab // 32) - flat.shape[1]), -1, np.int32)
+        flat = np.concatenate([flat, pad], axis=1)
+    allowed = constrain.allowed_from_bitmask(np.ascontiguousarray(flat), vocab).reshape(*lead, vocab)
     return mx.where(allowed, logits, mx.array(float("-inf"), dtype=logits.dtype))
 
 

@@ -227,6 +227,20 @@ def test_spec_toy_plain_against_ngram(tmp_path: Path, dev_jsonl: Path):
     _png(out / "spec.png")
 
 
+def test_spec_toy_json_rows_speculate_under_their_schema(tmp_path: Path, dev_jsonl: Path):
+    """The json workload's rows are held to the record schema and still speculate: n-gram
+    copies the record asked for, with the same tokens as plain decoding."""
+    out = tmp_path / "spec"
+    rc = main(["spec", "--data", str(dev_jsonl), "--workloads", "json", "--concurrency", "1",
+               "--requests-per-stream", "2", "--max-tokens", "60", "--modes", "plain,ngram-k",
+               "--edit-concurrency", "", "--dtype", "float32", "--out", str(out)])
+    assert rc == 0
+    (group,) = _result(out / "spec.json", "spec")["results"]
+    plain, ngram = group["modes"]["plain"], group["modes"]["ngram-k"]
+    assert group["workload"] == "json" and ngram["tokens"] == plain["tokens"] > 0
+    assert ngram["spec"]["accepted_tokens"] > 0
+
+
 def test_lookup_replay_counts_a_copied_stretch():
     """The replay on a hand-made request: the row's second token is its join step's (plain);
     then the suffix `6 7 8` is found in the prompt and its 4 continuations are all accepted (5

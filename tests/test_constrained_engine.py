@@ -17,7 +17,12 @@ pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
 from engine.api import EngineError, Request, SamplingParams  # noqa: E402
-from engine.constrain import allowed_from_bitmask, compile_constraint, new_bitmask  # noqa: E402
+from engine.constrain import (  # noqa: E402
+    allowed_from_bitmask,
+    compile_constraint,
+    fill_masks,
+    new_bitmask,
+)
 from tests.tiny_models import make_engine, run_alone, submit  # noqa: E402
 
 PERSON = {
@@ -215,8 +220,8 @@ def test_grammar_rows_stay_pipelined_and_draw_what_synchronous_steps_draw(tinyco
 
 
 def test_constrained_rows_are_masked_when_speculation_is_on(tinycoder):
-    """With speculation on, a constrained row drafts nothing and its verified position is
-    masked: its answer follows the schema while its free batch mates keep speculating."""
+    """With speculation on, a constrained row shares verify steps with its free batch mates:
+    its answer follows the schema while they keep speculating."""
     from engine.core import Engine, EngineConfig
     from engine.scheduler import SchedulerConfig
     from engine.spec import SpecConfig
@@ -239,6 +244,85 @@ def test_constrained_rows_are_masked_when_speculation_is_on(tinycoder):
         assert _spec_steps(eng.stats().spec) > steps_before  # the free row speculated meanwhile
     finally:
         eng.stop()
+
+
+def test_a_verify_masks_each_column_under_the_state_after_the_drafts_before_it(tinycoder):
+    """Column 0 is the grammar's mask now; column j its mask after the row's first j drafts,
+    as far as the grammar takes them; past a refused draft the column is all ones (the verdict
+    stops before it). The grammar is where it was afterwards."""
+    from types import SimpleNamespace
+
+    from engine.runner import _draft_masks
+
+    tok, V = tinycoder.tokenizer, tinycoder.vocab_size
+
+    def grammar(tokens):
+        c = compile_constraint({"type": "json_schema", "schema": PERSON}, tok, V, tinycoder.eos_token_ids)
+        assert all(c.consume(t) for t in tokens)
+        return c
+
+    def mask_of(c):
+        m = new_bitmask(1, V)
+        fill_masks([(c, 0)], m)
+        return m[0]
+
+    head = tok.encode('{"name": "Ada", "age": 3', add_special_tokens=False)
+    c = grammar(head)
+    good = tok.encode('6, "language"', add_special_tokens=False)[:2]
+    bad = tok.encode("}", add_special_tokens=False)[0]  # the object cannot close yet
+    drafts = np.array([good + [bad, good[0]], [0, 0, 0, 0]], np.int32)
+    proposal = SimpleNamespace(host_tokens=drafts, num_drafts=np.array([4, 0]), tokens=None)
+    rows = [SimpleNamespace(grammar_mask=None, grammar_mask_at=-1, grammar_steady=False,
+                            num_generated=len(head)) for _ in range(2)]
+    bitmask, errors, drafted = _draft_masks(_Batch(rows), [(c, 0)], proposal, V, 5)
+    assert not errors and drafted and bitmask.shape == (2, 5, new_bitmask(1, V).shape[1])
+    assert (bitmask[0, 0] == mask_of(grammar(head))).all()
+    assert (bitmask[0, 1] == mask_of(grammar(head + good[:1]))).all()
+    assert (bitmask[0, 2] == mask_of(grammar(head + good))).all()
+    assert not np.array(allowed_from_bitmask(bitmask[0, 2:3], V))[0, bad]  # refused there
+    assert (bitmask[0, 3:] == -1).all() and (bitmask[1] == -1).all()  # past it; a free row
+    assert (rows[0].grammar_mask == bitmask[0, 0]).all()  # column 0 noted on its row
+    assert (mask_of(c) == bitmask[0, 0]).all() and c.num_consumed == len(head)  # rolled back
+
+
+class _Batch:
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+
+def test_constrained_rows_draft_and_decode_what_plain_constrained_decoding_does(tinycoder):
+    """Speculating, a row under a grammar drafts too, each verify column masked under the
+    grammar's state after the drafts before it: greedy, its output is plain constrained
+    decoding's token for token, with drafts accepted (n-gram copies the record the prompt
+    repeats); at temperature 1 it still follows the schema."""
+    from engine.core import Engine, EngineConfig
+    from engine.scheduler import SchedulerConfig
+    from engine.spec import SpecConfig
+
+    record = '{"name": "Ada", "age": 36, "language": "rust", "tags": ["x", "y"], "active": true}'
+    prompt = _prompt(tinycoder, ("record = " + record + "\n") * 4 + "record = ")
+    schema = {"type": "json_schema", "schema": PERSON}
+    outs = {}
+    for name, spec in (("plain", None), ("ngram", SpecConfig(method="ngram", adaptive=False))):
+        eng = Engine(tinycoder, EngineConfig(SchedulerConfig(), spec=spec))
+        eng.start()
+        try:
+            greedy = run_alone(eng, Request("g", prompt, SamplingParams(
+                temperature=0.0, max_tokens=60, constraint=schema)))
+            sampled = run_alone(eng, Request("s", prompt, SamplingParams(
+                temperature=1.0, seed=5, max_tokens=60, constraint=schema)))
+            outs[name] = greedy, sampled, eng.stats().spec
+        finally:
+            eng.stop()
+    (plain, _, _), (spec_greedy, spec_sampled, stats) = outs["plain"], outs["ngram"]
+    assert plain.finish == "stop" and spec_greedy.tokens == plain.tokens
+    jsonschema.validate(json.loads(tinycoder.tokenizer.decode(plain.tokens)), PERSON)
+    assert stats.accepted_tokens > 0 and stats.spec_steps > 0
+    assert spec_sampled.finish == "stop"
+    jsonschema.validate(json.loads(tinycoder.tokenizer.decode(spec_sampled.tokens)), PERSON)
 
 
 def _spec_steps(stats) -> int:

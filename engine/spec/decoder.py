@@ -10,7 +10,7 @@ The executor (engine.runner) asks for a width each step and, above 1, drafts to 
 
 Rows with and without speculation share the step: the verify input is
 `[next_token, d_1 .. d_K]` for every row, where a row with fewer drafts (none: n-gram found
-nothing, its acceptance is too low, it is under a grammar, or it is about to finish) is padded;
+nothing, its acceptance is too low, or it is about to finish) is padded;
 its padding columns are never accepted and the layouts roll every row back to its own accepted
 length (`engine.kv.batch.rollback`, exact across a ring's wrap and for recurrent layers). A row
 with no drafts gets exactly the token plain decoding would have drawn (same column-0 logits,
@@ -138,9 +138,6 @@ class Speculation:
         rows = batch.rows
         spec: SpecRows = batch.spec
         caps = self.controller.caps(_room(rows))
-        for i, r in enumerate(rows):
-            if r.constraint is not None:  # a grammar mask needs each token consumed first
-                caps[i] = 0
         lag_of = getattr(self.drafter, "lag", None)
         warm = self.controller.warm(len(rows))
         if explore and lag_of is not None and caps.max(initial=0) > 0 and not warm:
