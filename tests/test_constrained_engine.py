@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
+from bench.spec import RECORD  # noqa: E402
 from engine.api import EngineError, Request, SamplingParams  # noqa: E402
 from engine.constrain import (  # noqa: E402
     allowed_from_bitmask,
@@ -25,18 +26,7 @@ from engine.constrain import (  # noqa: E402
 )
 from tests.tiny_models import make_engine, run_alone, submit  # noqa: E402
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "language": {"enum": ["python", "rust", "go"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
-        "active": {"type": "boolean"},
-    },
-    "required": ["name", "age", "language", "tags", "active"],
-    "additionalProperties": False,
-}
+PERSON = RECORD  # a record of five typed fields (the bench's json workload holds answers to it)
 
 # no finite JSON value matches: the grammar engine's forced output never ends
 ENDLESS = {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}
