@@ -628,43 +628,26 @@ def _noted_masks(batch: RunningBatch, constrained: list[tuple[Any, int]],
 def _draft_masks(batch: RunningBatch, constrained: list[tuple[Any, int]], proposal: Any,
                  vocab: int, width: int) -> tuple[np.ndarray, dict[int, str], bool]:
     """The masks of a verify's columns ([B, width, ceil(vocab/32)] int32; free rows all ones),
-    the rows whose grammar failed, and whether any grammar row drafted a token its grammar
-    takes. Column 0 is each grammar's current state (noted on its row, `_note_mask`); column j
-    the state after the row's first j drafts, as far as the grammar takes them. Past the first
-    draft it refuses, a column is left all ones: the target's token before it was drawn under
-    a mask that excludes that draft, so the verdict stops there. Each grammar is advanced over
-    its drafts for the masks and rolled back after; the scheduler feeds it the tokens the
-    verdict keeps."""
+    the rows whose grammar failed, and whether any grammar row has drafts. Column 0 is each
+    grammar's current state (noted on its row, `_note_mask`); column j the state after the
+    row's first j drafts, as far as the grammar takes them (`constrain.fill_draft_masks`).
+    Past the first draft it refuses a column is left all ones: the target's token before it
+    was drawn under a mask that excludes that draft, so the verdict stops there. The scheduler
+    feeds the grammar the tokens the verdict keeps."""
     B = len(batch)
+    num = proposal.num_drafts if width > 1 else np.zeros(B, np.int64)
+    drafted = any(num[i] > 0 for _, i in constrained)
+    drafts = proposal.host_tokens
+    if drafted and drafts is None:
+        drafts = np.array(proposal.tokens)
     bitmask = constrain.new_bitmask(B * width, vocab)
-    errors = {i // width: e for i, e in _fill_masks([(c, i * width) for c, i in constrained],
-                                                    bitmask).items()}
+    rows = [(c, i * width, drafts[i, : int(num[i])].tolist() if num[i] else [])
+            for c, i in constrained]
+    errors = {k // width: e for k, e in _fill_masks(rows, bitmask).items()}
     for _, i in constrained:
         if i not in errors:
             _note_mask(batch.rows[i], bitmask[i * width])
-    drafts = proposal.host_tokens
-    num = proposal.num_drafts
-    if width > 1 and num.max(initial=0) > 0 and drafts is None:
-        drafts = np.array(proposal.tokens)
-    taken = {}  # row -> its drafts the grammar takes (each consumed below, then rolled back)
-    for c, i in constrained:
-        n = int(num[i]) if width > 1 else 0
-        if n and i not in errors:
-            taken[i] = int(c.matcher.validate_tokens(drafts[i, :n].tolist()))
-    consumed = dict.fromkeys(taken, 0)
-    for j in range(1, width):
-        rows = [(c, i) for c, i in constrained if taken.get(i, 0) >= j and i not in errors]
-        if not rows:
-            break
-        for c, i in rows:
-            c.matcher.consume_token(int(drafts[i, j - 1]))
-            consumed[i] += 1
-        failed = _fill_masks([(c, i * width + j) for c, i in rows], bitmask)
-        errors.update((i // width, e) for i, e in failed.items())
-    for c, i in constrained:
-        if consumed.get(i):
-            c.matcher.rollback(consumed[i])
-    return bitmask.reshape(B, width, -1), errors, any(taken.values())
+    return bitmask.reshape(B, width, -1), errors, drafted
 
 
 def _masked(logits: mx.array, bitmask: np.ndarray | None) -> mx.array:
@@ -773,18 +756,21 @@ def _replace_last_tokens(batch: RunningBatch, step: InFlight,
                                                [i for _, i, _, _ in fix])
 
 
-def _fill_masks(constrained: list[tuple[Any, int]], bitmask: np.ndarray) -> dict[int, str]:
+def _fill_masks(constrained: list[tuple[Any, ...]], bitmask: np.ndarray) -> dict[int, str]:
     """All rows' masks in one call; if that fails, row by row, so that one broken grammar
-    fails only its own row."""
+    fails only its own row. `constrained`: (grammar, row index) pairs, or (grammar, row index,
+    drafts) triples for a verify's columns (`constrain.fill_draft_masks`)."""
+    fill = constrain.fill_draft_masks if constrained and len(constrained[0]) == 3 else constrain.fill_masks
     try:
-        constrain.fill_masks(constrained, bitmask)
+        fill(constrained, bitmask)
         return {}
     except Exception:  # noqa: BLE001 - find the row(s) at fault below
         log.debug("batched grammar mask failed; retrying row by row", exc_info=True)
     errors: dict[int, str] = {}
-    for c, i in constrained:
+    for row in constrained:
+        i = row[1]
         try:
-            constrain.fill_masks([(c, i)], bitmask)
+            fill([row], bitmask)
         except Exception as exc:  # noqa: BLE001 - a grammar engine failure ends this row
             errors[i] = f"{type(exc).__name__}: {exc}"
             bitmask[i] = -1

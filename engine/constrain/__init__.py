@@ -16,7 +16,8 @@ it raises `ConstraintError` with a short reason a person can act on, also for th
 resource limits, which it meets by running the grammar's first step). Each decode step the runner asks
 `fill_masks` for the allowed-token bitmask of every constrained row at once ([B, ceil(V/32)]
 int32, bit set = allowed; free rows all ones) and `allowed_from_bitmask` unpacks it into a [B, V]
-bool array with one MLX op chain. After the draw the scheduler calls `consume(token)`; when
+bool array with one MLX op chain (a verify step asks `fill_draft_masks` for each row's mask at
+its current state and after each of its drafts). After the draw the scheduler calls `consume(token)`; when
 `is_done()` the grammar is complete (or, for tool calls, a call repeated an earlier one) and the
 row finishes with "stop".
 
@@ -26,13 +27,14 @@ The grammar engine is llguidance (see bench/grammar_engines.py for the measureme
 from __future__ import annotations
 
 from engine.constrain.base import Constraint, ConstraintError, allowed_from_bitmask, new_bitmask
-from engine.constrain.llg import compile_constraint, fill_masks
+from engine.constrain.llg import compile_constraint, fill_draft_masks, fill_masks
 
 __all__ = [
     "Constraint",
     "ConstraintError",
     "allowed_from_bitmask",
     "compile_constraint",
+    "fill_draft_masks",
     "fill_masks",
     "new_bitmask",
 ]

@@ -216,3 +216,20 @@ def fill_masks(rows: Sequence[tuple[LLGConstraint, int]], bitmask: np.ndarray) -
     _get_executor().unsafe_compute_mask_ptr(
         [(c.matcher, i) for c, i in rows], bitmask.ctypes.data, width * 4, batch
     )
+
+
+def fill_draft_masks(rows: Sequence[tuple[LLGConstraint, int, list[int]]],
+                     bitmask: np.ndarray) -> None:
+    """For each (constraint, row index i, drafts): the allowed tokens of its current state into
+    `bitmask[i]`, and after each draft the grammar takes, those of the state it leads to into
+    `bitmask[i + 1]`, `bitmask[i + 2]`, ... (rows past the first draft it refuses are left as
+    they are); each grammar ends where it was. The rows with drafts in one parallel call, those
+    without in another (llguidance's draft call refuses an empty list)."""
+    fill_masks([(c, i) for c, i, drafts in rows if not drafts], bitmask)
+    drafted = [(c.matcher, i, drafts) for c, i, drafts in rows if drafts]
+    if drafted:
+        assert bitmask.dtype == np.int32 and bitmask.flags["C_CONTIGUOUS"]
+        batch, width = bitmask.shape
+        _get_executor().unsafe_compute_mask_ptr_with_draft_token(
+            drafted, bitmask.ctypes.data, width * 4, batch
+        )
