@@ -283,11 +283,14 @@ class _Batch:
         return len(self.rows)
 
 
-def test_constrained_rows_draft_and_decode_what_plain_constrained_decoding_does(tinycoder):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_constrained_rows_draft_and_decode_what_plain_constrained_decoding_does(tinycoder, method):
     """Speculating, a row under a grammar drafts too, each verify column masked under the
     grammar's state after the drafts before it: greedy, its output is plain constrained
     decoding's token for token, with drafts accepted (n-gram copies the record the prompt
-    repeats); at temperature 1 it still follows the schema."""
+    repeats; the draft model is the target's weights plus noise, its drafts sometimes ones the
+    grammar refuses); at temperature 1 (rejection sampling against the masked target for the
+    draft model) it still follows the schema."""
     from engine.core import Engine, EngineConfig
     from engine.scheduler import SchedulerConfig
     from engine.spec import SpecConfig
@@ -295,8 +298,13 @@ def test_constrained_rows_draft_and_decode_what_plain_constrained_decoding_does(
     record = '{"name": "Ada", "age": 36, "language": "rust", "tags": ["x", "y"], "active": true}'
     prompt = _prompt(tinycoder, ("record = " + record + "\n") * 4 + "record = ")
     schema = {"type": "json_schema", "schema": PERSON}
+    if method == "ngram":
+        speculation = SpecConfig(method="ngram", adaptive=False)
+    else:
+        speculation = SpecConfig(method="draft", draft_model=_noisy(tinycoder), num_draft_tokens=4,
+                                 adaptive=False)
     outs = {}
-    for name, spec in (("plain", None), ("ngram", SpecConfig(method="ngram", adaptive=False))):
+    for name, spec in (("plain", None), ("spec", speculation)):
         eng = Engine(tinycoder, EngineConfig(SchedulerConfig(), spec=spec))
         eng.start()
         try:
@@ -307,12 +315,27 @@ def test_constrained_rows_draft_and_decode_what_plain_constrained_decoding_does(
             outs[name] = greedy, sampled, eng.stats().spec
         finally:
             eng.stop()
-    (plain, _, _), (spec_greedy, spec_sampled, stats) = outs["plain"], outs["ngram"]
+    (plain, _, _), (spec_greedy, spec_sampled, stats) = outs["plain"], outs["spec"]
     assert plain.finish == "stop" and spec_greedy.tokens == plain.tokens
     jsonschema.validate(json.loads(tinycoder.tokenizer.decode(plain.tokens)), PERSON)
     assert stats.accepted_tokens > 0 and stats.spec_steps > 0
     assert spec_sampled.finish == "stop"
     jsonschema.validate(json.loads(tinycoder.tokenizer.decode(spec_sampled.tokens)), PERSON)
+
+
+def _noisy(lm):
+    """A copy of `lm`'s model with noise on its weights (a draft that mostly agrees)."""
+    import copy
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    model = copy.deepcopy(lm.model)
+    mx.random.seed(7)
+    model.update(tree_unflatten([(k, v + 0.02 * mx.random.normal(v.shape) if v.ndim > 1 else v)
+                                 for k, v in tree_flatten(model.parameters())]))
+    mx.eval(model.parameters())
+    return model
 
 
 def _spec_steps(stats) -> int:
