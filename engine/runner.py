@@ -635,7 +635,7 @@ def _draft_masks(batch: RunningBatch, constrained: list[tuple[Any, int]], propos
     was drawn under a mask that excludes that draft, so the verdict stops there. The scheduler
     feeds the grammar the tokens the verdict keeps."""
     B = len(batch)
-    num = proposal.num_drafts if width > 1 else np.zeros(B, np.int64)
+    num = proposal.num_drafts
     drafted = any(num[i] > 0 for _, i in constrained)
     drafts = proposal.host_tokens
     if drafted and drafts is None:
@@ -643,7 +643,7 @@ def _draft_masks(batch: RunningBatch, constrained: list[tuple[Any, int]], propos
     bitmask = constrain.new_bitmask(B * width, vocab)
     rows = [(c, i * width, drafts[i, : int(num[i])].tolist() if num[i] else [])
             for c, i in constrained]
-    errors = {k // width: e for k, e in _fill_masks(rows, bitmask).items()}
+    errors = {k // width: e for k, e in _fill_masks(rows, bitmask, constrain.fill_draft_masks).items()}
     for _, i in constrained:
         if i not in errors:
             _note_mask(batch.rows[i], bitmask[i * width])
@@ -756,11 +756,11 @@ def _replace_last_tokens(batch: RunningBatch, step: InFlight,
                                                [i for _, i, _, _ in fix])
 
 
-def _fill_masks(constrained: list[tuple[Any, ...]], bitmask: np.ndarray) -> dict[int, str]:
+def _fill_masks(constrained: list[tuple[Any, ...]], bitmask: np.ndarray,
+                fill: Callable[[Any, np.ndarray], None] = constrain.fill_masks) -> dict[int, str]:
     """All rows' masks in one call; if that fails, row by row, so that one broken grammar
-    fails only its own row. `constrained`: (grammar, row index) pairs, or (grammar, row index,
-    drafts) triples for a verify's columns (`constrain.fill_draft_masks`)."""
-    fill = constrain.fill_draft_masks if constrained and len(constrained[0]) == 3 else constrain.fill_masks
+    fails only its own row. `constrained`: (grammar, row index, ...) as `fill` takes them:
+    `constrain.fill_masks`' pairs, or `constrain.fill_draft_masks`' triples (with drafts)."""
     try:
         fill(constrained, bitmask)
         return {}

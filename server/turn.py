@@ -238,9 +238,8 @@ def plan_turn(
         constraint = fmt.constraint(forced, parallel=parallel and choice.mode == "required" and not fmt.one_call)
     elif (use_tools and choice.mode == "auto" and constraint is None and (fmt.lazy_trigger or fmt.text_answer)
           and any(f.get("strict") for f in functions)):
-        # strict tools: text stays free, calls follow the schemas (grammar rows get no
-        # speculative drafts, and their batch waits for each step while a call is written:
-        # only where asked)
+        # strict tools: text stays free, calls follow the schemas (a grammar compile per
+        # request, and the batch waits for each step while a call is written: only where asked)
         constraint = fmt.constraint(functions, parallel=parallel and not fmt.one_call, lazy=True)
     special = set(getattr(model.tokenizer, "all_special_tokens", []) or [])
     harmony = is_harmony(template)
