@@ -38,15 +38,22 @@ START_TIMEOUT_S = 120.0
 
 
 def _free_ports(count: int) -> int:
-    """The first of `count` consecutive free loopback ports."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first = s.getsockname()[1]
-        if first + count > 65535:
-            continue
+    """The first of `count` consecutive free loopback ports, below the kernel's ephemeral range:
+    a port the OS hands out (bind to 0) is free now, but the other test process's outgoing
+    connections draw from that same range and may take it before a rank binds it ("Couldn't
+    bind socket", error 98, seen in CI)."""
+    import random
+
+    low = 32768
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(10000, max(10001, low - count))
+        socks: list[socket.socket] = []
         try:
-            socks = []
             for p in range(first, first + count):
                 s = socket.socket()
                 socks.append(s)
