@@ -3,10 +3,10 @@
     python -m bench agent ... --mlxd-args "--trace-steps $PWD/steps.jsonl"   # record a run
     python -m bench steps steps.jsonl                                        # summarise it
 
-Steps fall into kinds by what they ran: `decode` (the running rows only), `prefill` (a prompt's
-chunk, no rows decoding), `prefill+decode` (a chunk beside decoding rows) and `group`
-(several prompts prefilled together), each with `+join` when prompts joined the batch that
-step. Per kind: how many, their total seconds, and the median and mean seconds of each phase
+Steps fall into kinds by what they ran: `decode` (the running rows only, one token each),
+`verify` (the running rows only, a speculative round), `prefill` (a prompt's chunk, no rows
+decoding), `prefill+decode` (a chunk beside decoding rows) and `group` (several prompts
+prefilled together), each with `+join` when prompts joined the batch that step. Per kind: how many, their total seconds, and the median and mean seconds of each phase
 (engine/steptrace.py names them), with the median prefill columns, decoding rows and cached
 tokens. Written to steps.json and steps.png (mean phase seconds per kind, stacked).
 """
@@ -21,8 +21,10 @@ from typing import Any
 
 from bench import common
 
-# top-level phases of a step, in order (prefill_wait and store are inside prefill)
-PHASES = ["schedule", "prefill", "launch", "collect", "update", "emit"]
+# top-level phases of a step, in order (prefill_wait and store are inside prefill; a verify
+# step runs propose .. observe instead of launch and collect)
+PHASES = ["schedule", "prefill", "launch", "collect", "propose", "verify_build", "verify_wait",
+          "verdict", "commit", "observe", "update", "emit"]
 INNER = ["prefill_wait", "store"]
 
 
@@ -39,7 +41,7 @@ def kind(step: dict[str, Any]) -> str:
     if rows > 1:
         name = "group"
     elif not rows:
-        name = "decode"
+        name = "verify" if step.get("width", 1) > 1 else "decode"
     elif step.get("decode_rows", 0) > joined:  # rows other than the joining ones decoded
         name = "prefill+decode"
     else:
@@ -66,15 +68,17 @@ def summarise(steps: list[dict[str, Any]]) -> dict[str, Any]:
             row[f"{count}_median"] = statistics.median(s.get(count, 0) for s in group)
         out.append(row)
     span = steps[-1]["t"] + steps[-1]["seconds"] - steps[0]["t"] if steps else 0.0
+    seen = [p for p in PHASES + INNER if any(p in s for s in steps)]  # the table's columns
     return {"steps": len(steps), "span_s": span,
-            "in_steps_s": sum(s["seconds"] for s in steps), "kinds": out}
+            "in_steps_s": sum(s["seconds"] for s in steps), "phases": seen, "kinds": out}
 
 
 def table(result: dict[str, Any]) -> str:
-    cols = ["steps", "seconds_total", "seconds_median", *(f"{p}_median" for p in PHASES + INNER),
+    phases = result.get("phases", PHASES + INNER)
+    cols = ["steps", "seconds_total", "seconds_median", *(f"{p}_median" for p in phases),
             "prefill_cols_median", "decode_rows_median"]
     head = ["kind", "steps", "total s", "median ms",
-            *(f"{p} ms" for p in PHASES + INNER), "prefill cols", "decode rows"]
+            *(f"{p} ms" for p in phases), "prefill cols", "decode rows"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in result["kinds"]:
         cells = [row["kind"]]
@@ -96,7 +100,7 @@ def plot(result: dict[str, Any], png: Any) -> Any:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     names = [k["kind"] for k in kinds]
     bottom = [0.0] * len(kinds)
-    for phase in PHASES:
+    for phase in (p for p in PHASES if p in result.get("phases", PHASES)):
         heights = [k[f"{phase}_mean"] * 1e3 for k in kinds]
         ax.bar(names, heights, bottom=bottom, label=phase)
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]

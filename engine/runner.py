@@ -519,7 +519,9 @@ class Runner:
         """Draft, verify and accept for every row; the batch (caches, sampler, next tokens,
         drafter state) ends the step as if the accepted tokens had been decoded plainly."""
         assert isinstance(self.spec, Speculation) and batch.sampler is not None
+        t0 = time.perf_counter()
         rnd = self.spec.propose(batch, width)
+        t0 = self._lap("propose", t0)
         proposal = rnd.proposal
         K = int(proposal.tokens.shape[1])
         self.shapes[("verify", len(batch), K + 1)] += 1
@@ -528,6 +530,7 @@ class Runner:
         ring_round = RingRound(batch.caches or [], K + 1)
         logits = self._forward(_verify_input(batch, rnd), ring_round.model_caches, batch)
         _settle(batch.caches)
+        t0 = self._lap("verify_build", t0)
         constrained = batch.constrained_rows()
         errors: dict[int, str] = {}
         if constrained:  # each column under the grammar's state after the drafts before it
@@ -546,6 +549,7 @@ class Runner:
             drafts = proposal.host_tokens
             mx.eval(tokens, *[x for x in extra if x is not None],
                     *([proposal.tokens] if drafts is None and K else []))
+            t0 = self._lap("verify_wait", t0)
             drafts = drafts if drafts is not None else np.array(proposal.tokens)
             accepted, last = greedy_verdict_host(np.array(tokens), drafts, proposal.num_drafts)
             num = mx.array(accepted.astype(np.int32) + 1)
@@ -559,17 +563,22 @@ class Runner:
             tokens = verdict.tokens
             extra = _logprobs(logits, tokens, sampler)
             mx.eval(verdict.num_accepted, tokens, *[x for x in extra if x is not None])
+            t0 = self._lap("verify_wait", t0)
             accepted = np.array(verdict.num_accepted).astype(np.int64)
             num = verdict.num_accepted + 1
             batch.next_tokens = verdict.last
+        t0 = self._lap("verdict", t0)
         ring_round.finish(accepted + 1)
         batch.sampler = record_ragged(sampler, tokens, num)
         # the ring commit and the state updates run while the host does the bookkeeping
         mx.async_eval(batch.next_tokens, *batch.arrays(), *_arrays_of(batch.sampler))
+        t0 = self._lap("commit", t0)
         self.spec.observe(rnd, accepted)
         chosen, top_ids, top_lps = extra
-        return _collect(InFlight(list(batch.rows), tokens, accepted + 1, chosen, top_ids, top_lps,
-                                 errors))
+        result = _collect(InFlight(list(batch.rows), tokens, accepted + 1, chosen, top_ids,
+                                   top_lps, errors))
+        self._lap("observe", t0)
+        return result
 
 
 SETTLE_BYTES = 256 << 20  # KV buffers from which a step waits for the one before (`_settle`)

@@ -54,3 +54,41 @@ def test_each_step_is_traced_with_its_phases_and_rows(tinycoder_path, tmp_path):
     assert sum(k["steps"] for name, k in kinds.items() if "join" in name) == 2
     assert kinds["decode"]["steps"] == sum(not r["prefill_rows"] for r in lines)
     assert kinds["decode"]["prefill_median"] == 0 and kinds["decode"]["launch_median"] > 0
+
+
+def test_a_speculative_round_is_traced_with_its_own_phases(tinycoder_path, tmp_path):
+    """Verify steps carry propose .. observe instead of launch / collect, within the step's
+    seconds, and `bench steps` counts them as their own kind."""
+    from engine.spec import SpecConfig
+
+    lm = load_model(str(tinycoder_path), dtype="float32")
+    lm.eos_token_ids = ()
+    path = tmp_path / "steps.jsonl"
+    eng = Engine(lm, EngineConfig(SchedulerConfig(), trace_steps=str(path),
+                                  spec=SpecConfig(method="prediction", adaptive=False)))
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 8000) for _ in range(40)] for _ in range(2)]
+    plain = drive(eng, [greedy(f"plain{i}", p, 16) for i, p in enumerate(prompts)])
+    reqs = [greedy(f"spec{i}", p, 16) for i, p in enumerate(prompts)]
+    for r, out in zip(reqs, plain, strict=True):  # the answer, one token in its middle changed
+        r.prediction_ids = out.tokens[:8] + [(out.tokens[8] + 1) % 8000] + out.tokens[9:]
+    drive(eng, reqs)
+    eng.shutdown()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    rounds = [r for r in lines if r["width"] > 1]
+    spec = eng.stats().spec
+    assert rounds and len(rounds) == spec.spec_steps and spec.accepted_tokens > 0
+    verify_phases = ("propose", "verify_build", "verify_wait", "verdict", "commit", "observe")
+    for rec in rounds:
+        assert all(k in rec for k in verify_phases) and "launch" not in rec
+        phases = [rec[k] for k in verify_phases] + [rec["schedule"], rec["update"], rec["emit"]]
+        assert min(phases) >= 0 and sum(phases) <= rec["seconds"] + 1e-6
+
+    from bench.__main__ import main
+
+    assert main(["steps", str(path), "--out", str(tmp_path / "out")]) == 0
+    result = json.loads((tmp_path / "out" / "steps.json").read_text())
+    kinds = {k["kind"]: k for k in result["kinds"]}
+    assert kinds["verify"]["steps"] == sum(not r["prefill_rows"] for r in rounds)
+    assert kinds["verify"]["verify_wait_median"] > 0 and kinds["verify"]["launch_median"] == 0
+    assert set(verify_phases) <= set(result["phases"])
