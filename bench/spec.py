@@ -245,14 +245,19 @@ def run_workload(
     prompts: list[Prompt],
     concurrency: int,
     temperature: float,
+    trace: Path | None = None,
 ) -> dict[str, Any]:
-    """Closed loop: keep `concurrency` requests in flight until all prompts are served."""
+    """Closed loop: keep `concurrency` requests in flight until all prompts are served
+    (`trace`: the engine's step trace, engine/steptrace.py)."""
     from engine.api import Request, SamplingParams, TokenEvent
     from engine.core import Engine, EngineConfig
+    from engine.kv.geometry import clear_plans
     from engine.scheduler import SchedulerConfig
 
+    clear_plans()  # no run finds the plans of an identical run before it
     sched = SchedulerConfig(max_num_seqs=max(concurrency, 1), prefill_chunk=512)
-    eng = Engine.spawn_on(_HOST.run, lm, EngineConfig(sched, prefix_cache_bytes=0, spec=spec))
+    eng = Engine.spawn_on(_HOST.run, lm, EngineConfig(
+        sched, prefix_cache_bytes=0, spec=spec, trace_steps=str(trace) if trace else None))
     lock = threading.Condition()
     state = {"next": 0, "done": 0, "tokens": 0}
     outputs: dict[str, list[int]] = {}  # request id -> its tokens (the lookup replay's input)
@@ -412,8 +417,10 @@ def compare(
             break
         order = modes if rep % 2 == 0 else list(reversed(modes))
         for mode in order:
+            trace = (args.trace_steps / f"{label}-c{concurrency}-{mode}-{rep}.jsonl"
+                     if args.trace_steps else None)
             res = run_workload(
-                lm, spec_config(mode, args, draft), prompts, concurrency, args.temperature
+                lm, spec_config(mode, args, draft), prompts, concurrency, args.temperature, trace
             )
             runs[mode].append(res)
             print(
@@ -602,6 +609,9 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--budget-s", type=float, default=float("inf"),
                    help="start no new round after this many seconds (results so far are kept)")
     p.add_argument("--log", action="store_true", help="also write stdout to DIR/spec.log")
+    p.add_argument("--trace-steps", type=Path, default=None, metavar="DIR",
+                   help="each timed run's engine step trace as DIR/<workload>-c<c>-<mode>-<round>"
+                        ".jsonl (python -m bench steps summarises one)")
     p.set_defaults(func=cmd_spec)
 
 
@@ -624,6 +634,8 @@ def cmd_spec(args: argparse.Namespace) -> int:
     out = common.out_dir(args, "spec")
     if args.log:
         _tee(out / "spec.log")
+    if args.trace_steps:
+        args.trace_steps.mkdir(parents=True, exist_ok=True)
     lm = load_model(str(args.model or common.default_model()), dtype=args.dtype)
     draft = load_model(str(args.draft_model), dtype=args.dtype) if _uses_draft(args) else None
     tok = lm.tokenizer

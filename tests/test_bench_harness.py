@@ -205,9 +205,16 @@ def test_spec_toy_plain_against_ngram(tmp_path: Path, dev_jsonl: Path):
                "--requests-per-stream",
                "2", "--max-tokens", "10", "--modes", "plain,ngram-k", "--edit-modes",
                "plain,ngram-k,prediction", "--edit-concurrency", "1", "--edit-requests", "1",
-               "--dtype", "float32", "--out", str(out)])
+               "--dtype", "float32", "--out", str(out), "--trace-steps", str(tmp_path / "trace")])
     assert rc == 0
     result = _result(out / "spec.json", "spec")
+    # one step trace per timed run, each with the run's rounds
+    traces = {p.name: [json.loads(x) for x in p.read_text().splitlines()]
+              for p in (tmp_path / "trace").iterdir()}
+    assert sorted(traces) == ["code-c1-ngram-k-0.jsonl", "code-c1-plain-0.jsonl",
+                              "edit-c1-ngram-k-0.jsonl", "edit-c1-plain-0.jsonl",
+                              "edit-c1-prediction-0.jsonl"]
+    assert not any(s["width"] > 1 for s in traces["code-c1-plain-0.jsonl"])
     assert result["config"]["draft"] is None  # no draft mode asked: no draft model loaded
     assert [(g["workload"], g["concurrency"]) for g in result["results"]] == [("code", 1),
                                                                               ("edit", 1)]
@@ -221,6 +228,8 @@ def test_spec_toy_plain_against_ngram(tmp_path: Path, dev_jsonl: Path):
         # every token but the prefill's first, per request
         assert replay["tokens"] == plain["tokens"] - group["num_requests"]
         assert replay["plain_steps"] + replay["rounds"] <= replay["tokens"]
+    edit_ngram = result["results"][1]["modes"]["ngram-k"]["spec"]
+    assert sum(s["width"] > 1 for s in traces["edit-c1-ngram-k-0.jsonl"]) == edit_ngram["spec_steps"]
     predicted = result["results"][1]["modes"]["prediction"]  # the edit's renamed function
     assert predicted["tokens"] == result["results"][1]["modes"]["plain"]["tokens"]
     assert predicted["spec"]["method"] == "prediction" and predicted["spec"]["drafted_tokens"] > 0

@@ -95,6 +95,15 @@ _RECENT_OFFSETS: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, mx.array]] 
 _GEOMETRIES: dict[Geometry, Geometry] = {}
 
 
+def clear_plans() -> None:
+    """Forget the memoized step plans (a benchmark's runs then each start as a fresh process
+    would, instead of the second of two identical runs finding every plan made)."""
+    _STEPS.clear()
+    _OFFSETS.clear()
+    _RECENT.clear()
+    _RECENT_OFFSETS.clear()
+
+
 def shared(geo: Geometry) -> Geometry:
     """The one instance of `geo`'s value (layouts of one kind share it, and with it their
     plans by identity)."""
