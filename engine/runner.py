@@ -290,7 +290,11 @@ class Runner:
         if width > 1:
             result = self.verify(batch, width)
         elif sync:
-            result = _collect(self._launch(batch, constrained))  # masks of the current state
+            t0 = time.perf_counter()
+            step = self._launch(batch, constrained)  # masks of the current state
+            t0 = self._lap("launch", t0)
+            result = _collect(step)
+            self._lap("collect", t0)
         elif _all_at_their_limit(batch, self._inflight, pending):
             # every row's last token is already computed: a launch would be thrown away, and a
             # request arriving now would wait for it

@@ -6,7 +6,9 @@
 # coldstart (first: it needs a machine that has compiled nothing yet), prefill, sweep (1,024-token
 # prompts at c=64), short (128-token prompts at c=4, 16, 64), agent (16 x 8), agent64 (64 x 4),
 # stagger (16 x 8 with starts spread out and tool time between turns; mlxd alone), attention,
-# switch, qmm, spec (the 8B twin in 4-bit), spec16 (in bf16). Each stage runs under its own
+# switch, qmm, spec (the 8B twin in 4-bit), spec16 (in bf16), specmany (the 4-bit twin at 16 and
+# 64 streams, with step traces), specpred (predicted outputs, the server's default),
+# specjson (rows under a JSON schema speculating). Each stage runs under its own
 # time limit (LIMIT_<STAGE>=seconds overrides it); its log goes to $OUT/<stage>.log, its JSON
 # and PNG to $OUT/<stage>/, and after every stage $OUT is packed into $PACK (default
 # $OUT.tgz), so that a run cut short keeps what finished.
@@ -88,10 +90,29 @@ stage() {
         --edit-modes plain,ngram --edit-concurrency 1,4 --edit-requests 8 \
         --requests-per-stream 2 --max-tokens 256 --warmup --repeats 1 --budget-s 330 \
         --out "$OUT/spec16" ;;
+    specmany)
+      need_twin "$TWIN" "$OUT/twin.log" --bits 4
+      run specmany 330 python3 -m bench spec --model "$TWIN" --draft-model "$DATA/tinycoder-draft-4m" \
+        --data "$DATA/tinycoder-dev.jsonl" --dtype bfloat16 --workloads chat --concurrency 16,64 \
+        --edit-concurrency "" --max-tokens 128 --modes plain,ngram,draft --warmup --seconds 6 \
+        --repeats 2 --budget-s 270 --trace-steps "$OUT/specmany/trace" --log --out "$OUT/specmany" ;;
+    specpred)
+      need_twin "$TWIN" "$OUT/twin.log" --bits 4
+      run specpred 300 python3 -m bench spec --model "$TWIN" --data "$DATA/tinycoder-dev.jsonl" \
+        --dtype bfloat16 --workloads chat --concurrency 1,4 --modes plain,prediction \
+        --edit-concurrency 1 --edit-modes plain,prediction,ngram --edit-requests 8 \
+        --requests-per-stream 2 --max-tokens 256 --warmup --repeats 2 --budget-s 240 \
+        --trace-steps "$OUT/specpred/trace" --log --out "$OUT/specpred" ;;
+    specjson)
+      need_twin "$TWIN" "$OUT/twin.log" --bits 4
+      run specjson 240 python3 -m bench spec --model "$TWIN" --data "$DATA/tinycoder-dev.jsonl" \
+        --dtype bfloat16 --workloads json --concurrency 1,4 --modes plain,ngram \
+        --edit-concurrency "" --requests-per-stream 3 --max-tokens 96 --warmup --repeats 2 \
+        --budget-s 190 --log --out "$OUT/specjson" ;;
     *) echo "unknown stage $1" >&2; return 2 ;;
   esac
 }
 
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(coldstart prefill sweep short agent agent64 stagger attention switch qmm spec spec16)
+[ ${#stages[@]} -gt 0 ] || stages=(coldstart prefill sweep short agent agent64 stagger attention switch qmm spec spec16 specmany specpred specjson)
 for s in "${stages[@]}"; do stage "$s"; done
