@@ -42,14 +42,14 @@ from server.generation import (
     start_all,
     usage_numbers,
 )
-from server.harmony import HARMONY_ANALYSIS, HARMONY_FINAL, HARMONY_NEXT
+from server.harmony import HARMONY_ANALYSIS, HARMONY_NEXT
 from server.openai_api import app_state
 from server.params import SamplingRequest, build_params
 from server.prepare import off_loop
 from server.prompts import ServedModel
 from server.reasoning import THINK_CLOSE
 from server.sse import SSEResponse, run_until_disconnect
-from server.tools import CallArgs, CallEnd, CallStart, TextEvent
+from server.tools import HARMONY_FINAL, CallArgs, CallEnd, CallStart, TextEvent
 from server.turn import (
     ReasoningEvent,
     Step,

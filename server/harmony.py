@@ -45,10 +45,10 @@ END = "<|end|>"
 CALL = "<|call|>"
 RETURN = "<|return|>"
 _BODY_ENDS = (END, CALL, RETURN)
-# how reasoning opens and ends, and the answer opens (what a constrained answer waits for)
+# how reasoning opens and ends (the answer opens with HARMONY_FINAL: what a constrained answer
+# waits for)
 HARMONY_ANALYSIS = CHANNEL + "analysis" + MESSAGE
 HARMONY_NEXT = END + "<|start|>assistant"
-HARMONY_FINAL = CHANNEL + "final" + MESSAGE
 _HEADER_STARTS = ("<|", "to=")  # what a header's first word can be (after whitespace)
 _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*([^\s<]+)")
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")

@@ -199,7 +199,9 @@ GLM = ToolFormat(
 GLM_COMPACT = dataclasses.replace(
     GLM, name="glm_compact", separator="",
     xml=XmlTags("", "", "<arg_key>", "</arg_key><arg_value>", "</arg_value>", "</tool_call>"))
-# gpt-oss: its output is parsed by server.harmony; this is how a forced call is written
+# gpt-oss: its output is parsed by server.harmony; this is how a forced call is written, and
+# how its answer opens (server.harmony's tokens)
+HARMONY_FINAL = "<|channel|>final<|message|>"
 HARMONY = ToolFormat(
     name="harmony",
     start_markers=(),
@@ -207,7 +209,7 @@ HARMONY = ToolFormat(
     args_marker=" <|constrain|>json<|message|>",
     one_call=True,
     compact_json=True,
-    text_answer="<|channel|>final<|message|>",
+    text_answer=HARMONY_FINAL,
 )
 FORMATS: dict[str, ToolFormat] = {
     f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_V11, QWEN3_CODER, GLM, GLM_COMPACT)}

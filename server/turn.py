@@ -27,7 +27,7 @@ from typing import Any, cast
 
 from server.errors import APIError, bad_request
 from server.generation import Delta, Generation, TokenLogprob, stream_all
-from server.harmony import HARMONY_ANALYSIS, HARMONY_FINAL, HARMONY_NEXT, HarmonyParser, is_harmony
+from server.harmony import HARMONY_ANALYSIS, HARMONY_NEXT, HarmonyParser, is_harmony
 from server.prompts import ServedModel, encode, render_chat
 from server.reasoning import (
     THINK_CLOSE,
@@ -38,6 +38,7 @@ from server.reasoning import (
     prompt_opens_thinking,
 )
 from server.tools import (
+    HARMONY_FINAL,
     CallArgs,
     CallEnd,
     CallStart,
