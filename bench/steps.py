@@ -2,13 +2,18 @@
 
     python -m bench agent ... --mlxd-args "--trace-steps $PWD/steps.jsonl"   # record a run
     python -m bench steps steps.jsonl                                        # summarise it
+    python -m bench steps plain.jsonl ngram.jsonl                            # or compare runs
 
 Steps fall into kinds by what they ran: `decode` (the running rows only, one token each),
 `verify` (the running rows only, a speculative round), `prefill` (a prompt's chunk, no rows
 decoding), `prefill+decode` (a chunk beside decoding rows) and `group` (several prompts
 prefilled together), each with `+join` when prompts joined the batch that step. Per kind: how many, their total seconds, and the median and mean seconds of each phase
 (engine/steptrace.py names them), with the median prefill columns, decoding rows and cached
-tokens. Written to steps.json and steps.png (mean phase seconds per kind, stacked).
+tokens. Written to steps.json and steps.png (mean phase seconds per kind, stacked). Given
+several traces (e.g. one run's plain and speculative engines, `bench spec --trace-steps`), each
+is summarised (the JSON's `runs`, the PNG of the first), and a table sets their kinds side by
+side: steps and seconds of each kind per trace, which shows where one run's time went that the
+other's did not.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ INNER = ["prefill_wait", "store"]
 def add_parsers(sub: Any) -> None:
     p = sub.add_parser("steps", help="summarise an engine step trace (mlxd serve --trace-steps)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("trace", type=Path, help="the JSON-lines file --trace-steps wrote")
+    p.add_argument("trace", type=Path, nargs="+",
+                   help="the JSON-lines file --trace-steps wrote (several: compared)")
     common.add_out_arg(p)
     p.set_defaults(func=cmd_steps)
 
@@ -114,15 +120,40 @@ def plot(result: dict[str, Any], png: Any) -> Any:
     return png
 
 
+def compare(results: list[dict[str, Any]], names: list[str]) -> str:
+    """Each kind's steps and seconds per trace, side by side (kinds in order of the first
+    trace's seconds), with each trace's total."""
+    kinds: list[str] = []
+    for r in results:
+        kinds += [k["kind"] for k in r["kinds"] if k["kind"] not in kinds]
+    head = ["kind", *(f"{n}: steps / s" for n in names)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in [*kinds, "all"]:
+        cells = [name]
+        for r in results:
+            rows = r["kinds"] if name == "all" else [k for k in r["kinds"] if k["kind"] == name]
+            n, sec = sum(k["steps"] for k in rows), sum(k["seconds_total"] for k in rows)
+            cells.append(f"{n} / {sec:.2f}" if rows else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def cmd_steps(args: argparse.Namespace) -> int:
-    steps = [json.loads(line) for line in args.trace.read_text().splitlines() if line.strip()]
-    if not steps:
-        raise SystemExit(f"{args.trace}: no steps")
-    result = summarise(steps)
-    result["trace"] = str(args.trace)
+    results = []
+    for trace in args.trace:
+        steps = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
+        if not steps:
+            raise SystemExit(f"{trace}: no steps")
+        result = summarise(steps)
+        result["trace"] = str(trace)
+        results.append(result)
     out = common.out_dir(args, "steps")
-    path = common.write_json(out / "steps.json", "steps", result, args)
-    plot(result, path.with_suffix(".png"))
-    print(table(result))
+    body = results[0] if len(results) == 1 else {"runs": results}
+    path = common.write_json(out / "steps.json", "steps", body, args)
+    plot(results[0], path.with_suffix(".png"))
+    for r in results:
+        print(f"{r['trace']}:\n{table(r)}\n")
+    if len(results) > 1:
+        print(compare(results, [Path(r["trace"]).stem for r in results]))
     print(f"\nwrote {path}, {path.with_suffix('.png')}")
     return 0

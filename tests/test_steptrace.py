@@ -92,3 +92,12 @@ def test_a_speculative_round_is_traced_with_its_own_phases(tinycoder_path, tmp_p
     assert kinds["verify"]["steps"] == sum(not r["prefill_rows"] for r in rounds)
     assert kinds["verify"]["verify_wait_median"] > 0 and kinds["verify"]["launch_median"] == 0
     assert set(verify_phases) <= set(result["phases"])
+
+    # two traces: each summarised, and their kinds side by side
+    plain_trace = tmp_path / "plain.jsonl"
+    plain_trace.write_text("".join(json.dumps(r) + "\n" for r in lines if r["width"] <= 1))
+    assert main(["steps", str(plain_trace), str(path), "--out", str(tmp_path / "both")]) == 0
+    runs = json.loads((tmp_path / "both" / "steps.json").read_text())["runs"]
+    assert [r["trace"] for r in runs] == [str(plain_trace), str(path)]
+    assert "verify" not in {k["kind"] for k in runs[0]["kinds"]}
+    assert runs[1]["kinds"] == result["kinds"] and runs[1]["phases"] == result["phases"]
