@@ -18,6 +18,7 @@ import ctypes.util
 import os
 import platform
 import sys
+import warnings
 from dataclasses import dataclass
 
 _CANDIDATES = (
@@ -71,6 +72,11 @@ def load() -> BlasInfo:
                 ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
                 reason = "loaded" if before else "loaded after mlx was imported: no effect"
                 _INFO = BlasInfo(path, reason, before)
+                if not before:  # a script that imported mlx first: silently ~30x slower matmuls
+                    warnings.warn(
+                        "mlx was imported before mlxd (engine, kernels or mlxd): MLX keeps its "
+                        "reference BLAS and float32 matmuls run ~30x slower; import mlxd's "
+                        "modules first", RuntimeWarning, stacklevel=2)
             except OSError as exc:
                 _INFO = BlasInfo(None, f"failed to load {path}: {exc}", before)
     return _INFO
