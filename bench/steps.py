@@ -7,7 +7,8 @@
 Steps fall into kinds by what they ran: `decode` (the running rows only, one token each),
 `verify` (the running rows only, a speculative round), `prefill` (a prompt's chunk, no rows
 decoding), `prefill+decode` (a chunk beside decoding rows) and `group` (several prompts
-prefilled together), each with `+join` when prompts joined the batch that step. Per kind: how many, their total seconds, and the median and mean seconds of each phase
+prefilled together), each with `+join` when prompts joined the batch that step. Per kind: how
+many, their total seconds, and the median and mean seconds of each phase the trace has
 (engine/steptrace.py names them), with the median prefill columns, decoding rows and cached
 tokens. Written to steps.json and steps.png (mean phase seconds per kind, stacked). Given
 several traces (e.g. one run's plain and speculative engines, `bench spec --trace-steps`), each
@@ -80,7 +81,7 @@ def summarise(steps: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> str:
-    phases = result.get("phases", PHASES + INNER)
+    phases = result["phases"]
     cols = ["steps", "seconds_total", "seconds_median", *(f"{p}_median" for p in phases),
             "prefill_cols_median", "decode_rows_median"]
     head = ["kind", "steps", "total s", "median ms",
@@ -106,7 +107,7 @@ def plot(result: dict[str, Any], png: Any) -> Any:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     names = [k["kind"] for k in kinds]
     bottom = [0.0] * len(kinds)
-    for phase in (p for p in PHASES if p in result.get("phases", PHASES)):
+    for phase in (p for p in PHASES if p in result["phases"]):
         heights = [k[f"{phase}_mean"] * 1e3 for k in kinds]
         ax.bar(names, heights, bottom=bottom, label=phase)
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]

@@ -17,9 +17,9 @@ resource limits, which it meets by running the grammar's first step). Each decod
 `fill_masks` for the allowed-token bitmask of every constrained row at once ([B, ceil(V/32)]
 int32, bit set = allowed; free rows all ones) and `allowed_from_bitmask` unpacks it into a [B, V]
 bool array with one MLX op chain (a verify step asks `fill_draft_masks` for each row's mask at
-its current state and after each of its drafts). After the draw the scheduler calls `consume(token)`; when
-`is_done()` the grammar is complete (or, for tool calls, a call repeated an earlier one) and the
-row finishes with "stop".
+its current state and after each of its drafts). After the draw the scheduler calls
+`consume(token)`; when `is_done()` the grammar is complete (or, for tool calls, a call
+repeated an earlier one) and the row finishes with "stop".
 
 The grammar engine is llguidance (see bench/grammar_engines.py for the measurements that chose it).
 """
